@@ -1,0 +1,150 @@
+"""Hugging Face checkpoint folder -> .ninfer (Llama, Qwen3.5/3.6 dense and MoE).
+
+Carries the text backbone and, when present, the MTP weights. Vision and drafter weights have
+their own components in the format (`vision.`, `dflash.`, ...) and are mapped when their model
+code lands; until then they are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from ninfer.artifact.container import Manifest, write_artifact
+from ninfer.artifact.presets import SAMPLING_PRESETS_BY_ARCHITECTURE
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _model_type(config: dict[str, Any]) -> str:
+    kind = config.get("model_type", "")
+    if kind in ("llama",):
+        return "llama"
+    if kind in ("qwen3_5", "qwen3_5_text"):
+        return "qwen3_5"
+    if kind in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        return "qwen3_5_moe"
+    raise ValueError(f"unsupported model_type {kind!r} (supported: llama, qwen3_5, qwen3_5_moe)")
+
+
+def _family(architecture: str) -> tuple[Callable[[str], Any], Callable[[dict], dict]]:
+    """(HF name -> (component, name) or None, HF config -> our text config) for one family."""
+    if architecture == "llama":
+        from ninfer.models import llama
+
+        def mapper(name: str):
+            mapped = llama.hf_to_artifact_name(name)
+            return None if mapped is None else ("text", mapped)
+
+        return mapper, llama.text_config_from_hf
+    from ninfer.models import qwen3_5
+
+    return qwen3_5.hf_to_artifact_name, qwen3_5.text_config_from_hf
+
+
+def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert weights (FP8 exports, MTP layers) -> the fused [E, 2I, H] / [E, H, I] layout."""
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    out = {}
+    for name, tensor in tensors.items():
+        m = _PER_EXPERT.match(name)
+        if m:
+            groups[m["prefix"]][m["proj"]][int(m["expert"])] = tensor
+        else:
+            out[name] = tensor
+    for prefix, projs in groups.items():
+        n = len(projs["gate_proj"])
+        gate = torch.stack([projs["gate_proj"][j] for j in range(n)])
+        up = torch.stack([projs["up_proj"][j] for j in range(n)])
+        out[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        out[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][j] for j in range(n)])
+    return out
+
+
+def _chat_template(folder: Path) -> str:
+    jinja = folder / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    cfg = folder / "tokenizer_config.json"
+    if cfg.exists():
+        template = json.loads(cfg.read_text()).get("chat_template")
+        if isinstance(template, str):
+            return template
+    raise ValueError(f"{folder}: no chat template (chat_template.jinja or tokenizer_config.json chat_template)")
+
+
+def _eos_ids(folder: Path, config: dict[str, Any]) -> list[int]:
+    ids: list[int] = []
+    gen = folder / "generation_config.json"
+    sources = [json.loads(gen.read_text())] if gen.exists() else []
+    sources += [config, config.get("text_config", {})]
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for x in eos if isinstance(eos, list) else [eos]:
+            if isinstance(x, int) and x not in ids:
+                ids.append(x)
+    return ids
+
+
+def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
+               name: str | None = None, progress: bool = True) -> Path:
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    architecture = _model_type(config)
+    mapper, config_from_hf = _family(architecture)
+    text_config = config_from_hf(config)
+    tokenizer_path = folder / "tokenizer.json"
+    if not tokenizer_path.exists():
+        raise ValueError(f"{folder}: tokenizer.json is missing")
+
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"{folder}: no *.safetensors weight files")
+    names = []
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            names += [(shard, key) for key in f.keys()]
+
+    by_component: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    skipped: set[str] = set()
+    for shard, key in tqdm(names, desc=f"convert {folder.name}", unit="tensor", disable=not progress):
+        mapped = mapper(key)
+        if mapped is None:
+            continue
+        component, inner = mapped
+        if component not in ("text", "mtp"):
+            skipped.add(component)  # vision / drafters: mapped when their model code lands
+            continue
+        with safe_open(str(shard), framework="pt") as f:
+            tensor = f.get_tensor(key)
+        if tensor.is_floating_point() and tensor.element_size() >= 2 and not inner.endswith(("A_log", "dt_bias")):
+            tensor = tensor.to(dtype)
+        by_component[component][inner] = tensor
+
+    components: dict[str, dict[str, Any]] = {"text": text_config}
+    if by_component.get("mtp"):
+        layers = text_config.get("mtp_num_hidden_layers", 1)
+        components["mtp"] = {"num_hidden_layers": layers}
+    tensors = {}
+    for component, group in by_component.items():
+        for inner, tensor in _fuse_experts(group).items():
+            tensors[f"{component}.{inner}"] = tensor
+    model_name = name or folder.name.lower()
+    manifest = Manifest(
+        name=model_name,
+        architecture=architecture,
+        components=components,
+        quantization={c: str(dtype).removeprefix("torch.") for c in components},
+        sampling_presets=SAMPLING_PRESETS_BY_ARCHITECTURE.get(architecture, {}),
+        extra={"eos_token_ids": _eos_ids(folder, config), "add_bos": False, "skipped_components": sorted(skipped)},
+    )
+    out_path = Path(out_path)
+    write_artifact(out_path, tensors, manifest, tokenizer_path.read_text(), _chat_template(folder))
+    return out_path

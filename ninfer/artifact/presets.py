@@ -1,0 +1,129 @@
+"""Synthetic random-weight models at named shapes.
+
+Tiny presets are written as .ninfer files for tests. Full-size shapes (`qwen3.6-27b`,
+`qwen3.6-35b-a3b`) are instantiated directly on the GPU for benchmarks, never written to disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ninfer.artifact.container import Manifest, write_artifact
+from ninfer.models import build_model
+
+# Contract, "Server options": registered sampler defaults by thinking mode.
+_QWEN27B_PRESETS = {
+    "thinking": {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.0,
+                 "frequency_penalty": 0.0},
+    "non_thinking": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.5,
+                     "frequency_penalty": 0.0},
+}
+_QWEN35B_PRESETS = {
+    "thinking": {**_QWEN27B_PRESETS["thinking"], "presence_penalty": 1.5},
+    "non_thinking": dict(_QWEN27B_PRESETS["non_thinking"]),
+}
+
+SAMPLING_PRESETS_BY_ARCHITECTURE = {"qwen3_5": _QWEN27B_PRESETS, "qwen3_5_moe": _QWEN35B_PRESETS}
+
+TINY_LLAMA_CONFIG = {
+    "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    architecture: str
+    tokenizer: str  # "qwen" or "smollm2"
+    sampling_presets: dict[str, dict[str, float]]
+
+    def text_config(self) -> dict[str, Any]:
+        if self.architecture == "llama":
+            return dict(TINY_LLAMA_CONFIG)
+        from ninfer.models.qwen3_5 import QWEN3_6_SHAPES
+
+        return dict(QWEN3_6_SHAPES[self.name])
+
+
+PRESETS = {
+    "tiny-llama": Preset("tiny-llama", "llama", "smollm2", {}),
+    "tiny-qwen3.6": Preset("tiny-qwen3.6", "qwen3_5", "qwen", _QWEN27B_PRESETS),
+    "tiny-qwen3.6-moe": Preset("tiny-qwen3.6-moe", "qwen3_5_moe", "qwen", _QWEN35B_PRESETS),
+    "qwen3.6-27b": Preset("qwen3.6-27b", "qwen3_5", "qwen", _QWEN27B_PRESETS),
+    "qwen3.6-35b-a3b": Preset("qwen3.6-35b-a3b", "qwen3_5_moe", "qwen", _QWEN35B_PRESETS),
+}
+FILE_PRESETS = ("tiny-llama", "tiny-qwen3.6", "tiny-qwen3.6-moe")
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def instantiate(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                seed: int = 0) -> torch.nn.Module:
+    """Build a preset's model with random weights directly on `device` (no file, no CPU copy)."""
+    preset = get_preset(name)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(preset.architecture, preset.text_config())
+            model.init_random_(seed)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def _tokenizer_and_template(kind: str) -> tuple[str, str, dict[str, Any]]:
+    if kind == "qwen":
+        from ninfer.artifact.qwen_tokenizer import QWEN_EOS_IDS, build_qwen_tokenizer_json
+
+        template = (Path(__file__).parent.parent / "chat" / "templates" / "qwen3_6.jinja").read_text()
+        return build_qwen_tokenizer_json(), template, {"eos_token_ids": list(QWEN_EOS_IDS), "add_bos": False}
+    from ninfer.artifact.convert_gguf import default_smollm2_gguf
+    from ninfer.artifact.gguf_tokenizer import tokenizer_from_gguf
+
+    tok_json, template, info = tokenizer_from_gguf(default_smollm2_gguf())
+    eos = info.get("eos_token_id")
+    return tok_json, template or "", {"eos_token_ids": [eos] if eos is not None else [], "add_bos": False}
+
+
+def unique_tensors(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Prefix names and drop aliases (tied embeddings share one storage; safetensors stores it once)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        out[prefix + name] = tensor.detach()
+    return out
+
+
+def write_preset(name: str, out_path: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """Write a tiny preset as a .ninfer artifact (random weights, real tokenizer and template)."""
+    if name not in FILE_PRESETS:
+        raise ValueError(f"preset {name!r} is a full-size shape: it is instantiated on the GPU, not written")
+    preset = get_preset(name)
+    model = instantiate(name, "cpu", dtype, seed)
+    tensors = unique_tensors(model.state_dict(), prefix="text.")
+    tok_json, template, extra = _tokenizer_and_template(preset.tokenizer)
+    manifest = Manifest(
+        name=name,
+        architecture=preset.architecture,
+        components={"text": preset.text_config()},
+        quantization={"text": str(dtype).removeprefix("torch.")},
+        sampling_presets=preset.sampling_presets,
+        extra=extra,
+    )
+    out_path = Path(out_path)
+    write_artifact(out_path, tensors, manifest, tok_json, template)
+    return out_path

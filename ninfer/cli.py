@@ -1,0 +1,120 @@
+"""`ninfer` command line: convert, info (serve and bench join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_ARTIFACT = Path("models/smollm2-135m-instruct.ninfer")
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+           "fp32": "float32", "float32": "float32"}
+
+
+def _dtype(name: str):
+    import torch
+
+    try:
+        return getattr(torch, _DTYPES[name])
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def build_default(out: Path = DEFAULT_ARTIFACT, force: bool = False) -> Path:
+    """The embedded default (SmolLM2-135M-Instruct, bf16); built once, then reused."""
+    from ninfer.artifact.convert_gguf import convert_gguf, default_smollm2_gguf
+
+    if out.exists() and not force:
+        print(f"{out} exists; reusing it", file=sys.stderr)
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    convert_gguf(default_smollm2_gguf(), out, name="smollm2-135m-instruct")
+    return out
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    if args.source == "default":
+        build_default(out if args.output else DEFAULT_ARTIFACT, force=args.force)
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.source == "gguf":
+        from ninfer.artifact.convert_gguf import convert_gguf
+
+        convert_gguf(args.input, out, dtype=args.dtype, name=args.name, progress=not args.quiet)
+    elif args.source == "hf":
+        from ninfer.artifact.convert_hf import convert_hf
+
+        convert_hf(args.input, out, dtype=args.dtype, name=args.name, progress=not args.quiet)
+    elif args.source == "synthetic":
+        from ninfer.artifact.presets import write_preset
+
+        write_preset(args.preset, out, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from ninfer.artifact.container import Artifact
+
+    art = Artifact(args.artifact)
+    m = art.manifest
+    print(json.dumps({
+        "path": str(art.path), "name": m.name, "public_name": art.public_name, "architecture": m.architecture,
+        "components": m.components, "quantization": m.quantization, "sampling_presets": m.sampling_presets,
+        "extra": m.extra, "tensors": len(art.tensor_names), "chat_template_chars": len(art.chat_template),
+        "tokenizer_json_chars": len(art.tokenizer_json),
+    }, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ninfer", description="ninfer: Qwen3.5/3.6 inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    convert = sub.add_parser("convert", help="make .ninfer artifacts",
+                             description="Make .ninfer v3 artifacts from GGUF, Hugging Face folders or presets.")
+    csub = convert.add_subparsers(dest="source", required=True)
+
+    def common(p: argparse.ArgumentParser, dtype_default: str = "bf16") -> None:
+        p.add_argument("-o", "--output", required=True, help="output .ninfer path")
+        p.add_argument("--dtype", type=_dtype, default=_dtype(dtype_default), help="tensor dtype (bf16, fp16, fp32)")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    g = csub.add_parser("gguf", help="GGUF file -> .ninfer, dequantized (the embedded default's path)")
+    g.add_argument("input", help="path to a .gguf file (Llama architecture)")
+    g.add_argument("--name", help="public model name (default: the GGUF general.name)")
+    common(g)
+
+    h = csub.add_parser("hf", help="Hugging Face checkpoint folder -> .ninfer (llama, qwen3_5, qwen3_5_moe)")
+    h.add_argument("input", help="folder with config.json, *.safetensors, tokenizer.json")
+    h.add_argument("--name", help="public model name (default: the folder name)")
+    common(h)
+
+    s = csub.add_parser("synthetic", help="random-weight artifact from a named preset")
+    s.add_argument("--preset", required=True, choices=["tiny-llama", "tiny-qwen3.6", "tiny-qwen3.6-moe"])
+    s.add_argument("--seed", type=int, default=0)
+    common(s, "fp32")
+
+    d = csub.add_parser("default", help="build the embedded default (SmolLM2-135M-Instruct) once")
+    d.add_argument("-o", "--output", default=str(DEFAULT_ARTIFACT), help=f"output path (default {DEFAULT_ARTIFACT})")
+    d.add_argument("--force", action="store_true", help="rebuild even if it exists")
+
+    info = sub.add_parser("info", help="print an artifact's manifest")
+    info.add_argument("artifact")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "convert":
+        return _cmd_convert(args)
+    if args.command == "info":
+        return _cmd_info(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Every server option of the contract in one pydantic model; CLI flags and YAML args both land here."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+KV_DTYPES = ("bf16", "int8", "fp8", "nvfp4", "k8v4")
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    artifact: str
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    api_key: str | None = None
+    model_id: str | None = None
+    max_context: int = Field(8192, ge=1)
+    kv_capacity: int | Literal["auto"] | None = None  # None follows max_context
+    max_concurrency: int = Field(1, ge=1, le=8)
+    max_pending_requests: int = Field(16, ge=0)
+    pending_timeout_ms: int = Field(30000, ge=1)
+    prefill_chunk: int = Field(1024, ge=1)
+    log_stats_interval_ms: int = Field(5000, ge=0)
+    log_level: Literal["trace", "debug", "info", "warning", "error", "critical", "off"] = "info"
+    device: int = Field(0, ge=0)
+    max_request_mib: int = Field(384, ge=1)
+    media_cache_mib: int = Field(1024, ge=0)
+    media_live_mib: int = Field(2048, ge=1)
+    media_preprocess_threads: int = Field(0, ge=0)
+    request_log_jsonl: str | None = None
+    response_store_max_records: int = Field(1024, ge=0)
+    response_store_max_mib: int = Field(256, ge=0)
+    kv_dtype: Literal["bf16", "int8", "fp8", "nvfp4", "k8v4"] = "bf16"
+    spec: Literal["mtp", "dflash", "dflash2"] | None = None
+    draft_tokens: int | None = Field(None, ge=1, le=15)
+    lm_head_draft: bool = False
+    default_max_tokens: int = Field(8192, ge=1)
+    default_thinking_budget: int | None = Field(None, ge=1)
+    vision: bool = False
+    no_cuda_graph: bool = False
+    no_prefix_reuse: bool = False
+    device_state_slots: int | None = Field(None, ge=0)  # None: equal to max_concurrency
+    host_context_mib: int | None = Field(None, ge=0)
+    no_thinking: bool = False
+    preserve_thinking: bool = False
+    cors: bool = False
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=20)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = None
+    greedy: bool = False
+    chat_template: str | None = None
+    # ninfer (Python) additions: CPU dtype for the embedded default and the KV page size.
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    page_size: int = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _check_spec(self) -> "ServerConfig":
+        if self.spec == "mtp" and self.draft_tokens is not None and self.draft_tokens > 5:
+            raise ValueError("--draft-tokens for mtp must be 1..5")
+        if self.draft_tokens is not None and self.spec is None:
+            raise ValueError("--draft-tokens needs --spec")
+        return self
+
+    @property
+    def state_slots(self) -> int:
+        extra = self.max_concurrency if self.device_state_slots is None else self.device_state_slots
+        return self.max_concurrency + extra
+
+    def resolved_kv_capacity(self) -> int:
+        if self.kv_capacity is None:
+            return self.max_context
+        if self.kv_capacity == "auto":
+            raise ValueError("--kv-capacity auto is resolved by the engine from free device memory")
+        return self.kv_capacity
+
+    def process_sampling_overrides(self) -> dict[str, float | int]:
+        names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}

@@ -1,0 +1,437 @@
+"""The engine: a loop on its own thread that runs prefill chunks and decode batches.
+
+Callers submit from any thread (or asyncio through `stream`); events are handed to a per-request
+callback, so delivery and serialization happen outside the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+import torch
+
+from ninfer.engine.kv_pool import PagePool, SlotPool
+from ninfer.engine.output_control import OutputController, ThinkingControl
+from ninfer.engine.runner import ModelRunner
+from ninfer.engine.scheduler import PrefillUnit, Scheduler
+from ninfer.engine.sequence import Sequence, Status
+from ninfer.engine.types import (
+    ContextLengthExceededError,
+    EngineRequest,
+    EngineUnavailableError,
+    FinishEvent,
+    FinishReason,
+    InvalidRequestError,
+    ProgressEvent,
+    QueueTimeoutError,
+    ResolvedSampling,
+    ServerOverloadedError,
+    ThinkingBudgetCapacityError,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+
+log = logging.getLogger("ninfer.engine")
+
+GENERIC_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
+THINKING_GUIDANCE = (
+    "\n\nConsidering the limited time by the user, I have to give the solution based on the thinking directly now.\n"
+)
+
+
+@dataclass
+class EngineSettings:
+    max_context: int = 8192
+    kv_capacity: int | None = None  # tokens; None follows max_context
+    max_concurrency: int = 1
+    max_pending_requests: int = 16
+    pending_timeout_ms: int = 30000
+    prefill_chunk: int = 1024
+    page_size: int = 16
+    state_slots: int | None = None  # None: 2 * max_concurrency
+    default_max_tokens: int = 8192
+    default_thinking_budget: int | None = None
+    sampling_presets: dict[str, dict[str, float]] = field(default_factory=dict)
+    sampling_overrides: dict[str, float] = field(default_factory=dict)  # process flags
+    greedy: bool = False
+    seed: int | None = None
+    eos_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    replayed_tokens: int = 0
+    generation_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    replay_restores: int = 0
+    requests: dict[str, int] = field(default_factory=dict)
+    decode_steps: int = 0
+    prefill_chunks: int = 0
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, tokenizer, settings: EngineSettings, *,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        capacity = settings.kv_capacity or settings.max_context
+        self.kv_capacity = capacity
+        pages = PagePool((capacity + settings.page_size - 1) // settings.page_size, settings.page_size)
+        spec = model.cache_spec()
+        num_slots = settings.state_slots or 2 * settings.max_concurrency
+        slots = SlotPool(num_slots) if spec.num_state_layers > 0 else None
+        self.runner = ModelRunner(model, num_pages=pages.num_pages, page_size=settings.page_size,
+                                  num_state_slots=num_slots if slots else 0, num_lanes=settings.max_concurrency,
+                                  vocab_size=tokenizer.vocab_size, device=self.device, dtype=dtype)
+        self.scheduler = Scheduler(max_concurrency=settings.max_concurrency, prefill_chunk=settings.prefill_chunk,
+                                   pages=pages, slots=slots)
+        self.thinking = self._thinking_control(tokenizer)
+        self.counters = Counters()
+        self.healthy = True
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._by_id: dict[str, Sequence] = {}
+        self._order = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ---- public API --------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout=30)
+
+    def submit(self, request: EngineRequest, emit: Callable[[object], None]) -> None:
+        """Validate and enqueue; raises EngineError subclasses for requests that cannot be taken."""
+        if not self.healthy:
+            raise EngineUnavailableError("the engine failed and cannot accept work")
+        seq = self._prepare(request, emit)
+        with self._lock:
+            if request.request_id in self._by_id:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+            limit = self.settings.max_concurrency + self.settings.max_pending_requests
+            if len(self._by_id) >= limit:
+                raise ServerOverloadedError(
+                    f"the server holds {len(self._by_id)} requests, its limit of running plus pending requests"
+                )
+            self._order += 1
+            seq.order = self._order
+            self._by_id[request.request_id] = seq
+        self._inbox.put(("submit", seq))
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+        self._wake.set()
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[object]:
+        """Submit and yield events until the terminal FinishEvent; cancels the request if abandoned."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        self.submit(request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        done = False
+        try:
+            while True:
+                ev = await events.get()
+                if isinstance(ev, Exception):
+                    done = True
+                    raise ev
+                yield ev
+                if isinstance(ev, FinishEvent):
+                    done = True
+                    return
+        finally:
+            if not done:
+                self.cancel(request.request_id)
+
+    def generate(self, request: EngineRequest, timeout: float = 600.0) -> list[object]:
+        """Blocking convenience for tests and benchmarks: all events of one request."""
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        self.submit(request, events.put)
+        out = []
+        deadline = time.monotonic() + timeout
+        while True:
+            ev = events.get(timeout=max(deadline - time.monotonic(), 0.001))
+            if isinstance(ev, Exception):
+                raise ev
+            out.append(ev)
+            if isinstance(ev, FinishEvent):
+                return out
+
+    def snapshot(self) -> dict[str, object]:
+        """Gauges and counters for /metrics, copied without blocking the loop."""
+        sched = self.scheduler
+        resident = list(sched.resident)
+        c = self.counters
+        return {
+            "ready": self.healthy,
+            "running": len(resident),
+            "waiting": len(sched.waiting),
+            "paused": len(sched.paused),
+            "prefilling": sum(s.status is Status.PREFILL for s in resident),
+            "decode_ready": sum(s.status is Status.DECODE for s in resident),
+            "kv_pages_used": sched.pages.used_pages,
+            "kv_pages_capacity": sched.pages.num_pages,
+            "state_slots_used": sched.slots.used_slots if sched.slots else 0,
+            "state_slots_capacity": sched.slots.num_slots if sched.slots else 0,
+            **{k: v for k, v in vars(c).items() if k != "requests"},
+            "requests": dict(c.requests),
+        }
+
+    # ---- preparation (caller's thread) -------------------------------------------------------
+    def _thinking_control(self, tokenizer) -> ThinkingControl:
+        end_id = tokenizer.token_to_id("</think>")
+        if end_id is None:
+            return ThinkingControl(think_end_id=None)
+        suffix = tokenizer.encode(THINKING_GUIDANCE) + [end_id]
+        return ThinkingControl(think_end_id=end_id, think_start_id=tokenizer.token_to_id("<think>"),
+                               close_suffix=suffix)
+
+    def resolve_sampling(self, request: EngineRequest) -> ResolvedSampling:
+        s = self.settings
+        preset = s.sampling_presets.get("thinking" if request.thinking else "non_thinking", {})
+        merged = {**GENERIC_SAMPLING, **preset, **s.sampling_overrides}
+        given = request.sampling
+        for name in GENERIC_SAMPLING:
+            value = getattr(given, name)
+            if value is not None:
+                merged[name] = value
+        if s.greedy:
+            merged["temperature"] = 0.0
+        seed = given.seed if given.seed is not None else s.seed
+        if seed is None:
+            seed = random.getrandbits(63)
+        return ResolvedSampling(seed=int(seed), **{k: merged[k] for k in GENERIC_SAMPLING})
+
+    def _prepare(self, request: EngineRequest, emit) -> Sequence:
+        s = self.settings
+        n = len(request.prompt_ids)
+        ceiling = min(s.max_context, self.kv_capacity)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n > ceiling:
+            raise ContextLengthExceededError(n, ceiling)
+        if len(request.stop) > 4 or any(not x for x in request.stop):
+            raise InvalidRequestError("stop takes at most 4 non-empty strings")
+        max_tokens = s.default_max_tokens if request.max_tokens is None else request.max_tokens
+        if max_tokens < 0:
+            raise InvalidRequestError("max_tokens must be non-negative")
+        capacity = min(max_tokens, ceiling - n)
+        thinking_open = request.thinking and self.thinking.think_end_id is not None
+        budget = request.thinking_budget if request.thinking_budget is not None else s.default_thinking_budget
+        if thinking_open and budget is not None and capacity > budget:
+            needed = budget + len(self.thinking.close_suffix) + 1
+            if capacity < needed:
+                raise ThinkingBudgetCapacityError(
+                    f"the output budget of {capacity} tokens extends past the thinking budget of {budget} but "
+                    f"cannot hold the {len(self.thinking.close_suffix)}-token closing suffix and one more token "
+                    f"(needs {needed})"
+                )
+        controller = OutputController(self.tokenizer, stops=request.stop, eos_ids=s.eos_ids,
+                                      thinking=self.thinking, thinking_open=thinking_open,
+                                      thinking_budget=budget if thinking_open else None)
+        deadline = time.monotonic() + s.pending_timeout_ms / 1000.0
+        return Sequence(request=request, order=0, sampling=self.resolve_sampling(request), max_tokens=max_tokens,
+                        controller=controller, emit=emit, deadline=deadline)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                self._drain_inbox()
+                self._expire_waiting()
+                self._admit()
+                worked = self._prefill_step()
+                worked |= self._decode_step()
+            except Exception as exc:  # an engine-wide failure: fail everything, report unhealthy
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                return
+            if not worked:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                item.status = Status.WAITING
+                self.scheduler.waiting.append(item)
+            elif kind == "cancel":
+                seq = self._by_id.get(item)
+                if seq is not None and seq.status is not Status.FINISHED:
+                    self._finish(seq, FinishReason.CANCELLED)
+
+    def _expire_waiting(self) -> None:
+        now = time.monotonic()
+        for seq in [s for s in self.scheduler.waiting if s.deadline <= now]:
+            self.scheduler.remove(seq)
+            self._drop(seq)
+            seq.emit(QueueTimeoutError(
+                f"request was not admitted within {self.settings.pending_timeout_ms} ms"))
+            self._count_outcome("queue_timeout")
+
+    def _admit(self) -> None:
+        for seq in self.scheduler.admit():
+            restoring = bool(seq.output_ids)
+            if seq.t_admit is None:
+                seq.t_admit = time.monotonic()
+                self.counters.prompt_tokens += seq.prompt_len
+                if seq.request.return_progress:
+                    seq.emit(ProgressEvent(seq.prompt_len, seq.cached_tokens, seq.cached_tokens, 0.0))
+            if restoring:
+                self.counters.replay_restores += 1
+            self.runner.reset_lane(seq.lane, seq.output_ids)
+
+    def _prefill_step(self) -> bool:
+        unit = self.scheduler.next_prefill()
+        if unit is None:
+            return False
+        if isinstance(unit, Sequence):  # no room even alone: the pool is smaller than this context
+            self._starved(unit)
+            return True
+        seq = unit.seq
+        logits = self.runner.forward([seq], [seq.tokens(unit.start, unit.end)])
+        computed = unit.end - unit.start
+        seq.num_computed = unit.end
+        self.counters.prefill_chunks += 1
+        if seq.output_ids:
+            self.counters.replayed_tokens += computed
+        else:
+            self.counters.prefill_tokens += computed
+        if not unit.is_last:
+            self._progress(seq)
+            return True
+        if not seq.samples_after_prefill:  # replay done: resume decoding without resampling
+            seq.status = Status.DECODE
+            return True
+        self._progress(seq)
+        if seq.max_tokens == 0:
+            self._finish(seq, FinishReason.LENGTH)
+            return True
+        token = int(self.runner.sample([seq], logits)[0])
+        seq.status = Status.DECODE
+        self._commit(seq, token)
+        return True
+
+    def _progress(self, seq: Sequence) -> None:
+        if seq.request.return_progress and seq.t_admit is not None:
+            elapsed = (time.monotonic() - seq.t_admit) * 1000.0
+            seq.emit(ProgressEvent(seq.prompt_len, seq.cached_tokens, min(seq.num_computed, seq.prompt_len), elapsed))
+
+    def _decode_step(self) -> bool:
+        ready, starved = self.scheduler.decode_batch()
+        for seq in starved:
+            self._starved(seq)
+        if not ready:
+            return bool(starved)
+        logits = self.runner.forward(ready, [[s.output_ids[-1]] for s in ready])
+        tokens = self.runner.sample(ready, logits).tolist()  # the one host sync per step
+        self.counters.decode_steps += 1
+        for seq, token in zip(ready, tokens):
+            seq.num_computed += 1
+            if seq.status is not Status.DECODE:
+                continue
+            if seq.forced:  # thinking-budget control tokens replace the sample
+                self._commit(seq, seq.forced.popleft(), forced=True)
+            else:
+                self._commit(seq, token)
+        return True
+
+    def _starved(self, seq: Sequence) -> None:
+        oldest = min(self.scheduler.resident, key=lambda s: s.order)
+        if seq is oldest:
+            self._finish(seq, FinishReason.CONTEXT)
+        else:
+            self.scheduler.pause(seq)
+            self.counters.preemptions += 1
+
+    def _commit(self, seq: Sequence, token: int, forced: bool = False) -> None:
+        now = time.monotonic()
+        if seq.t_first is None:
+            seq.t_first = now
+        seq.t_last = now
+        seq.output_ids.append(token)
+        self.counters.generation_tokens += 1
+        if len(seq.output_ids) > 1:
+            self.counters.decode_tokens += 1
+        self.runner.count_tokens([seq.lane], torch.tensor([token], device=self.device))
+        events, reason = seq.controller.commit(token, forced=forced)
+        for ev in events:
+            seq.emit(ev)
+        if reason is None:
+            if len(seq.output_ids) >= seq.max_tokens:
+                reason = FinishReason.LENGTH
+            elif seq.total_len >= self.settings.max_context:
+                reason = FinishReason.CONTEXT
+        if reason is not None:
+            self._finish(seq, reason)
+        elif not seq.forced and seq.controller.budget_exhausted():
+            seq.forced.extend(self.thinking.close_suffix)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        if reason in (FinishReason.LENGTH, FinishReason.CONTEXT, FinishReason.CANCELLED):
+            tail = seq.controller.finish_text()
+            if tail:
+                seq.emit(TokenEvent([], seq.controller.channel, tail))
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        self._drop(seq)
+        now = time.monotonic()
+        admitted = seq.t_admit or now
+        first = seq.t_first or now
+        timings = Timings(
+            cache_n=seq.cached_tokens,
+            prompt_n=seq.prompt_len - seq.cached_tokens,
+            prompt_ms=(first - admitted) * 1000.0 if seq.t_admit else 0.0,
+            predicted_n=len(seq.output_ids),
+            predicted_ms=((seq.t_last or first) - first) * 1000.0,
+        )
+        usage = Usage(prompt_tokens=seq.prompt_len, cached_tokens=seq.cached_tokens,
+                      completion_tokens=len(seq.output_ids), reasoning_tokens=seq.controller.reasoning_tokens)
+        seq.emit(FinishEvent(reason, usage, timings, stop_string=seq.controller.stop_string,
+                             thinking_budget_applied=seq.controller.budget_applied,
+                             preemptions=seq.preemptions, error=error))
+        self._count_outcome(reason.value)
+
+    def _drop(self, seq: Sequence) -> None:
+        with self._lock:
+            self._by_id.pop(seq.request_id, None)
+
+    def _count_outcome(self, outcome: str) -> None:
+        self.counters.requests[outcome] = self.counters.requests.get(outcome, 0) + 1
+
+    def _fail_all(self, exc: Exception) -> None:
+        self.healthy = False
+        with self._lock:
+            seqs = list(self._by_id.values())
+        for seq in seqs:
+            if seq.status is not Status.FINISHED:
+                try:
+                    self._finish(seq, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
+                except Exception:  # keep failing the rest
+                    log.exception("failing request %s", seq.request_id)

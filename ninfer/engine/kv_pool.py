@@ -1,0 +1,86 @@
+"""The only owner of KV pages and recurrent-state slots.
+
+Pages carry reference counts so that retained prefixes (context cache) can share them with
+running requests; a page returns to the free list when its last holder lets go.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class PoolExhausted(Exception):
+    pass
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError("the KV pool needs at least one page of at least one token")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free: deque[int] = deque(range(num_pages))
+        self._refs = [0] * num_pages
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for(self, tokens: int) -> int:
+        return (tokens + self.page_size - 1) // self.page_size
+
+    def allocate(self, count: int) -> list[int]:
+        """All-or-nothing: a unit either gets every page it needs or none."""
+        if count > len(self._free):
+            raise PoolExhausted(f"need {count} pages, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(count)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise ValueError(f"page {p} is not allocated")
+            self._refs[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise ValueError(f"page {p} released twice")
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+
+class SlotPool:
+    """Recurrent-state slots (hybrid models): max_concurrency + device_state_slots of them."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(num_slots))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise PoolExhausted("no free state slot")
+        return self._free.popleft()
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise ValueError(f"state slot {slot} released twice or unknown")
+        self._free.append(slot)

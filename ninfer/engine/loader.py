@@ -1,0 +1,64 @@
+"""Artifact -> model on a device -> Engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from ninfer.artifact.container import Artifact
+from ninfer.engine.engine import Engine, EngineSettings
+from ninfer.models import build_model
+from ninfer.tokenizer import Tokenizer
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def pick_device(index: int = 0) -> torch.device:
+    return torch.device(f"cuda:{index}") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA; fp32 on CPU, where bf16 matmuls are slower and parity needs fp32."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def load_model(artifact: Artifact, device: torch.device, dtype: torch.dtype,
+               components: tuple[str, ...] = ("text",)) -> torch.nn.Module:
+    """Build the module on the device and adopt the artifact's tensors (assign: no second copy kept)."""
+    weights = artifact.load(components, device="cpu", dtype=dtype)["text"]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(artifact.architecture, artifact.config("text"))
+    finally:
+        torch.set_default_dtype(previous)
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(weights))
+    unexpected = sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{artifact.path}: weights do not match the {artifact.architecture} model "
+                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False, assign=True)
+    return model.eval()
+
+
+def load_engine(path: str | Path, settings: EngineSettings | None = None, *, device: torch.device | None = None,
+                dtype: str = "auto", start: bool = True) -> Engine:
+    artifact = Artifact(path)
+    device = device or pick_device()
+    torch_dtype = pick_dtype(dtype, device)
+    model = load_model(artifact, device, torch_dtype)
+    tokenizer = Tokenizer.from_json_str(artifact.tokenizer_json)
+    settings = dataclasses.replace(settings) if settings else EngineSettings()
+    if not settings.eos_ids:
+        settings.eos_ids = set(artifact.manifest.extra.get("eos_token_ids", []))
+    if not settings.sampling_presets:
+        settings.sampling_presets = artifact.manifest.sampling_presets
+    engine = Engine(model, tokenizer, settings, device=device, dtype=torch_dtype)
+    engine.artifact = artifact
+    return engine.start() if start else engine

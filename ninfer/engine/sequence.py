@@ -1,0 +1,78 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ninfer.engine.output_control import OutputController
+from ninfer.engine.types import EngineRequest, ResolvedSampling
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not yet admitted
+    PREFILL = "prefill"  # resident, computing prompt (or replaying) chunks
+    DECODE = "decode"  # resident, one token per decode boundary
+    PAUSED = "paused"  # evicted under pressure; rebuilt by replay
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request: EngineRequest
+    order: int  # arrival order: older requests keep progressing under pressure
+    sampling: ResolvedSampling
+    max_tokens: int  # effective output budget
+    controller: OutputController
+    emit: Callable[[object], None]  # publishes events to the request's consumer
+    deadline: float  # absolute admission deadline (time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose KV / recurrent state are in the cache
+    cached_tokens: int = 0  # prefix reused from the context cache at admission
+    pages: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    lane: int | None = None  # row of the penalty-count buffer
+    forced: deque[int] = field(default_factory=deque)  # control tokens to commit without sampling
+    preemptions: int = 0
+    cancelled: bool = False
+    t_submit: float = field(default_factory=time.monotonic)
+    t_admit: float | None = None
+    t_first: float | None = None
+    t_last: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + len(self.output_ids)
+
+    def token_at(self, index: int) -> int:
+        p = self.prompt_len
+        return self.request.prompt_ids[index] if index < p else self.output_ids[index - p]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        p = self.prompt_len
+        ids = self.request.prompt_ids[start:min(end, p)]
+        if end > p:
+            ids = ids + self.output_ids[max(start - p, 0) : end - p]
+        return ids
+
+    @property
+    def prefill_target(self) -> int:
+        """How far prefill must compute: the whole prompt, or for a replay all but the last token
+        (which becomes the next decode input, so nothing is resampled)."""
+        return self.total_len if not self.output_ids else self.total_len - 1
+
+    @property
+    def samples_after_prefill(self) -> bool:
+        return not self.output_ids

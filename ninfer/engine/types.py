@@ -1,0 +1,166 @@
+"""What goes into the engine and what comes out of it. No HTTP here: the server maps errors to statuses."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampler settings; None means 'not given' so presets and process flags apply."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0..20; 0 selects the cap of 20
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class ResolvedSampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None  # None: the server default; 0: prompt processing only
+    stop: list[str] = field(default_factory=list)  # up to 4 non-empty strings
+    thinking: bool = False  # the prompt ends inside an open reasoning block
+    thinking_budget: int | None = None  # cap on reasoning-channel tokens; None: process default
+    return_progress: bool = False
+
+
+class Channel(str, enum.Enum):
+    REASONING = "reasoning"
+    ANSWER = "answer"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # end-of-turn / EOS token
+    STOP_STRING = "stop_string"
+    LENGTH = "length"  # max output tokens reached
+    CONTEXT = "context"  # the sequence reached max_context
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class TokenEvent:
+    """Newly committed tokens of one channel and the text that is now safe to show."""
+
+    token_ids: list[int]
+    channel: Channel
+    text: str
+    forced: bool = False  # committed without sampling (thinking-budget control suffix)
+
+
+@dataclass
+class ProgressEvent:
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
+
+
+@dataclass
+class Timings:
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """The llama.cpp timings object; zero-count or zero-duration cases give finite zero rates."""
+
+        def rate(n: float, ms: float) -> float:
+            return n * 1000.0 / ms if n > 0 and ms > 0 else 0.0
+
+        def per(ms: float, n: float) -> float:
+            return ms / n if n > 0 and ms > 0 else 0.0
+
+        intervals = max(self.predicted_n - 1, 0)
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": per(self.prompt_ms, self.prompt_n),
+            "prompt_per_second": rate(self.prompt_n, self.prompt_ms),
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": per(self.predicted_ms, intervals),
+            "predicted_per_second": rate(intervals, self.predicted_ms),
+        }
+
+
+@dataclass
+class FinishEvent:
+    reason: FinishReason
+    usage: Usage
+    timings: Timings
+    stop_string: str | None = None  # the matched stop string, withheld from the text
+    thinking_budget_applied: bool = False
+    preemptions: int = 0
+    error: str | None = None
+
+
+class EngineError(Exception):
+    """A request the engine cannot take; `code` is the contract's error code."""
+
+    code = "engine_error"
+
+
+class ServerOverloadedError(EngineError):
+    code = "server_overloaded"
+
+
+class QueueTimeoutError(EngineError):
+    code = "request_queue_timeout"
+
+
+class ContextLengthExceededError(EngineError):
+    code = "context_length_exceeded"
+
+    def __init__(self, prompt_tokens: int, max_context: int):
+        super().__init__(
+            f"the prompt has {prompt_tokens} tokens, more than the context limit of {max_context} tokens"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_context = max_context
+
+
+class ThinkingBudgetCapacityError(EngineError):
+    code = "thinking_budget_capacity_insufficient"
+
+
+class InvalidRequestError(EngineError):
+    code = "invalid_request"
+
+
+class EngineUnavailableError(EngineError):
+    code = "engine_unavailable"

@@ -1,0 +1,130 @@
+"""What one model traversal runs on: a ragged batch plus the caches the caller owns.
+
+A batch mixes sequences that prefill a chunk with sequences that decode one token. Tokens of
+all sequences are concatenated; `query_start_loc` marks where each sequence's new tokens start.
+The attention metadata travels in this one object instead of through every layer's signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64: new tokens of every sequence, concatenated
+    positions: torch.Tensor  # [T] int64 text positions, or [3, T] MRoPE (t, h, w) positions
+    query_start_loc: torch.Tensor  # [B+1] int32: cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int32: context length after this step (prefix already cached + new)
+    page_table: torch.Tensor  # [B, P] int32: KV pages of each sequence, in order
+    slot_mapping: torch.Tensor  # [T] int64: flat KV slot (page * page_size + offset) of each new token
+    state_slots: torch.Tensor  # [B] int64: recurrent-state slot of each sequence (hybrid models)
+    query_lens_cpu: list[int]  # host copies: the torch reference kernels loop over sequences
+    seq_lens_cpu: list[int]
+    logits_indices: torch.Tensor | None = None  # rows to compute logits for; None = last token of each sequence
+    inputs_embeds: torch.Tensor | None = None  # [T, H] replaces the embedding lookup (media spans)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence advances by exactly one token (the CUDA-graph-capturable shape)."""
+        return all(n == 1 for n in self.query_lens_cpu)
+
+    def last_token_indices(self) -> torch.Tensor:
+        return self.query_start_loc[1:].long() - 1
+
+    @classmethod
+    def build(
+        cls,
+        tokens: list[list[int]],
+        cached_lens: list[int],
+        page_tables: list[list[int]],
+        page_size: int,
+        state_slots: list[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> "ForwardBatch":
+        """Build a batch from host lists: sequence i appends tokens[i] after cached_lens[i] cached tokens."""
+        positions, slots, starts = [], [], [0]
+        for toks, cached, pages in zip(tokens, cached_lens, page_tables):
+            for p in range(cached, cached + len(toks)):
+                positions.append(p)
+                slots.append(pages[p // page_size] * page_size + p % page_size)
+            starts.append(starts[-1] + len(toks))
+        width = max((len(p) for p in page_tables), default=0) or 1
+        table = [pages + [0] * (width - len(pages)) for pages in page_tables]
+        seq_lens = [c + len(t) for c, t in zip(cached_lens, tokens)]
+
+        def t(data, dtype):
+            return torch.tensor(data, dtype=dtype, device=device)
+
+        return cls(
+            input_ids=t([x for toks in tokens for x in toks], torch.long),
+            positions=t(positions, torch.long),
+            query_start_loc=t(starts, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            page_table=t(table, torch.int32),
+            slot_mapping=t(slots, torch.long),
+            state_slots=t(state_slots if state_slots is not None else list(range(len(tokens))), torch.long),
+            query_lens_cpu=[len(x) for x in tokens],
+            seq_lens_cpu=seq_lens,
+        )
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a model needs its caller to allocate."""
+
+    num_attn_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_state_layers: int = 0
+    conv_dim: int = 0
+    conv_width: int = 0  # kernel size - 1: inputs kept for the causal conv
+    ssm_heads: int = 0
+    ssm_key_dim: int = 0
+    ssm_value_dim: int = 0
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_attn_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def state_bytes_per_slot(self, conv_dtype: torch.dtype) -> int:
+        conv = self.conv_dim * self.conv_width * torch.empty((), dtype=conv_dtype).element_size()
+        ssm = self.ssm_heads * self.ssm_key_dim * self.ssm_value_dim * 4
+        return self.num_state_layers * (conv + ssm)
+
+
+class ModelCache:
+    """Paged KV slots for full-attention layers and recurrent-state slots for linear-attention layers.
+
+    KV is stored flat per layer ([num_pages * page_size, kv_heads, head_dim]) so a token's slot
+    index addresses it directly. The recurrent state is fp32 (the models' ssm dtype).
+    """
+
+    def __init__(
+        self,
+        spec: CacheSpec,
+        num_pages: int,
+        page_size: int,
+        num_state_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        self.spec = spec
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_state_slots = num_state_slots
+        slots = num_pages * page_size
+        shape = (spec.num_attn_layers, slots, spec.num_kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        n = spec.num_state_layers
+        self.conv = torch.zeros((n, num_state_slots, spec.conv_dim, spec.conv_width), dtype=dtype, device=device)
+        self.ssm = torch.zeros(
+            (n, num_state_slots, spec.ssm_heads, spec.ssm_key_dim, spec.ssm_value_dim),
+            dtype=torch.float32, device=device,
+        )
