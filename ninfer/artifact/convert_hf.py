@@ -119,6 +119,8 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
         if mapped is None:
             continue
         component, inner = mapped
+        if component == "text" and inner == "lm_head.weight" and text_config.get("tie_word_embeddings"):
+            continue  # tied: the head reads embed_tokens.weight
         if component not in ("text", "mtp"):
             skipped.add(component)  # vision / drafters: mapped when their model code lands
             continue

@@ -108,6 +108,11 @@ def unique_tensors(state: dict[str, torch.Tensor], prefix: str) -> dict[str, tor
     return out
 
 
+def tokenizer_json_for(preset: Preset) -> tuple[str, dict[str, Any]]:
+    tok_json, _, extra = _tokenizer_and_template(preset.tokenizer)
+    return tok_json, extra
+
+
 def write_preset(name: str, out_path: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
     """Write a tiny preset as a .ninfer artifact (random weights, real tokenizer and template)."""
     if name not in FILE_PRESETS:

@@ -20,7 +20,7 @@ import torch
 from ninfer.engine.kv_pool import PagePool, SlotPool
 from ninfer.engine.output_control import OutputController, ThinkingControl
 from ninfer.engine.runner import ModelRunner
-from ninfer.engine.scheduler import PrefillUnit, Scheduler
+from ninfer.engine.scheduler import Scheduler
 from ninfer.engine.sequence import Sequence, Status
 from ninfer.engine.types import (
     ContextLengthExceededError,
@@ -75,7 +75,6 @@ class Counters:
     replayed_tokens: int = 0
     generation_tokens: int = 0
     decode_tokens: int = 0
-    preemptions: int = 0
     replay_restores: int = 0
     requests: dict[str, int] = field(default_factory=dict)
     decode_steps: int = 0
@@ -195,6 +194,7 @@ class Engine:
             "kv_pages_capacity": sched.pages.num_pages,
             "state_slots_used": sched.slots.used_slots if sched.slots else 0,
             "state_slots_capacity": sched.slots.num_slots if sched.slots else 0,
+            "preemptions": sched.preemptions,
             **{k: v for k, v in vars(c).items() if k != "requests"},
             "requests": dict(c.requests),
         }
@@ -368,7 +368,6 @@ class Engine:
             self._finish(seq, FinishReason.CONTEXT)
         else:
             self.scheduler.pause(seq)
-            self.counters.preemptions += 1
 
     def _commit(self, seq: Sequence, token: int, forced: bool = False) -> None:
         now = time.monotonic()

@@ -62,3 +62,22 @@ def load_engine(path: str | Path, settings: EngineSettings | None = None, *, dev
     engine = Engine(model, tokenizer, settings, device=device, dtype=torch_dtype)
     engine.artifact = artifact
     return engine.start() if start else engine
+
+
+def engine_from_preset(name: str, settings: EngineSettings | None = None, *, device: torch.device | None = None,
+                       dtype: str = "auto", seed: int = 0, start: bool = True) -> Engine:
+    """A random-weight preset built directly on the device (full-size shapes for benchmarks: no file)."""
+    from ninfer.artifact.presets import get_preset, instantiate, tokenizer_json_for
+
+    preset = get_preset(name)
+    device = device or pick_device()
+    torch_dtype = pick_dtype(dtype, device)
+    model = instantiate(name, device, torch_dtype, seed)
+    tokenizer_json, extra = tokenizer_json_for(preset)
+    settings = dataclasses.replace(settings) if settings else EngineSettings()
+    if not settings.eos_ids:
+        settings.eos_ids = set(extra.get("eos_token_ids", []))
+    if not settings.sampling_presets:
+        settings.sampling_presets = preset.sampling_presets
+    engine = Engine(model, Tokenizer.from_json_str(tokenizer_json), settings, device=device, dtype=torch_dtype)
+    return engine.start() if start else engine
