@@ -109,11 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "convert":
-        return _cmd_convert(args)
-    if args.command == "info":
-        return _cmd_info(args)
-    return 2
+    commands = {"convert": _cmd_convert, "info": _cmd_info}
+    try:
+        return commands[args.command](args)
+    except (ValueError, FileNotFoundError) as exc:  # ArtifactError and converter input problems
+        print(f"ninfer {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -81,16 +81,16 @@ def _chat_template(folder: Path) -> str:
 
 
 def _eos_ids(folder: Path, config: dict[str, Any]) -> list[int]:
-    ids: list[int] = []
+    """generation_config.json's EOS list when present (what HF generate stops on), else config.json's."""
     gen = folder / "generation_config.json"
     sources = [json.loads(gen.read_text())] if gen.exists() else []
     sources += [config, config.get("text_config", {})]
     for src in sources:
         eos = src.get("eos_token_id")
-        for x in eos if isinstance(eos, list) else [eos]:
-            if isinstance(x, int) and x not in ids:
-                ids.append(x)
-    return ids
+        ids = [x for x in (eos if isinstance(eos, list) else [eos]) if isinstance(x, int)]
+        if ids:
+            return list(dict.fromkeys(ids))
+    return []
 
 
 def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype = torch.bfloat16,

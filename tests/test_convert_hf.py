@@ -1,0 +1,145 @@
+"""`ninfer convert hf`: Hugging Face folders (Llama, Qwen3.5 dense VLM layout with MTP, Qwen3.5 MoE)
+become artifacts whose model reproduces transformers' logits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ninfer.artifact.container import Artifact
+from ninfer.artifact.convert_hf import convert_hf
+from ninfer.engine.loader import load_model
+from ninfer.models.batch import ForwardBatch, ModelCache
+
+TOKENIZER_STUB = json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}})
+
+
+def _save_folder(folder, hf_model, config: dict, extra_tensors: dict | None = None, rename=None):
+    folder.mkdir()
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if rename:
+        state = {rename(k): v for k, v in state.items()}
+    state.update(extra_tensors or {})
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer.json").write_text(TOKENIZER_STUB)
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
+
+
+def _our_logits(path, tokens):
+    art = Artifact(path)
+    model = load_model(art, torch.device("cpu"), torch.float32)
+    cache = ModelCache(model.cache_spec(), num_pages=8, page_size=8, num_state_slots=1, dtype=torch.float32)
+    batch = ForwardBatch.build([tokens], [0], [list(range(8))], 8)
+    batch.logits_indices = torch.arange(len(tokens))
+    with torch.no_grad():
+        return model.compute_logits(model(batch, cache)), art
+
+
+def _hf_logits(hf_model, tokens):
+    with torch.no_grad():
+        return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+def test_llama_folder(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    hf = LlamaForCausalLM(cfg).eval()
+    _save_folder(tmp_path / "llama-tiny", hf, cfg.to_dict())
+    out = convert_hf(tmp_path / "llama-tiny", tmp_path / "l.ninfer", dtype=torch.float32, progress=False)
+    tokens = [3, 17, 42, 99, 7]
+    ours, art = _our_logits(out, tokens)
+    assert art.architecture == "llama" and art.name == "llama-tiny"
+    assert art.manifest.extra["eos_token_ids"] == [5, 6]
+    torch.testing.assert_close(ours, _hf_logits(hf, tokens), atol=1e-4, rtol=0)
+
+
+def _small_qwen_config(moe: bool) -> dict:
+    cfg = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=False,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    if moe:
+        cfg.update(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                   num_experts_per_tok=2)
+    else:
+        cfg.update(intermediate_size=96)
+    return cfg
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_qwen_vlm_layout_with_mtp(tmp_path, moe):
+    if moe:
+        from transformers import Qwen3_5MoeForCausalLM as HFModel
+        from transformers import Qwen3_5MoeTextConfig as HFConfig
+    else:
+        from transformers import Qwen3_5ForCausalLM as HFModel
+        from transformers import Qwen3_5TextConfig as HFConfig
+
+    torch.manual_seed(1)
+    text_cfg = _small_qwen_config(moe)
+    hf = HFModel(HFConfig(**text_cfg)).eval()
+    # MTP weights as real checkpoints store them: per-expert for MoE (fused on conversion)
+    mtp = {"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.zeros(64)}
+    if moe:
+        for j in range(4):
+            for proj, shape in (("gate_proj", (32, 64)), ("up_proj", (32, 64)), ("down_proj", (64, 32))):
+                mtp[f"mtp.layers.0.mlp.experts.{j}.{proj}.weight"] = torch.full(shape, float(j))
+    model_type = "qwen3_5_moe" if moe else "qwen3_5"
+    config = {"model_type": model_type, "architectures": ["Qwen3_5ForConditionalGeneration"],
+              "text_config": {**text_cfg, "model_type": f"{model_type}_text", "mtp_num_hidden_layers": 1},
+              "vision_config": {"depth": 1}}
+    visual = {"model.visual.blocks.0.norm1.weight": torch.ones(8)}
+
+    def vlm_name(k: str) -> str:
+        return k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k
+
+    _save_folder(tmp_path / "qwen-tiny", hf, config, {**mtp, **visual}, rename=vlm_name)
+    out = convert_hf(tmp_path / "qwen-tiny", tmp_path / "q.ninfer", dtype=torch.float32, progress=False)
+    tokens = [1, 200, 33, 4, 150, 9, 77]
+    ours, art = _our_logits(out, tokens)
+    torch.testing.assert_close(ours, _hf_logits(hf, tokens), atol=2e-4, rtol=0)
+    assert art.has_component("mtp") and not art.has_component("vision")
+    assert art.manifest.extra["skipped_components"] == ["vision"]
+    assert art.manifest.sampling_presets["thinking"]["top_k"] == 20
+    mtp_weights = art.load(["mtp"])["mtp"]
+    assert "fc.weight" in mtp_weights
+    if moe:
+        fused = mtp_weights["layers.0.mlp.experts.gate_up_proj"]
+        assert fused.shape == (4, 64, 64) and fused[2, 0, 0] == 2.0 and fused[3, 40, 0] == 3.0
+        assert mtp_weights["layers.0.mlp.experts.down_proj"].shape == (4, 64, 32)
+
+
+def test_cli_lists_converters():
+    out = subprocess.run([sys.executable, "-m", "ninfer.cli", "convert", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for name in ("gguf", "hf", "synthetic", "default"):
+        assert name in out
+
+
+def test_cli_synthetic_and_info(tmp_path):
+    path = tmp_path / "t.ninfer"
+    subprocess.run([sys.executable, "-m", "ninfer.cli", "convert", "synthetic", "--preset", "tiny-llama",
+                    "-o", str(path)], check=True, capture_output=True)
+    info = json.loads(subprocess.run([sys.executable, "-m", "ninfer.cli", "info", str(path)], check=True,
+                                     capture_output=True, text=True).stdout)
+    assert info["architecture"] == "llama" and info["name"] == "tiny-llama"
+
+
+def test_cli_reports_a_bad_file_clearly(tmp_path):
+    bad = tmp_path / "bad.ninfer"
+    bad.write_bytes(b"nope")
+    proc = subprocess.run([sys.executable, "-m", "ninfer.cli", "info", str(bad)], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "bad.ninfer: not a .ninfer artifact" in proc.stderr
+    assert "Traceback" not in proc.stderr
