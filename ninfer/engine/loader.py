@@ -49,6 +49,9 @@ def load_model(artifact: Artifact, device: torch.device, dtype: torch.dtype,
 
 def load_engine(path: str | Path, settings: EngineSettings | None = None, *, device: torch.device | None = None,
                 dtype: str = "auto", start: bool = True) -> Engine:
+    """Load an artifact into a started engine; the load itself runs on the engine's thread."""
+    if start:
+        return Engine.build_and_start(lambda: load_engine(path, settings, device=device, dtype=dtype, start=False))
     artifact = Artifact(path)
     device = device or pick_device()
     torch_dtype = pick_dtype(dtype, device)
@@ -61,12 +64,15 @@ def load_engine(path: str | Path, settings: EngineSettings | None = None, *, dev
         settings.sampling_presets = artifact.manifest.sampling_presets
     engine = Engine(model, tokenizer, settings, device=device, dtype=torch_dtype)
     engine.artifact = artifact
-    return engine.start() if start else engine
+    return engine
 
 
 def engine_from_preset(name: str, settings: EngineSettings | None = None, *, device: torch.device | None = None,
                        dtype: str = "auto", seed: int = 0, start: bool = True) -> Engine:
     """A random-weight preset built directly on the device (full-size shapes for benchmarks: no file)."""
+    if start:
+        return Engine.build_and_start(
+            lambda: engine_from_preset(name, settings, device=device, dtype=dtype, seed=seed, start=False))
     from ninfer.artifact.presets import get_preset, instantiate, tokenizer_json_for
 
     preset = get_preset(name)
@@ -79,5 +85,4 @@ def engine_from_preset(name: str, settings: EngineSettings | None = None, *, dev
         settings.eos_ids = set(extra.get("eos_token_ids", []))
     if not settings.sampling_presets:
         settings.sampling_presets = preset.sampling_presets
-    engine = Engine(model, Tokenizer.from_json_str(tokenizer_json), settings, device=device, dtype=torch_dtype)
-    return engine.start() if start else engine
+    return Engine(model, Tokenizer.from_json_str(tokenizer_json), settings, device=device, dtype=torch_dtype)
