@@ -15,7 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from ninfer.artifact.container import Artifact  # noqa: E402
-from ninfer.artifact.convert_gguf import convert_gguf, default_smollm2_gguf, unpermute_rotary  # noqa: E402
+from ninfer.artifact.convert_gguf import default_smollm2_gguf, unpermute_rotary  # noqa: E402
 from ninfer.models import build_model  # noqa: E402
 from ninfer.models.batch import ForwardBatch, ModelCache  # noqa: E402
 
@@ -38,10 +38,8 @@ def gguf_path():
 
 
 @pytest.fixture(scope="session")
-def artifact(gguf_path, tmp_path_factory):
-    path = tmp_path_factory.mktemp("smollm2") / "smollm2.ninfer"
-    convert_gguf(gguf_path, path, name="smollm2-135m-instruct", progress=False)
-    return Artifact(path)
+def artifact(gguf_path, smollm2_path):
+    return Artifact(smollm2_path)  # converted once per run (tests/conftest.py)
 
 
 def prompt_ids(artifact: Artifact, messages: list[dict]) -> list[int]:
