@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from engine_helpers import assert_no_leak
 
 from ninfer.engine.engine import EngineSettings
 from ninfer.engine.loader import load_engine
@@ -48,11 +49,10 @@ def _greedy_alone_and_batched(path, max_tokens=12, **batched_settings):
     batch_engine = load_engine(path, EngineSettings(**settings))
     try:
         results = _run_all(batch_engine, requests())
-        pages_left = batch_engine.scheduler.pages.used_pages
         preemptions = batch_engine.scheduler.preemptions
     finally:
         batch_engine.shutdown()
-    assert pages_left == 0
+    assert_no_leak(batch_engine)
     return alone, [_ids(r) for r in results], [r[-1] for r in results], preemptions
 
 

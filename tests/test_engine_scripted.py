@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from engine_helpers import assert_no_leak
 
 from ninfer.engine.engine import THINKING_GUIDANCE, Engine, EngineSettings
 from ninfer.engine.types import (
@@ -67,7 +68,7 @@ def test_scripted_answer_eos_and_usage(tok):
     assert fin.usage.completion_tokens == len(out) + 1
     assert fin.usage.prompt_tokens == len(prompt) and fin.usage.cached_tokens == 0
     assert fin.timings.prompt_n == len(prompt) and fin.timings.predicted_n == len(out) + 1
-    assert engine.scheduler.pages.used_pages == 0
+    assert_no_leak(engine)
 
 
 def test_stop_string_split_across_tokens_is_found_and_withheld(tok):
@@ -242,7 +243,8 @@ def test_cancel_during_decode_returns_every_page(tok):
     finally:
         engine.shutdown()
     assert events[-1].reason is FinishReason.CANCELLED
-    assert engine.scheduler.pages.used_pages == 0 and not engine.scheduler.resident
+    assert_no_leak(engine)
+    assert not engine.scheduler.resident
 
 
 def test_cancel_during_prefill_returns_every_page(tok):
@@ -257,7 +259,7 @@ def test_cancel_during_prefill_returns_every_page(tok):
         engine.shutdown()
     assert events[-1].reason is FinishReason.CANCELLED
     assert events[-1].usage.completion_tokens == 0
-    assert engine.scheduler.pages.used_pages == 0
+    assert_no_leak(engine)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(qwen_tokenizer):

@@ -17,7 +17,9 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from ninfer.engine.kv_pool import PagePool, SlotPool
+from ninfer.engine import transfers
+from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.kv_pool import PagePool, PoolExhausted, SlotPool
 from ninfer.engine.output_control import OutputController, ThinkingControl
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Scheduler
@@ -65,6 +67,8 @@ class EngineSettings:
     greedy: bool = False
     seed: int | None = None
     eos_ids: set[int] = field(default_factory=set)
+    prefix_reuse: bool = True  # --no-prefix-reuse turns cross-request reads and writes off
+    host_context_bytes: int | None = None  # pause-snapshot budget; None: 8 GiB + 8 state images; 0: replay only
 
 
 @dataclass
@@ -79,6 +83,10 @@ class Counters:
     requests: dict[str, int] = field(default_factory=dict)
     decode_steps: int = 0
     prefill_chunks: int = 0
+    snapshot_restores: int = 0
+    transfer_bytes_d2h: int = 0
+    transfer_bytes_h2d: int = 0
+    paused_seconds: float = 0.0
 
 
 class Engine:
@@ -96,8 +104,15 @@ class Engine:
         self.runner = ModelRunner(model, num_pages=pages.num_pages, page_size=settings.page_size,
                                   num_state_slots=num_slots if slots else 0, num_lanes=settings.max_concurrency,
                                   vocab_size=tokenizer.vocab_size, device=self.device, dtype=dtype)
+        self.hybrid = slots is not None
+        self.cache = ContextCache(pages, slots, hybrid=self.hybrid, enabled=settings.prefix_reuse)
         self.scheduler = Scheduler(max_concurrency=settings.max_concurrency, prefill_chunk=settings.prefill_chunk,
-                                   pages=pages, slots=slots)
+                                   pages=pages, slots=slots, cache=self.cache)
+        self.scheduler.before_pause = self._snapshot_on_pause
+        state_image = transfers.state_bytes(self.runner.cache)
+        self.host_budget = (settings.host_context_bytes if settings.host_context_bytes is not None
+                            else 8 * 2**30 + 8 * state_image)
+        self.host_used = 0
         self.thinking = self._thinking_control(tokenizer)
         self.counters = Counters()
         self.healthy = True
@@ -223,6 +238,13 @@ class Engine:
             "state_slots_used": sched.slots.used_slots if sched.slots else 0,
             "state_slots_capacity": sched.slots.num_slots if sched.slots else 0,
             "preemptions": sched.preemptions,
+            "prefix_hits": self.cache.hits,
+            "prefix_misses": self.cache.misses,
+            "prefix_captures": self.cache.captures,
+            "prefix_evictions": self.cache.evictions,
+            "retained_checkpoints": len(self.cache.entries),
+            "host_context_used_bytes": self.host_used,
+            "host_context_capacity_bytes": self.host_budget,
             **{k: v for k, v in vars(c).items() if k != "requests"},
             "requests": dict(c.requests),
         }
@@ -280,8 +302,11 @@ class Engine:
                                       thinking=self.thinking, thinking_open=thinking_open,
                                       thinking_budget=budget if thinking_open else None)
         deadline = time.monotonic() + s.pending_timeout_ms / 1000.0
+        # attention-only models reuse any page-aligned prefix of a finished request; only hybrid
+        # models need their state captured at the frontend's boundaries
+        checkpoints = sorted({p for p in request.checkpoints if 0 < p < n}) if self.hybrid and s.prefix_reuse else []
         return Sequence(request=request, order=0, sampling=self.resolve_sampling(request), max_tokens=max_tokens,
-                        controller=controller, emit=emit, deadline=deadline)
+                        controller=controller, emit=emit, deadline=deadline, checkpoints=checkpoints)
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -325,15 +350,104 @@ class Engine:
 
     def _admit(self) -> None:
         for seq in self.scheduler.admit():
-            restoring = bool(seq.output_ids)
+            if seq.t_paused is not None:
+                self.counters.paused_seconds += time.monotonic() - seq.t_paused
+                seq.t_paused = None
+            if seq.snapshot is not None:
+                self._restore_snapshot(seq)
+            else:
+                reused = self._reuse_prefix(seq)
+                if seq.t_admit is None:  # initial binding: the request's cached count is fixed here
+                    seq.cached_tokens = reused
+                    seq.prefix_path = "checkpoint" if reused else "root"
+                    self.counters.cached_prompt_tokens += reused
+                elif seq.output_ids:
+                    self.counters.replay_restores += 1
             if seq.t_admit is None:
                 seq.t_admit = time.monotonic()
                 self.counters.prompt_tokens += seq.prompt_len
                 if seq.request.return_progress:
                     seq.emit(ProgressEvent(seq.prompt_len, seq.cached_tokens, seq.cached_tokens, 0.0))
-            if restoring:
-                self.counters.replay_restores += 1
             self.runner.reset_lane(seq.lane, seq.output_ids)
+
+    # ---- context cache -------------------------------------------------------------------------
+    def _reuse_prefix(self, seq: Sequence) -> int:
+        """Start `seq` from the longest retained prefix of its tokens; returns the reused length."""
+        match = self.cache.lookup(seq.tokens(0, seq.total_len))
+        if match is None:
+            return 0
+        pool, entry, page_size = self.scheduler.pages, match.checkpoint, self.settings.page_size
+        full = match.length // page_size
+        shared = entry.pages[:full]
+        pool.share(shared)
+        tail: list[int] = []
+        if match.length % page_size:  # a partly filled page: this request writes into it, so copy it
+            try:
+                tail = pool.allocate(1)
+            except PoolExhausted:
+                pool.release(shared)
+                return 0
+            transfers.copy_pages(self.runner.cache, [entry.pages[full]], tail)
+        if entry.state_slot is not None:
+            transfers.copy_state(self.runner.cache, entry.state_slot, seq.state_slot)
+        seq.pages = shared + tail
+        seq.num_computed = match.length
+        return match.length
+
+    def _capture(self, seq: Sequence, end: int, kind: str) -> None:
+        """Retain seq's first `end` tokens: share their pages and copy the recurrent state."""
+        tokens = tuple(seq.tokens(0, end))
+        if self.cache.has_prefix(tokens):
+            return
+        slot = None
+        if self.hybrid:
+            slots = self.scheduler.slots
+            if slots.free_slots == 0 and not self.cache.evict_for_slot():
+                return  # best effort: no slot to hold the state
+            slot = slots.allocate()
+            transfers.copy_state(self.runner.cache, seq.state_slot, slot)
+        pages = seq.pages[: self.scheduler.pages.pages_for(end)]
+        self.scheduler.pages.share(pages)
+        self.cache.add(tokens, pages, slot, kind)
+
+    def _retain_endpoint(self, seq: Sequence) -> None:
+        """Hand a finished request's pages and state slot to the cache (no copy)."""
+        n = seq.num_computed
+        if not (self.cache.enabled and seq.request.retain_endpoint and n > 0 and seq.pages):
+            return
+        keep = self.scheduler.pages.pages_for(n)
+        self.scheduler.pages.release(seq.pages[keep:])
+        pages, slot = seq.pages[:keep], seq.state_slot
+        seq.pages, seq.state_slot = [], None
+        self.cache.add(tuple(seq.tokens(0, n)), pages, slot, "endpoint", session=seq.request.session_key)
+
+    def _snapshot_on_pause(self, seq: Sequence) -> None:
+        seq.t_paused = time.monotonic()
+        n = seq.num_computed
+        if n == 0 or not seq.pages:
+            return
+        pages = seq.pages[: self.scheduler.pages.pages_for(n)]
+        need = transfers.snapshot_bytes(self.runner.cache, len(pages), self.hybrid)
+        if self.host_used + need > self.host_budget:
+            return  # no host room: the request will be rebuilt by replay
+        seq.snapshot = transfers.to_host(self.runner.cache, pages, seq.state_slot)
+        self.host_used += seq.snapshot.nbytes
+        self.counters.transfer_bytes_d2h += seq.snapshot.nbytes
+
+    def _restore_snapshot(self, seq: Sequence) -> None:
+        snap = seq.snapshot
+        seq.pages = self.scheduler.pages.allocate(snap.num_pages)
+        transfers.from_host(self.runner.cache, snap, seq.pages, seq.state_slot)
+        self._free_snapshot(seq)
+        self.counters.transfer_bytes_h2d += snap.nbytes
+        self.counters.snapshot_restores += 1
+        if seq.output_ids and seq.num_computed >= seq.prefill_target:
+            seq.status = Status.DECODE
+
+    def _free_snapshot(self, seq: Sequence) -> None:
+        if seq.snapshot is not None:
+            self.host_used -= seq.snapshot.nbytes
+            seq.snapshot = None
 
     def _prefill_step(self) -> bool:
         unit = self.scheduler.next_prefill()
@@ -346,6 +460,8 @@ class Engine:
         logits = self.runner.forward([seq], [seq.tokens(unit.start, unit.end)])
         computed = unit.end - unit.start
         seq.num_computed = unit.end
+        if unit.end in seq.checkpoints:
+            self._capture(seq, unit.end, "input")
         self.counters.prefill_chunks += 1
         if seq.output_ids:
             self.counters.replayed_tokens += computed
@@ -425,6 +541,9 @@ class Engine:
             tail = seq.controller.finish_text()
             if tail:
                 seq.emit(TokenEvent([], seq.controller.channel, tail))
+        if reason not in (FinishReason.CANCELLED, FinishReason.ERROR):
+            self._retain_endpoint(seq)
+        self._free_snapshot(seq)
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         self._drop(seq)
@@ -442,7 +561,7 @@ class Engine:
                       completion_tokens=len(seq.output_ids), reasoning_tokens=seq.controller.reasoning_tokens)
         seq.emit(FinishEvent(reason, usage, timings, stop_string=seq.controller.stop_string,
                              thinking_budget_applied=seq.controller.budget_applied,
-                             preemptions=seq.preemptions, error=error))
+                             preemptions=seq.preemptions, prefix_reuse_path=seq.prefix_path, error=error))
         self._count_outcome(reason.value)
 
     def _drop(self, seq: Sequence) -> None:

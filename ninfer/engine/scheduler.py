@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
+from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.kv_pool import PagePool, PoolExhausted, SlotPool
 from ninfer.engine.sequence import Sequence, Status
 
@@ -32,8 +34,11 @@ class PrefillUnit:
 
 
 class Scheduler:
-    def __init__(self, *, max_concurrency: int, prefill_chunk: int, pages: PagePool, slots: SlotPool | None):
+    def __init__(self, *, max_concurrency: int, prefill_chunk: int, pages: PagePool, slots: SlotPool | None,
+                 cache: ContextCache | None = None):
         self.max_concurrency = max_concurrency
+        self.cache = cache or ContextCache(pages, slots, hybrid=slots is not None, enabled=False)
+        self.before_pause: Callable[[Sequence], None] | None = None  # host snapshot hook (engine)
         self.prefill_chunk = prefill_chunk
         self.pages = pages
         self.slots = slots
@@ -46,11 +51,19 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
     def _fits(self, seq: Sequence) -> bool:
-        if not self._free_lanes or (self.slots is not None and self.slots.free_slots == 0):
+        """A free lane, a state slot and pages for the saved frontier (a restore) or the first chunk,
+        plus one more unit; retained checkpoints are reclaimed to make room."""
+        if not self._free_lanes:
             return False
-        # room for the saved frontier (a restore) or the first chunk, plus one more unit
+        while self.slots is not None and self.slots.free_slots == 0:
+            if not self.cache.evict_for_slot():
+                return False
         target = seq.prefill_target if seq.status is Status.PAUSED else min(seq.prefill_target, self.prefill_chunk)
-        return self.pages.pages_for(target + 1) <= self.pages.free_pages
+        need = self.pages.pages_for(target + 1)
+        while need > self.pages.free_pages:
+            if not self.cache.evict_one():
+                return False
+        return True
 
     def _bind(self, seq: Sequence) -> None:
         seq.lane = self._free_lanes.popleft()
@@ -111,10 +124,14 @@ class Scheduler:
             self.paused.remove(seq)
 
     def pause(self, seq: Sequence) -> None:
+        """Evict a resident request; with a host snapshot it keeps its computed frontier, else it
+        will be rebuilt by replay from token 0."""
+        if self.before_pause is not None:
+            self.before_pause(seq)
         self.release(seq)
         seq.status = Status.PAUSED
-        seq.num_computed = 0
-        seq.cached_tokens = 0
+        if seq.snapshot is None:
+            seq.num_computed = 0
         seq.preemptions += 1
         self.preemptions += 1
         self.paused.append(seq)
@@ -123,6 +140,8 @@ class Scheduler:
     def _reserve(self, seq: Sequence, upto: int) -> bool:
         """Give `seq` pages covering `upto` tokens, pausing younger residents when short."""
         need = self.pages.pages_for(upto) - len(seq.pages)
+        while need > self.pages.free_pages and self.cache.evict_one():
+            pass  # retained prefixes go before any running request pauses
         while need > self.pages.free_pages:
             victim = max((s for s in self.resident if s is not seq), key=lambda s: s.order, default=None)
             if victim is None or victim.order < seq.order:
@@ -142,6 +161,8 @@ class Scheduler:
         for seq in self.resident:
             if seq.status is Status.PREFILL:
                 end = min(seq.num_computed + self.prefill_chunk, seq.prefill_target)
+                # stop a chunk at a checkpoint position so its state can be captured exactly there
+                end = min([end] + [p for p in seq.checkpoints if seq.num_computed < p < end])
                 if not self._reserve(seq, end):
                     return seq
                 return PrefillUnit(seq, seq.num_computed, end)

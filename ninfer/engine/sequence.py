@@ -37,12 +37,16 @@ class Sequence:
     state_slot: int | None = None
     lane: int | None = None  # row of the penalty-count buffer
     forced: deque[int] = field(default_factory=deque)  # control tokens to commit without sampling
+    checkpoints: list[int] = field(default_factory=list)  # prompt positions to capture (hybrid models)
+    snapshot: object | None = None  # HostSnapshot while paused with host backing
+    prefix_path: str = "root"  # "checkpoint" when admission reused a retained prefix
     preemptions: int = 0
     cancelled: bool = False
     t_submit: float = field(default_factory=time.monotonic)
     t_admit: float | None = None
     t_first: float | None = None
     t_last: float | None = None
+    t_paused: float | None = None
 
     @property
     def request_id(self) -> str:

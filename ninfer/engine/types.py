@@ -45,6 +45,9 @@ class EngineRequest:
     thinking: bool = False  # the prompt ends inside an open reasoning block
     thinking_budget: int | None = None  # cap on reasoning-channel tokens; None: process default
     return_progress: bool = False
+    checkpoints: list[int] = field(default_factory=list)  # prompt positions worth retaining (input boundary, cache hints)
+    session_key: str | None = None  # a conversation chain: its latest endpoint is retained
+    retain_endpoint: bool = True  # capture the endpoint after the response (store:false children: False)
 
 
 class Channel(str, enum.Enum):
@@ -126,6 +129,7 @@ class FinishEvent:
     stop_string: str | None = None  # the matched stop string, withheld from the text
     thinking_budget_applied: bool = False
     preemptions: int = 0
+    prefix_reuse_path: str = "root"  # "checkpoint" when a retained prefix was reused
     error: str | None = None
 
 

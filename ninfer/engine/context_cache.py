@@ -1,0 +1,141 @@
+"""Retained prefixes ("checkpoints") that later requests may reuse; bookkeeping only, no tensors.
+
+A checkpoint is the exact token prefix it was computed from, the KV pages holding it (shared
+through page reference counts) and, for hybrid models, a state slot holding the recurrent state
+captured exactly at its end. Reuse rules:
+- attention-only models: any page-aligned prefix of a checkpoint that matches the prompt;
+- hybrid models: only the checkpoint's own length (recurrent state exists only where captured).
+Reuse never covers the whole prompt: the last prompt token is always computed, for its logits.
+
+Checkpoints hold pool resources; they are reclaimed least-recently-used first, before any
+running request is paused.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from ninfer.engine.kv_pool import PagePool, SlotPool
+
+MAX_CHECKPOINTS = 64
+
+
+@dataclass
+class Checkpoint:
+    tokens: tuple[int, ...]
+    pages: list[int]
+    state_slot: int | None
+    kind: str  # "endpoint", "input", "candidate"
+    session: str | None = None
+    last_used: int = 0
+
+
+@dataclass
+class Match:
+    checkpoint: Checkpoint
+    length: int  # tokens reused
+
+
+def common_prefix(a: tuple[int, ...], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class ContextCache:
+    def __init__(self, pages: PagePool, slots: SlotPool | None, *, hybrid: bool, enabled: bool = True,
+                 max_checkpoints: int = MAX_CHECKPOINTS):
+        self.pages = pages
+        self.slots = slots
+        self.hybrid = hybrid
+        self.enabled = enabled
+        self.max_checkpoints = max_checkpoints
+        self.entries: list[Checkpoint] = []
+        self._clock = itertools.count(1)
+        self.hits = self.misses = self.captures = self.evictions = 0
+
+    # ---- lookup ----------------------------------------------------------------------------
+    def lookup(self, prompt: list[int]) -> Match | None:
+        """The longest reusable prefix of `prompt` (at most len(prompt) - 1 tokens)."""
+        if not self.enabled:
+            return None
+        limit = len(prompt) - 1
+        best: Match | None = None
+        for entry in self.entries:
+            if self.hybrid:
+                n = len(entry.tokens)
+                if n == 0 or n > limit or common_prefix(entry.tokens, prompt, n) != n:
+                    continue
+            else:
+                n = common_prefix(entry.tokens, prompt, limit)
+                n -= n % self.pages.page_size  # whole pages only: no copy needed for attention models
+                if n == 0:
+                    continue
+            if best is None or n > best.length:
+                best = Match(entry, n)
+        if best is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            best.checkpoint.last_used = next(self._clock)
+        return best
+
+    def has_prefix(self, tokens: tuple[int, ...]) -> bool:
+        return any(e.tokens == tokens for e in self.entries)
+
+    # ---- capture -----------------------------------------------------------------------------
+    def add(self, tokens: tuple[int, ...], pages: list[int], state_slot: int | None, kind: str,
+            session: str | None = None) -> Checkpoint | None:
+        """Adopt already-referenced pages (and slot) as a checkpoint; the caller passes ownership."""
+        if not self.enabled or not tokens:
+            self._drop_resources(pages, state_slot)
+            return None
+        if session is not None:  # a session keeps only its latest endpoint
+            for old in [e for e in self.entries if e.session == session]:
+                self._evict(old)
+        for dup in [e for e in self.entries if e.tokens == tokens]:
+            self._evict(dup)  # the newer copy replaces an identical one
+        entry = Checkpoint(tokens, pages, state_slot, kind, session, next(self._clock))
+        self.entries.append(entry)
+        self.captures += 1
+        while len(self.entries) > self.max_checkpoints:
+            self._evict(min(self.entries, key=lambda e: e.last_used))
+        return entry
+
+    # ---- reclaim -----------------------------------------------------------------------------
+    def evict_one(self) -> bool:
+        """Drop the least recently used checkpoint; False when none is left."""
+        if not self.entries:
+            return False
+        self._evict(min(self.entries, key=lambda e: e.last_used))
+        return True
+
+    def evict_for_slot(self) -> bool:
+        """Drop the least recently used checkpoint that holds a state slot."""
+        holders = [e for e in self.entries if e.state_slot is not None]
+        if not holders:
+            return False
+        self._evict(min(holders, key=lambda e: e.last_used))
+        return True
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass
+
+    def _evict(self, entry: Checkpoint) -> None:
+        self.entries.remove(entry)
+        self.evictions += 1
+        self._drop_resources(entry.pages, entry.state_slot)
+
+    def _drop_resources(self, pages: list[int], slot: int | None) -> None:
+        if pages:
+            self.pages.release(pages)
+        if slot is not None and self.slots is not None:
+            self.slots.release(slot)
+
+    @property
+    def held_pages(self) -> int:
+        return len({p for e in self.entries for p in e.pages})
