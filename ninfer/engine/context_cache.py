@@ -58,8 +58,10 @@ class ContextCache:
         self.hits = self.misses = self.captures = self.evictions = 0
 
     # ---- lookup ----------------------------------------------------------------------------
-    def lookup(self, prompt: list[int]) -> Match | None:
-        """The longest reusable prefix of `prompt` (at most len(prompt) - 1 tokens)."""
+    def lookup(self, prompt: list[int], record: bool = True) -> Match | None:
+        """The longest reusable prefix of `prompt` (at most len(prompt) - 1 tokens).
+
+        record=False only peeks (admission sizing); the committed choice is recorded."""
         if not self.enabled:
             return None
         limit = len(prompt) - 1
@@ -76,12 +78,16 @@ class ContextCache:
                     continue
             if best is None or n > best.length:
                 best = Match(entry, n)
-        if best is None:
+        if record:
+            self.record(best)
+        return best
+
+    def record(self, match: Match | None) -> None:
+        if match is None:
             self.misses += 1
         else:
             self.hits += 1
-            best.checkpoint.last_used = next(self._clock)
-        return best
+            match.checkpoint.last_used = next(self._clock)
 
     def has_prefix(self, tokens: tuple[int, ...]) -> bool:
         return any(e.tokens == tokens for e in self.entries)
@@ -106,16 +112,17 @@ class ContextCache:
         return entry
 
     # ---- reclaim -----------------------------------------------------------------------------
-    def evict_one(self) -> bool:
-        """Drop the least recently used checkpoint; False when none is left."""
-        if not self.entries:
+    def evict_one(self, keep: Checkpoint | None = None) -> bool:
+        """Drop the least recently used checkpoint (other than `keep`); False when none is left."""
+        candidates = [e for e in self.entries if e is not keep]
+        if not candidates:
             return False
-        self._evict(min(self.entries, key=lambda e: e.last_used))
+        self._evict(min(candidates, key=lambda e: e.last_used))
         return True
 
-    def evict_for_slot(self) -> bool:
-        """Drop the least recently used checkpoint that holds a state slot."""
-        holders = [e for e in self.entries if e.state_slot is not None]
+    def evict_for_slot(self, keep: Checkpoint | None = None) -> bool:
+        """Drop the least recently used checkpoint that holds a state slot (other than `keep`)."""
+        holders = [e for e in self.entries if e.state_slot is not None and e is not keep]
         if not holders:
             return False
         self._evict(min(holders, key=lambda e: e.last_used))

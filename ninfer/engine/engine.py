@@ -69,6 +69,7 @@ class EngineSettings:
     eos_ids: set[int] = field(default_factory=set)
     prefix_reuse: bool = True  # --no-prefix-reuse turns cross-request reads and writes off
     host_context_bytes: int | None = None  # pause-snapshot budget; None: 8 GiB + 8 state images; 0: replay only
+    no_cuda_graph: bool = False  # --no-cuda-graph: decode runs eagerly instead of replaying CUDA graphs
 
 
 @dataclass
@@ -103,7 +104,8 @@ class Engine:
         slots = SlotPool(num_slots) if spec.num_state_layers > 0 else None
         self.runner = ModelRunner(model, num_pages=pages.num_pages, page_size=settings.page_size,
                                   num_state_slots=num_slots if slots else 0, num_lanes=settings.max_concurrency,
-                                  vocab_size=tokenizer.vocab_size, device=self.device, dtype=dtype)
+                                  vocab_size=tokenizer.vocab_size, device=self.device, dtype=dtype,
+                                  cuda_graphs=not settings.no_cuda_graph, max_seq_len=settings.max_context)
         self.hybrid = slots is not None
         self.cache = ContextCache(pages, slots, hybrid=self.hybrid, enabled=settings.prefix_reuse)
         self.scheduler = Scheduler(max_concurrency=settings.max_concurrency, prefill_chunk=settings.prefill_chunk,
@@ -373,8 +375,9 @@ class Engine:
     # ---- context cache -------------------------------------------------------------------------
     def _reuse_prefix(self, seq: Sequence) -> int:
         """Start `seq` from the longest retained prefix of its tokens; returns the reused length."""
-        match = self.cache.lookup(seq.tokens(0, seq.total_len))
-        if match is None:
+        match, seq.match = seq.match, None
+        self.cache.record(match)
+        if match is None or match.checkpoint not in self.cache.entries:
             return 0
         pool, entry, page_size = self.scheduler.pages, match.checkpoint, self.settings.page_size
         full = match.length // page_size

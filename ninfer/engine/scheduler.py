@@ -51,18 +51,28 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
     def _fits(self, seq: Sequence) -> bool:
-        """A free lane, a state slot and pages for the saved frontier (a restore) or the first chunk,
-        plus one more unit; retained checkpoints are reclaimed to make room."""
+        """A free lane, a state slot and pages for the saved frontier (a snapshot restore) or the
+        first unit after the reusable prefix, plus one more token. Retained checkpoints other than
+        the one this request will reuse are reclaimed to make room."""
         if not self._free_lanes:
             return False
+        match = None
+        if seq.snapshot is None:
+            match = self.cache.lookup(seq.tokens(0, seq.total_len), record=False)
+        keep = match.checkpoint if match else None
         while self.slots is not None and self.slots.free_slots == 0:
-            if not self.cache.evict_for_slot():
+            if not self.cache.evict_for_slot(keep=keep):
                 return False
-        target = seq.prefill_target if seq.status is Status.PAUSED else min(seq.prefill_target, self.prefill_chunk)
-        need = self.pages.pages_for(target + 1)
+        if seq.snapshot is not None:
+            need = self.pages.pages_for(seq.num_computed + 1)
+        else:
+            reused = match.length if match else 0
+            end = min(seq.prefill_target, reused + self.prefill_chunk)
+            need = self.pages.pages_for(end + 1) - reused // self.pages.page_size
         while need > self.pages.free_pages:
-            if not self.cache.evict_one():
+            if not self.cache.evict_one(keep=keep):
                 return False
+        seq.match = match
         return True
 
     def _bind(self, seq: Sequence) -> None:

@@ -39,6 +39,7 @@ class Sequence:
     forced: deque[int] = field(default_factory=deque)  # control tokens to commit without sampling
     checkpoints: list[int] = field(default_factory=list)  # prompt positions to capture (hybrid models)
     snapshot: object | None = None  # HostSnapshot while paused with host backing
+    match: object | None = None  # context-cache Match chosen at admission, applied by the engine
     prefix_path: str = "root"  # "checkpoint" when admission reused a retained prefix
     preemptions: int = 0
     cancelled: bool = False
