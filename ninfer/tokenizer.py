@@ -27,6 +27,8 @@ class Tokenizer:
         self._text_only.encode_special_tokens = True
         added = self._with_special.get_added_tokens_decoder()
         self.special_token_ids: frozenset[int] = frozenset(i for i, tok in added.items() if tok.special)
+        # Every added token, special or not: the spellings a chat template may write as control tokens.
+        self.added_tokens: dict[str, int] = {tok.content: i for i, tok in sorted(added.items())}
 
     @classmethod
     def from_json_str(cls, text: str) -> "Tokenizer":

@@ -69,6 +69,7 @@ class ToolCallPart:
     arguments: dict[str, Any]
     namespace: str | None = None
     raw_arguments: str | None = None
+    cache: CacheMark | None = None  # Anthropic cache_control on a tool_use block: a write after its message
     type: Literal["tool_call"] = "tool_call"
 
 
@@ -98,6 +99,7 @@ class ToolDef:
     description: str | None = None
     parameters: dict[str, Any] | None = None
     namespace: str | None = None
+    cache: CacheMark | None = None  # Anthropic cache_control on a tool definition
 
     @property
     def identity(self) -> tuple[str | None, str]:
@@ -146,6 +148,8 @@ class Prompt:
     input_boundary: int | None = None  # stable boundary before the response (contract: input checkpoint)
     cache_candidates: list[int] = field(default_factory=list)  # at most 4, ascending
     media: list[Part] = field(default_factory=list)  # image/video parts bound to placeholders, in order
+    media_token_offsets: list[int] = field(default_factory=list)  # index of each media's pad token in token_ids
+    preserve_thinking: bool | None = None  # the value the template saw; None: the template's default
 
 
 # ---- output side -----------------------------------------------------------------------------
@@ -175,9 +179,19 @@ class OutputDelta:
 
 
 @dataclass
+class ToolParseStats:
+    """Tool-call parse diagnostics for the request log (counts only, never arguments or text)."""
+
+    marker_seen: bool = False  # a complete call marker appeared in the answer
+    empty_arguments_omitted: int = 0  # empty blocks of declared non-string parameters
+    schema_mismatch_arguments: int = 0  # kept for the tool consumer to reject
+
+
+@dataclass
 class DecodedOutput:
     reasoning: str
     content: str
     tool_calls: list[ToolCall]
     fallback_reason: str = "none"  # none, malformed_structure, duplicate_parameter, invalid_tool_name,
     #                                undeclared_tool, trailing_content
+    tool_parse: ToolParseStats = field(default_factory=ToolParseStats)
