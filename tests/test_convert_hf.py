@@ -60,6 +60,7 @@ def test_llama_folder(tmp_path):
     ours, art = _our_logits(out, tokens)
     assert art.architecture == "llama" and art.name == "llama-tiny"
     assert art.manifest.extra["eos_token_ids"] == [5, 6]
+    assert art.chat_template == "{{ messages }}"  # non-Qwen: the checkpoint's own template
     torch.testing.assert_close(ours, _hf_logits(hf, tokens), atol=1e-4, rtol=0)
 
 
@@ -110,6 +111,7 @@ def test_qwen_vlm_layout_with_mtp(tmp_path, moe):
     ours, art = _our_logits(out, tokens)
     torch.testing.assert_close(ours, _hf_logits(hf, tokens), atol=2e-4, rtol=0)
     assert art.has_component("mtp") and not art.has_component("vision")
+    assert "maintained Qwen3.6 chat template" in art.chat_template
     assert art.manifest.extra["skipped_components"] == ["vision"]
     assert art.manifest.sampling_presets["thinking"]["top_k"] == 20
     mtp_weights = art.load(["mtp"])["mtp"]

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ninfer.artifact.container import Manifest, write_artifact
-from ninfer.artifact.presets import SAMPLING_PRESETS_BY_ARCHITECTURE
+from ninfer.artifact.presets import SAMPLING_PRESETS_BY_ARCHITECTURE, maintained_qwen_template
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -94,7 +94,9 @@ def _eos_ids(folder: Path, config: dict[str, Any]) -> list[int]:
 
 
 def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
-               name: str | None = None, progress: bool = True) -> Path:
+               name: str | None = None, progress: bool = True, keep_template: bool = False) -> Path:
+    """Convert a checkpoint folder. Qwen3.5/3.6 artifacts get ninfer's maintained chat template
+    (mid-conversation system/developer turns) unless keep_template asks for the checkpoint's own."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     architecture = _model_type(config)
@@ -148,5 +150,8 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
         extra={"eos_token_ids": _eos_ids(folder, config), "add_bos": False, "skipped_components": sorted(skipped)},
     )
     out_path = Path(out_path)
-    write_artifact(out_path, tensors, manifest, tokenizer_path.read_text(), _chat_template(folder))
+    template = _chat_template(folder)
+    if architecture != "llama" and not keep_template:
+        template = maintained_qwen_template()
+    write_artifact(out_path, tensors, manifest, tokenizer_path.read_text(), template)
     return out_path

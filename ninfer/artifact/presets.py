@@ -61,6 +61,12 @@ PRESETS = {
 FILE_PRESETS = ("tiny-llama", "tiny-qwen3.6", "tiny-qwen3.6-moe")
 
 
+def maintained_qwen_template() -> str:
+    """ninfer's maintained Qwen3.6 template: the official one with system/developer turns kept in place
+    (the contract's rule), which the official template rejects."""
+    return (Path(__file__).parent.parent / "chat" / "templates" / "qwen3_6_ninfer.jinja").read_text()
+
+
 def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
@@ -86,7 +92,7 @@ def _tokenizer_and_template(kind: str) -> tuple[str, str, dict[str, Any]]:
     if kind == "qwen":
         from ninfer.artifact.qwen_tokenizer import QWEN_EOS_IDS, build_qwen_tokenizer_json
 
-        template = (Path(__file__).parent.parent / "chat" / "templates" / "qwen3_6.jinja").read_text()
+        template = maintained_qwen_template()
         return build_qwen_tokenizer_json(), template, {"eos_token_ids": list(QWEN_EOS_IDS), "add_bos": False}
     from ninfer.artifact.convert_gguf import default_smollm2_gguf
     from ninfer.artifact.gguf_tokenizer import tokenizer_from_gguf
