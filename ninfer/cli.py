@@ -1,4 +1,4 @@
-"""`ninfer` command line: convert, info (serve and bench join as they land)."""
+"""`ninfer` command line: serve, convert, info (bench joins as it lands)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     elif args.source == "hf":
         from ninfer.artifact.convert_hf import convert_hf
 
-        convert_hf(args.input, out, dtype=args.dtype, name=args.name, progress=not args.quiet)
+        convert_hf(args.input, out, dtype=args.dtype, name=args.name, progress=not args.quiet,
+                   keep_template=args.keep_template)
     elif args.source == "synthetic":
         from ninfer.artifact.presets import write_preset
 
@@ -68,6 +69,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
         "tokenizer_json_chars": len(art.tokenizer_json),
     }, indent=2))
     return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from ninfer.server.launch import config_from_args, run
+
+    return run(config_from_args(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     h = csub.add_parser("hf", help="Hugging Face checkpoint folder -> .ninfer (llama, qwen3_5, qwen3_5_moe)")
     h.add_argument("input", help="folder with config.json, *.safetensors, tokenizer.json")
     h.add_argument("--name", help="public model name (default: the folder name)")
+    h.add_argument("--keep-template", action="store_true",
+                   help="store the checkpoint's own chat template instead of ninfer's maintained Qwen template")
     common(h)
 
     s = csub.add_parser("synthetic", help="random-weight artifact from a named preset")
@@ -104,12 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="print an artifact's manifest")
     info.add_argument("artifact")
+
+    from ninfer.server.launch import add_serve_arguments
+
+    serve = sub.add_parser("serve", help="serve an artifact over HTTP through Ray Serve",
+                           description="Serve one .ninfer artifact (OpenAI-compatible HTTP) as a Ray Serve "
+                                       "application: the same graph as `serve run configs/*.yaml`.")
+    add_serve_arguments(serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"convert": _cmd_convert, "info": _cmd_info}
+    commands = {"convert": _cmd_convert, "info": _cmd_info, "serve": _cmd_serve}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError) as exc:  # ArtifactError and converter input problems

@@ -13,10 +13,10 @@ class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     artifact: str
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8080, ge=0, le=65535)
-    api_key: str | None = None
-    model_id: str | None = None
+    api_key: str | None = Field(None, min_length=1)
+    model_id: str | None = Field(None, min_length=1)
     max_context: int = Field(8192, ge=1)
     kv_capacity: int | Literal["auto"] | None = None  # None follows max_context
     max_concurrency: int = Field(1, ge=1, le=8)
@@ -26,6 +26,7 @@ class ServerConfig(BaseModel):
     log_stats_interval_ms: int = Field(5000, ge=0)
     log_level: Literal["trace", "debug", "info", "warning", "error", "critical", "off"] = "info"
     device: int = Field(0, ge=0)
+    context_cost_presets: str | None = None
     max_request_mib: int = Field(384, ge=1)
     media_cache_mib: int = Field(1024, ge=0)
     media_live_mib: int = Field(2048, ge=1)
@@ -66,6 +67,14 @@ class ServerConfig(BaseModel):
             raise ValueError("--draft-tokens for mtp must be 1..5")
         if self.draft_tokens is not None and self.spec is None:
             raise ValueError("--draft-tokens needs --spec")
+        if self.lm_head_draft and self.spec is None:
+            raise ValueError("--lm-head-draft needs --spec")
+        return self
+
+    @model_validator(mode="after")
+    def _check_capacity(self) -> "ServerConfig":
+        if isinstance(self.kv_capacity, int) and self.kv_capacity < 1:
+            raise ValueError("--kv-capacity must be a positive token count or 'auto'")
         return self
 
     @property

@@ -1,0 +1,40 @@
+"""The Engine deployment: one resident engine per replica, streaming token events to the router."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from ninfer.config import ServerConfig
+from ninfer.engine.types import EngineRequest
+from ninfer.server.engine_client import engine_events
+from ninfer.server.startup import configure_logging, load_engine_for
+from ninfer.server.stats import StatsReporter
+
+
+@serve.deployment(name="Engine", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1})
+class EngineDeployment:
+    def __init__(self, config: dict[str, Any]):
+        import ray
+
+        cfg = ServerConfig(**config)
+        configure_logging(cfg.log_level)
+        # A replica given a GPU sees only that one, as device 0 (`ninfer serve --device N` makes Ray see GPU N).
+        self.engine = load_engine_for(cfg, device_index=0 if ray.get_gpu_ids() else None)
+        self.stats = StatsReporter(self.engine.snapshot, cfg.log_stats_interval_ms).start()
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[Any]:
+        """ACCEPTED, then engine events; a cancelled handle call cancels the request (frees its pages)."""
+        async for item in engine_events(self.engine, request):
+            yield item
+
+    def ready(self) -> bool:
+        return bool(self.engine.healthy)
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.engine.snapshot()
+
+    def __del__(self):
+        self.stats.stop()
+        self.engine.shutdown()

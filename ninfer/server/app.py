@@ -1,0 +1,70 @@
+"""The FastAPI app factory: the same app runs in-process (tests) and as the Ray Serve Router's ingress."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+
+from ninfer.protocol.errors import ProtocolError
+from ninfer.server.chat_completions import chat_completions, model_not_found
+from ninfer.server.context import ServerContext
+from ninfer.server.middleware import EdgeMiddleware, error_response_parts
+
+
+def create_app(ctx: ServerContext, *, behind_serve_proxy: bool = False) -> FastAPI:
+    app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    app.add_exception_handler(ProtocolError, _protocol_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_middleware(EdgeMiddleware, api_key=ctx.config.api_key,
+                       max_request_bytes=ctx.config.max_request_mib * 1024 * 1024,
+                       upstream_request_id=behind_serve_proxy)
+    if ctx.config.cors:  # outermost: preflights are answered before auth, and errors carry CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["x-request-id", "request-id"])
+    return app
+
+
+async def health(request: Request) -> JSONResponse:
+    """Engine readiness; queue saturation does not count as unavailable."""
+    if await request.app.state.ctx.engine.ready():
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "unavailable"}, status_code=503)
+
+
+def _model_object(ctx: ServerContext) -> dict:
+    return {"id": ctx.model_id, "object": "model", "created": ctx.created, "owned_by": "ninfer",
+            "max_model_len": ctx.max_model_len}
+
+
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_object(request.app.state.ctx)]})
+
+
+async def get_model(model_id: str, request: Request) -> JSONResponse:
+    ctx = request.app.state.ctx
+    if model_id != ctx.model_id:
+        raise model_not_found(model_id)
+    return JSONResponse(_model_object(ctx))
+
+
+def _render(request: Request, err: ProtocolError) -> Response:
+    status, body = error_response_parts(err, request.url.path, request.state.request_id)
+    return Response(content=body, status_code=status, media_type="application/json")
+
+
+async def _protocol_error(request: Request, exc: ProtocolError) -> Response:
+    return _render(request, exc)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Unknown paths and wrong methods, in the protocol's error shape instead of FastAPI's."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return _render(request, ProtocolError(f"{request.method} {request.url.path}: {exc.detail}", code=code,
+                                          status=exc.status_code))

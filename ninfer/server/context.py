@@ -1,0 +1,45 @@
+"""Everything a router needs to answer requests, built once per router (process or Ray replica)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ninfer.config import ServerConfig
+from ninfer.protocol.openai_chat import ChatDefaults
+from ninfer.server.engine_client import EngineClient
+
+
+@dataclass
+class ServerContext:
+    config: ServerConfig
+    model_id: str  # the public OpenAI model alias
+    max_model_len: int  # effective per-request context: min(max_context, kv capacity)
+    frontend: Any  # ninfer.chat frontend: build_prompt / output_decoder
+    engine: EngineClient
+    chat_defaults: ChatDefaults
+    keepalive_s: float = 5.0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def build_context(cfg: ServerConfig, engine: EngineClient, *, keepalive_s: float = 5.0) -> ServerContext:
+    """Read the artifact's metadata (not its weights) and build the chat frontend for this router.
+
+    --chat-template FILE replaces the artifact's template (an unreadable file fails at startup);
+    --no-thinking / --preserve-thinking become the frontend's defaults, which requests override.
+    """
+    from ninfer.artifact.container import Artifact
+    from ninfer.chat import ServerPromptDefaults, frontend_for, load_chat_template
+    from ninfer.tokenizer import Tokenizer
+
+    artifact = Artifact(cfg.artifact)
+    template = load_chat_template(cfg.chat_template) if cfg.chat_template else artifact.chat_template
+    tokenizer = Tokenizer.from_json_str(artifact.tokenizer_json)
+    defaults = ServerPromptDefaults(enable_thinking=False if cfg.no_thinking else None,
+                                    preserve_thinking=True if cfg.preserve_thinking else None)
+    eos_ids = list(artifact.manifest.extra.get("eos_token_ids", []))
+    frontend = frontend_for(tokenizer, template, eos_ids, defaults=defaults)
+    return ServerContext(config=cfg, model_id=cfg.model_id or artifact.public_name,
+                         max_model_len=min(cfg.max_context, cfg.resolved_kv_capacity()), frontend=frontend,
+                         engine=engine, chat_defaults=ChatDefaults(vision=cfg.vision), keepalive_s=keepalive_s)

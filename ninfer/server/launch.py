@@ -1,0 +1,150 @@
+"""`ninfer serve ARTIFACT [flags]`: the reference's flags onto ServerConfig, then the same Ray Serve app.
+
+Flags are generated from ServerConfig's fields (one flag per field, `--max-context` for
+`max_context`), so the CLI and the YAML args cannot drift apart; values are validated by the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import ValidationError
+
+from ninfer.config import ServerConfig
+
+# Help for every flag, in the contract's order; (metavar, help).
+FLAG_HELP: dict[str, tuple[str | None, str]] = {
+    "host": ("H", "listen address"),
+    "port": ("N", "listen port"),
+    "api_key": ("KEY", "require this bearer token or x-api-key value (/health and CORS preflight stay open)"),
+    "model_id": ("ID", "public OpenAI model alias (default: the artifact's name, else its architecture)"),
+    "max_context": ("N", "logical context ceiling of each sequence, in tokens"),
+    "kv_capacity": ("N|auto", "shared KV pool in tokens (default: follows --max-context)"),
+    "max_concurrency": ("N", "resident execution lanes, 1..8"),
+    "max_pending_requests": ("N", "requests allowed to wait for admission beyond the lanes"),
+    "pending_timeout_ms": ("N", "deadline for preparation plus admission, in ms"),
+    "prefill_chunk": ("N", "prefill chunk, in tokens"),
+    "log_stats_interval_ms": ("N", "throughput report interval in ms; 0 disables it"),
+    "log_level": (None, "stderr verbosity"),
+    "device": ("N", "CUDA device index"),
+    "context_cost_presets": ("FILE", "runtime context-cost preset registry (not implemented yet)"),
+    "max_request_mib": ("N", "request body limit in MiB, enforced before JSON parsing"),
+    "media_cache_mib": ("N", "LRU-retained prepared media payloads in MiB (vision only)"),
+    "media_live_mib": ("N", "all live prepared media payloads in MiB (vision only)"),
+    "media_preprocess_threads": ("N", "media preprocessing workers; 0 picks from host cores (vision only)"),
+    "request_log_jsonl": ("FILE", "append full-precision request records (not implemented yet)"),
+    "response_store_max_records": ("N", "locally retained Responses objects"),
+    "response_store_max_mib": ("N", "local Response store budget in MiB"),
+    "kv_dtype": (None, "KV-cache storage (only bf16 is implemented)"),
+    "spec": (None, "speculative backend (not implemented yet)"),
+    "draft_tokens": ("N", "draft tokens: MTP 1..5, DFlash/DFlash2 1..15"),
+    "lm_head_draft": (None, "load the optimized proposal head"),
+    "default_max_tokens": ("N", "output limit when a request omits one"),
+    "default_thinking_budget": ("N", "thinking-token cap for requests that start in thinking mode"),
+    "vision": (None, "accept image and video input (not implemented yet)"),
+    "no_cuda_graph": (None, "disable CUDA Graph decode"),
+    "no_prefix_reuse": (None, "disable compatible-prefix caching"),
+    "device_state_slots": ("N", "extra device state slots beyond --max-concurrency (default: --max-concurrency)"),
+    "host_context_mib": ("N", "host budget in MiB for pause snapshots; 0: replay only (default: 8 GiB + 8 state images)"),
+    "no_thinking": (None, "disable thinking by default (requests may enable it)"),
+    "preserve_thinking": (None, "keep closed-turn assistant reasoning in prompts by default"),
+    "cors": (None, "permissive browser CORS headers"),
+    "temperature": ("F", "process-level temperature override"),
+    "top_p": ("F", "process-level top-p override"),
+    "top_k": ("N", "process-level top-k override, 0..20 (0 selects the cap of 20)"),
+    "min_p": ("F", "process-level min-p override"),
+    "presence_penalty": ("F", "process-level presence-penalty override"),
+    "frequency_penalty": ("F", "process-level frequency-penalty override"),
+    "seed": ("N", "seed for requests that omit one (default: a fresh random seed per request)"),
+    "greedy": (None, "force exact argmax for all requests"),
+    "chat_template": ("FILE", "local Jinja chat template instead of the artifact's"),
+    "dtype": (None, "weights and compute dtype (auto: bf16 on CUDA, fp32 on CPU)"),
+    "page_size": ("N", "KV page size in tokens"),
+}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("artifact", help="the .ninfer model artifact to serve")
+    for name, info in ServerConfig.model_fields.items():
+        if name == "artifact":
+            continue
+        metavar, text = FLAG_HELP[name]
+        flag = "--" + name.replace("_", "-")
+        default = info.default
+        shown = "unset" if default is None else ("off" if default is False else default)
+        if info.annotation is bool:
+            parser.add_argument(flag, dest=name, action="store_true", default=None, help=f"{text} (default: off)")
+            continue
+        choices = _choices(info.annotation)
+        if "(default:" not in text:  # a few fields describe a derived default themselves
+            text = f"{text} (default: {shown})"
+        parser.add_argument(flag, dest=name, metavar=None if choices else metavar, choices=choices, default=None,
+                            help=text)
+
+
+def _choices(annotation: Any) -> list[str] | None:
+    """The values of a Literal field (optional or not), for argparse choices; None for anything else."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    values: list[str] = []
+    for member in members:
+        if member is type(None):
+            continue
+        if get_origin(member) is not Literal:
+            return None
+        values += get_args(member)
+    return values or None
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    given = {k: v for k, v in vars(args).items() if k in ServerConfig.model_fields and v is not None}
+    try:
+        return ServerConfig(**given)
+    except ValidationError as exc:
+        raise SystemExit("ninfer serve: " + flag_errors(exc.errors())) from None
+
+
+def flag_errors(errors: list[dict[str, Any]]) -> str:
+    """Pydantic errors as flag messages; a value failing every member of a union reads as one line."""
+    by_flag: dict[str, list[str]] = {}
+    for err in errors:
+        loc = err["loc"][0] if err["loc"] else None
+        flag = "--" + str(loc).replace("_", "-") if loc else "options"
+        by_flag.setdefault(flag, []).append(err["msg"].removeprefix("Value error, "))
+    return "; ".join(f"{flag}: {' or '.join(msgs)}" for flag, msgs in by_flag.items())
+
+
+def run(cfg: ServerConfig) -> int:
+    """Start a local Ray, deploy the graph on cfg.host:cfg.port, serve until SIGINT/SIGTERM."""
+    from ninfer.artifact.container import Artifact
+    from ninfer.server.startup import check_implemented, configure_logging
+
+    check_implemented(cfg)
+    Artifact(cfg.artifact)  # a missing or corrupt file fails here, before Ray starts
+    configure_logging(cfg.log_level)
+
+    import ray
+    from ray import serve
+
+    from deployments.app import APP_NAME, build_application
+
+    if cfg.device and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.device)  # Ray (and so the engine replica) sees GPU N only
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    ray.init(include_dashboard=False, log_to_driver=True)
+    try:
+        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        serve.run(build_application(cfg), name=APP_NAME, route_prefix="/")
+        print(f"ninfer: serving {cfg.artifact} on http://{cfg.host}:{cfg.port}", file=sys.stderr)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,144 @@
+"""`ninfer serve` flags, YAML args and startup checks: every option lands in ServerConfig, bad values
+name their flag, and options this build cannot honour stop startup instead of being ignored."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+from server_fixtures import scripted_artifact
+
+from ninfer.chat.ir import Conversation, Message, TextPart
+from ninfer.cli import build_parser, main
+from ninfer.config import ServerConfig
+from ninfer.server.context import build_context
+from ninfer.server.launch import config_from_args
+from ninfer.server.startup import UnsupportedOptionError, check_implemented, engine_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+# The contract's startup example, flag for flag.
+REFERENCE = ("models/qwen3_8_27b_nvfp4.ninfer --host 127.0.0.1 --port 8080 --max-context 240000 "
+             "--kv-capacity 240000 --max-concurrency 2 --kv-dtype fp8 --device-state-slots 2 "
+             "--spec mtp --draft-tokens 3 --lm-head-draft --preserve-thinking").split()
+
+
+def parse(argv: list[str]) -> ServerConfig:
+    return config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_every_option_has_a_flag_with_its_default_in_help(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in ServerConfig.model_fields:
+        if name == "artifact":
+            continue
+        assert "--" + name.replace("_", "-") in text, name
+    for shown in ("(default: 8192)", "(default: 127.0.0.1)", "(default: 16)", "(default: 30000)", "(default: 384)",
+                  "(default: bf16)", "(default: info)"):
+        assert shown in text
+
+
+def test_reference_command_line_maps_onto_the_config():
+    cfg = parse(REFERENCE)
+    assert (cfg.max_context, cfg.kv_capacity, cfg.max_concurrency, cfg.kv_dtype) == (240000, 240000, 2, "fp8")
+    assert (cfg.spec, cfg.draft_tokens, cfg.lm_head_draft, cfg.preserve_thinking) == ("mtp", 3, True, True)
+    assert cfg.state_slots == 4  # two lanes plus two extra device slots
+    with pytest.raises(UnsupportedOptionError) as err:
+        check_implemented(cfg)
+    for flag in ("--spec", "--draft-tokens", "--lm-head-draft", "--kv-dtype fp8"):
+        assert flag in str(err.value)
+
+
+def test_defaults_and_sampling_flags_reach_the_engine_settings():
+    cfg = parse(["m.ninfer", "--temperature", "0.6", "--top-k", "0", "--seed", "-3", "--greedy", "--no-prefix-reuse",
+                 "--host-context-mib", "0", "--default-thinking-budget", "512", "--max-pending-requests", "0",
+                 "--no-cuda-graph"])
+    settings = engine_settings(cfg)
+    assert settings.sampling_overrides == {"temperature": 0.6, "top_k": 0}
+    assert (settings.seed, settings.greedy, settings.prefix_reuse, settings.host_context_bytes) == (-3, True, False, 0)
+    assert (settings.default_thinking_budget, settings.max_pending_requests, settings.no_cuda_graph) == (512, 0, True)
+    assert settings.kv_capacity == settings.max_context == 8192 and settings.state_slots == 2
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--max-concurrency", "9"], "--max-concurrency"),
+    (["--max-concurrency", "0"], "--max-concurrency"),
+    (["--kv-capacity", "lots"], "--kv-capacity"),
+    (["--kv-capacity", "0"], "options"),
+    (["--port", "70000"], "--port"),
+    (["--top-k", "21"], "--top-k"),
+    (["--min-p", "1.5"], "--min-p"),
+    (["--default-thinking-budget", "0"], "--default-thinking-budget"),
+    (["--spec", "mtp", "--draft-tokens", "6"], "options"),
+    (["--draft-tokens", "3"], "options"),
+    (["--lm-head-draft"], "options"),
+    (["--model-id", ""], "--model-id"),
+])
+def test_invalid_values_name_their_flag(argv, flag):
+    with pytest.raises(SystemExit) as err:
+        parse(["m.ninfer", *argv])
+    assert str(err.value).startswith("ninfer serve: " + flag)
+
+
+def test_enum_flags_are_checked_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        parse(["m.ninfer", "--log-level", "loud"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--spec", "dflash"], "--spec dflash"),
+    (["--vision"], "--vision"),
+    (["--kv-dtype", "int8"], "--kv-dtype int8"),
+    (["--kv-capacity", "auto"], "--kv-capacity auto"),
+    (["--request-log-jsonl", "log.jsonl"], "--request-log-jsonl"),
+    (["--context-cost-presets", "presets.json"], "--context-cost-presets"),
+])
+def test_unimplemented_options_fail_at_startup(argv, named, capsys):
+    assert main(["serve", "m.ninfer", *argv]) == 1
+    assert named in capsys.readouterr().err
+
+
+def test_missing_artifact_fails_before_ray_starts(capsys, tmp_path):
+    assert main(["serve", str(tmp_path / "none.ninfer")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_yaml_configs_are_valid_server_configs():
+    from deployments.app import build_app
+
+    tiny = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    check_implemented(ServerConfig(**tiny["applications"][0]["args"]))
+    assert tiny["http_options"] == {"host": "127.0.0.1", "port": 8080}
+    for name, spec in (("qwen27b", "--spec mtp"), ("qwen35b-a3b", "--spec dflash")):
+        app = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())["applications"][0]
+        cfg = ServerConfig(**app["args"])
+        assert cfg.max_context == cfg.kv_capacity == 240000 and cfg.max_concurrency == 2
+        with pytest.raises(UnsupportedOptionError, match=spec):
+            build_app(app["args"])
+    with pytest.raises(ValueError, match="http_options.port"):
+        build_app({"artifact": "m.ninfer", "port": 9000})
+
+
+def test_server_defaults_and_template_override_reach_the_prompt(artifacts_dir, qwen_tokenizer, tmp_path):
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                        "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+                        "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}")
+    path = scripted_artifact(artifacts_dir, qwen_tokenizer)
+    ctx = build_context(ServerConfig(artifact=str(path), no_thinking=True, chat_template=str(template),
+                                     model_id="alias"), engine=None)
+    assert ctx.model_id == "alias"
+    prompt = ctx.frontend.build_prompt(Conversation([Message("user", [TextPart("hi")])]))
+    assert prompt.text.endswith("<think>\n\n</think>\n\n") and not prompt.thinking
+    with pytest.raises(Exception, match="missing.jinja"):
+        build_context(ServerConfig(artifact=str(path), chat_template=str(tmp_path / "missing.jinja")), engine=None)
+
+
+def test_cli_namespace_round_trip():
+    args = argparse.Namespace(artifact="m.ninfer", max_context="1024", cors=True, api_key=None)
+    cfg = config_from_args(args)
+    assert (cfg.max_context, cfg.cors, cfg.api_key) == (1024, True, None)

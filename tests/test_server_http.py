@@ -1,0 +1,174 @@
+"""The HTTP edge with raw httpx: SSE framing, request ids, auth, CORS, body limit, admission errors,
+keep-alive, and cancellation when the client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from server_fixtures import MODEL, scripted_artifact, start_server, wait_until
+
+from ninfer.server.sse import KEEPALIVE, with_keepalive
+
+
+@pytest.fixture(scope="module")
+def path(artifacts_dir, qwen_tokenizer):
+    return scripted_artifact(artifacts_dir, qwen_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(path, qwen_tokenizer):
+    live = start_server(path, qwen_tokenizer)
+    yield live
+    live.stop()
+
+
+def body(keyword: str, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": keyword}], **extra}
+
+
+def sse_events(text: str) -> list[str]:
+    """The data payloads of an SSE body; asserts every frame is `data: ...` followed by a blank line."""
+    assert text.endswith("\n\n")
+    frames = [f for f in text.split("\n\n") if f]
+    assert all(f.startswith("data: ") and "\n" not in f for f in frames if not f.startswith(":")), frames
+    return [f[len("data: "):] for f in frames if f.startswith("data: ")]
+
+
+def test_stream_framing_order_and_headers(server):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body("ALPHA", stream=True, return_progress=True,
+                                                                    timings_per_token=True), timeout=30)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["x-request-id"].startswith("req_") and r.headers["cache-control"] == "no-cache"
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+    assert progress[0]["processed"] == progress[0]["cache"] and progress[-1]["processed"] == progress[-1]["total"]
+    first_output = next(i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get(
+        "reasoning_content"))
+    assert max(i for i, c in enumerate(chunks) if "prompt_progress" in c) < first_output
+    visible = [c for c in chunks[1:] if c["choices"] and ({"reasoning_content", "content"} & set(c["choices"][0]["delta"]))]
+    counts = [c["timings"]["predicted_n"] for c in visible]
+    assert counts == sorted(counts) and counts[-1] > 0
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and "timings" in chunks[-1]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_every_response_has_a_unique_request_id(server):
+    ids = set()
+    for method, url, kwargs in [("GET", "/v1/models", {}), ("GET", "/health", {}),
+                                ("POST", "/v1/chat/completions", {"json": body("ALPHA", model="x")}),
+                                ("POST", "/v1/chat/completions", {"content": b"{not json"}),
+                                ("GET", "/v1/nowhere", {}),
+                                ("POST", "/v1/chat/completions", {"json": body("ALPHA", max_tokens=3)})]:
+        r = httpx.request(method, server.url + url, timeout=30, **kwargs)
+        ids.add(r.headers["x-request-id"])
+    assert len(ids) == 6
+
+
+def test_error_bodies_use_the_openai_shape(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.get(server.url + "/v1/nowhere", timeout=10)
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body("word " * 5000), timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+    assert err["max_context"] == 4096 and err["prompt_tokens"] > 4096
+
+
+def test_health_ok_and_unavailable(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    server.engine.healthy = False  # what an engine-wide failure leaves behind
+    try:
+        r = httpx.get(server.url + "/health")
+        assert r.status_code == 503 and r.json() == {"status": "unavailable"}
+    finally:
+        server.engine.healthy = True
+
+
+def test_client_disconnect_cancels_and_frees_pages(server):
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.url + "/v1/chat/completions",
+                         json=body("LONG", stream=True, max_tokens=2500)) as r:
+            lines = r.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert server.engine.snapshot()["running"] == 1
+    # leaving the block closed the connection mid-stream; only retained prefixes may still hold pages
+    engine = server.engine
+    assert wait_until(lambda: engine.snapshot()["running"] == 0), engine.snapshot()
+    assert engine.snapshot()["kv_pages_used"] == engine.cache.held_pages
+    assert engine.snapshot()["requests"].get("cancelled", 0) >= 1
+
+
+def test_auth_cors_and_body_limit(path, qwen_tokenizer):
+    live = start_server(path, qwen_tokenizer, api_key="sekrit", cors=True, max_request_mib=1)
+    try:
+        url = live.url
+        assert httpx.get(url + "/health").status_code == 200  # open without a key
+        r = httpx.get(url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key" and "x-request-id" in r.headers
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        assert httpx.get(url + "/v1/models", headers={"x-api-key": "sekrit"}).status_code == 200
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+        pre = httpx.options(url + "/v1/chat/completions", headers={
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] in ("*", "http://app.example")
+        r = httpx.get(url + "/v1/models", headers={"Origin": "http://app.example", "x-api-key": "sekrit"})
+        assert r.headers["access-control-allow-origin"] == "*"
+        big = b'{"model": "' + b"x" * (1024 * 1024) + b'"}'
+        r = httpx.post(url + "/v1/chat/completions", content=big, headers={"x-api-key": "sekrit"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def chunks():  # no content-length: the limit is counted on the streamed bytes
+            for _ in range(20):
+                yield b" " * 65536
+
+        r = httpx.post(url + "/v1/chat/completions", content=chunks(), headers={"x-api-key": "sekrit"})
+        assert r.status_code == 413
+    finally:
+        live.stop()
+
+
+def test_overload_queue_timeout_and_keepalive(path, qwen_tokenizer):
+    live = start_server(path, qwen_tokenizer, max_concurrency=1, max_pending_requests=1, pending_timeout_ms=1500,
+                        keepalive_s=0.2)
+    try:
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", live.url + "/v1/chat/completions",
+                             json=body("LONG", stream=True, max_tokens=2500)) as running:
+                lines = running.iter_lines()  # held: a dropped line iterator closes the response
+                next(lines)
+                with http.stream("POST", live.url + "/v1/chat/completions",
+                                 json=body("ALPHA", stream=True)) as waiting:
+                    assert waiting.status_code == 200
+                    r = httpx.post(live.url + "/v1/chat/completions", json=body("ALPHA"), timeout=30)
+                    assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"
+                    text = b"".join(waiting.iter_raw()).decode()
+                # the queued stream: keep-alive comments while it waited, then the timeout as an SSE error
+                assert KEEPALIVE.decode() in text
+                assert json.loads(sse_events(text)[-1])["error"]["code"] == "request_queue_timeout"
+                r = httpx.post(live.url + "/v1/chat/completions", json=body("ALPHA"), timeout=30)
+                assert r.status_code == 503 and r.json()["error"]["code"] == "request_queue_timeout"
+    finally:
+        live.stop()
+
+
+def test_keepalive_wrapper_keeps_the_source_alive():
+    async def slow():
+        yield b"a"
+        await asyncio.sleep(0.35)
+        yield b"b"
+
+    async def collect():
+        return [f async for f in with_keepalive(slow(), 0.1)]
+
+    frames = asyncio.run(collect())
+    assert frames[0] == b"a" and frames[-1] == b"b" and frames.count(KEEPALIVE) >= 2
