@@ -143,7 +143,10 @@ class ModelRunner:
             log.warning("decode CUDA graph capture failed, decode runs eagerly: %s", exc)
             self.graphs.clear()
             self._buffers = None
-            torch.cuda.synchronize(self.device)
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:
+                pass
             return f"off: capture failed ({type(exc).__name__}: {exc})"
         return f"on: batch sizes 1..{max_batch}, page-table width {width}"
 
@@ -210,9 +213,9 @@ class ModelRunner:
             self.counts[lane].index_add_(0, ids, torch.ones(len(output_ids), device=self.device))
 
     def count_tokens(self, lanes: list[int], token_ids: torch.Tensor) -> None:
-        lane_index = self._tensor(lanes, torch.long)
-        self.counts.index_put_((lane_index, token_ids.to(self.device)),
-                               torch.ones(token_ids.shape, dtype=torch.float32, device=self.device), accumulate=True)
+        # flat index_add_: no host sync on CUDA (an accumulating index_put_ may sort on the host side)
+        flat = self._tensor(lanes, torch.long) * self.counts.shape[1] + token_ids.to(self.device).long()
+        self.counts.view(-1).index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=self.device))
 
     @torch.inference_mode()
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:

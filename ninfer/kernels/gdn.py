@@ -11,6 +11,12 @@ Two levels:
 
 The torch references compute in fp32 and are the oracle the CUDA backends are checked against.
 Math: qwen35-architecture.md section 3.
+
+CUDA backends (`ninfer.kernels.backend` picks; NINFER_KERNELS=reference forces the references):
+- decode (one token per sequence): our Triton kernels read and write the conv and recurrent
+  states in their slots in place (`triton_gdn`), with device tensors only: graph-capturable;
+- prefill chunks: the conv + SiLU in Triton, the chunked delta rule through fla-core
+  (`fla_gdn`) when fla is importable, else the torch reference.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ninfer.kernels.backend import use_fla, use_triton
 from ninfer.models.batch import ForwardBatch
 
 CHUNK_SIZE = 64  # chunk length of the chunked delta rule (the FLA kernels use 64 as well)
@@ -75,6 +82,11 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, 
     conv_cache: [S, C, K-1] one layer's conv-state slots, updated in place. Returns [T, C].
     """
     weight = weight.reshape(weight.shape[0], -1)
+    if meta.is_decode and use_triton(x):
+        from ninfer.kernels import triton_gdn
+
+        return triton_gdn.conv1d_update(x, weight, conv_cache, slot_in=meta.state_slots,
+                                        has_initial_state=meta.has_initial_state)
     initial = _gather_state(conv_cache, meta)
     if meta.is_decode:
         out, final = causal_conv1d_update(x, weight, initial)
@@ -93,6 +105,11 @@ def gated_delta_rule(
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay), beta: [T, Hv];
     ssm_cache: [S, Hv, Dk, Dv] fp32 one layer's state slots, updated in place. Returns [T, Hv, Dv].
     """
+    if meta.is_decode and use_triton(q):
+        from ninfer.kernels import triton_gdn
+
+        return triton_gdn.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_cache, slot_in=meta.state_slots,
+                                                     has_initial_state=meta.has_initial_state)
     initial = _gather_state(ssm_cache, meta)
     if meta.is_decode:
         # one token per sequence: a batch of N length-1 sequences, no varlen bookkeeping needed
@@ -113,8 +130,8 @@ def gated_delta_rule(
 
 
 # ---------------------------------------------------------------------------------------------
-# Dispatch: one function per op. CUDA backends (causal-conv1d, fla-core) plug in here; until then
-# the references run everywhere (they are plain tensor ops and also run on CUDA).
+# Dispatch: one function per op. CUDA tensors take the Triton / fla-core backends when available;
+# the references run everywhere else (they are plain tensor ops and also run on CUDA).
 
 
 def causal_conv1d_fn(
@@ -122,6 +139,11 @@ def causal_conv1d_fn(
     seq_idx: torch.Tensor, pos_in_seq: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen conv + SiLU. x: [T, C]; weight: [C, K]; initial_state: [N, C, K-1]. -> (y [T, C], final [N, C, K-1])."""
+    if use_triton(x):
+        from ninfer.kernels import triton_gdn
+
+        out = triton_gdn.conv1d_varlen(x, weight, initial_state, seq_idx, pos_in_seq)
+        return out, _conv_final_state(x, initial_state, cu_seqlens)
     return causal_conv1d_ref(x, weight, initial_state, cu_seqlens, seq_idx, pos_in_seq)
 
 
@@ -129,6 +151,11 @@ def causal_conv1d_update(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step of conv + SiLU. x: [N, C]; state: [N, C, K-1]. -> (y [N, C], new state)."""
+    if use_triton(x):
+        from ninfer.kernels import triton_gdn
+
+        new_state = torch.empty_like(state)
+        return triton_gdn.conv1d_update(x, weight, state.contiguous(), new_state), new_state
     return causal_conv1d_update_ref(x, weight, state)
 
 
@@ -142,6 +169,13 @@ def chunk_gated_delta_rule(
 
     seq_lens_cpu (ours, optional) spares the reference reading cu_seqlens back from the device.
     """
+    if use_fla(q):
+        from ninfer.kernels import fla_gdn
+
+        return fla_gdn.chunk_gated_delta_rule(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            seq_lens_cpu,
+        )
     return chunk_gated_delta_rule_ref(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
         seq_lens_cpu,
@@ -157,6 +191,12 @@ def fused_recurrent_gated_delta_rule(
 
     fla orders the arguments g, gk, gv, beta: always pass beta by keyword.
     """
+    if use_fla(q):
+        from ninfer.kernels import fla_gdn
+
+        return fla_gdn.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+        )
     return fused_recurrent_gated_delta_rule_ref(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
     )
@@ -183,16 +223,20 @@ def causal_conv1d_ref(
         u = torch.where((pos_in_seq >= d)[:, None], from_x, from_state)
         acc += w[:, width - d] * u.float()
     out = F.silu(acc).to(x.dtype)
+    return out, _conv_final_state(x, initial_state, cu_seqlens)
 
-    # New state: the last K-1 inputs of [old state ; new tokens] of each sequence.
+
+def _conv_final_state(x: torch.Tensor, initial_state: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """New conv state: the last K-1 inputs of [old state ; new tokens] of each sequence."""
+    num_tokens = x.shape[0]
+    width = initial_state.shape[-1]
     starts, lens = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     rel = lens[:, None] - width + torch.arange(width, device=x.device)[None, :]  # [N, K-1], <0 = old state
     tok = (starts[:, None] + rel).clamp(0, max(num_tokens - 1, 0))
     from_x = x[tok].transpose(1, 2)  # [N, C, K-1]
     idx = (width + rel).clamp(0, width - 1)[:, None, :].expand_as(initial_state)
     from_state = initial_state.gather(2, idx)
-    final = torch.where((rel >= 0)[:, None, :], from_x.to(initial_state.dtype), from_state)
-    return out, final
+    return torch.where((rel >= 0)[:, None, :], from_x.to(initial_state.dtype), from_state)
 
 
 def causal_conv1d_update_ref(

