@@ -525,7 +525,7 @@ class Engine:
         self.counters.generation_tokens += 1
         if len(seq.output_ids) > 1:
             self.counters.decode_tokens += 1
-        self.runner.count_tokens([seq.lane], torch.tensor([token], device=self.device))
+        self.runner.count_tokens([seq.lane], [token])  # uploaded through pinned memory: no host sync
         events, reason = seq.controller.commit(token, forced=forced)
         for ev in events:
             seq.emit(ev)

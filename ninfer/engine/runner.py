@@ -212,7 +212,9 @@ class ModelRunner:
             ids = self._tensor(output_ids, torch.long)
             self.counts[lane].index_add_(0, ids, torch.ones(len(output_ids), device=self.device))
 
-    def count_tokens(self, lanes: list[int], token_ids: torch.Tensor) -> None:
+    def count_tokens(self, lanes: list[int], token_ids: torch.Tensor | list[int]) -> None:
+        if isinstance(token_ids, list):
+            token_ids = self._tensor(token_ids, torch.long)
         # flat index_add_: no host sync on CUDA (an accumulating index_put_ may sort on the host side)
         flat = self._tensor(lanes, torch.long) * self.counts.shape[1] + token_ids.to(self.device).long()
         self.counts.view(-1).index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=self.device))
