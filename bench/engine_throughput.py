@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import platform
 import sys
@@ -122,6 +123,7 @@ def main() -> None:
         })
         print(json.dumps(result), flush=True)
         del engine
+        gc.collect()  # the engine's event callbacks form reference cycles; free the model before the next
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
