@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -9,8 +10,12 @@ from ray import serve
 from ninfer.config import ServerConfig
 from ninfer.engine.types import EngineRequest
 from ninfer.server.engine_client import engine_events
+from ninfer.server.metrics_board import BoardPublisher, replica_label
+from ninfer.server.request_log import ModelIdentity, RequestLog, server_start_fields
 from ninfer.server.startup import configure_logging, load_engine_for
 from ninfer.server.stats import StatsReporter
+
+log = logging.getLogger("ninfer.server")
 
 
 @serve.deployment(name="Engine", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1})
@@ -19,10 +24,18 @@ class EngineDeployment:
         import ray
 
         cfg = ServerConfig(**config)
-        configure_logging(cfg.log_level)
+        configure_logging(cfg.log_level, serve_replica=True)
+        self.replica = replica_label()  # this replica's figures carry it in /metrics and the request log
         # A replica given a GPU sees only that one, as device 0 (`ninfer serve --device N` makes Ray see GPU N).
         self.engine = load_engine_for(cfg, device_index=0 if ray.get_gpu_ids() else None)
-        self.stats = StatsReporter(self.engine.snapshot, cfg.log_stats_interval_ms).start()
+        self.request_log = RequestLog.for_config(cfg)  # this replica's own writer: throughput records
+        if self.request_log is not None:
+            self.request_log.write("server_start", **server_start_fields(
+                cfg, ModelIdentity.of(cfg), role="engine", replica=self.replica, engine=self.engine.snapshot()))
+        self.stats = StatsReporter(self.engine.snapshot, cfg.log_stats_interval_ms, request_log=self.request_log,
+                                   replica=self.replica).start()
+        app_name = serve.get_replica_context().app_name
+        self.publisher = BoardPublisher(app_name, "engine", self.replica, self.snapshot).start()
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[Any]:
         """ACCEPTED, then engine events; a cancelled handle call cancels the request (frees its pages)."""
@@ -33,8 +46,12 @@ class EngineDeployment:
         return bool(self.engine.healthy)
 
     def snapshot(self) -> dict[str, Any]:
-        return self.engine.snapshot()
+        return {**self.engine.snapshot(), "replica": self.replica}
 
     def __del__(self):
+        log.info("engine replica %s shutting down", self.replica)
+        self.publisher.stop()
         self.stats.stop()
         self.engine.shutdown()
+        if self.request_log is not None:
+            self.request_log.close()

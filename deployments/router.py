@@ -10,7 +10,10 @@ from ninfer.config import ServerConfig
 from ninfer.server.app import create_app
 from ninfer.server.context import build_context
 from ninfer.server.engine_client import RayEngineClient
+from ninfer.server.metrics_board import serve_router_feed
+from ninfer.server.observer import RequestObserver
 from ninfer.server.startup import configure_logging
+from ninfer.store import RayResponseStore
 
 
 @serve.deployment(name="Router", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.25})
@@ -18,9 +21,14 @@ from ninfer.server.startup import configure_logging
 class Router:
     def __init__(self, config: dict[str, Any], engine, store, media):
         cfg = ServerConfig(**config)
-        configure_logging(cfg.log_level)
+        configure_logging(cfg.log_level, serve_replica=True)
         self.ctx = build_context(cfg, RayEngineClient(engine))
-        self.store, self.media = store, media  # used by the Responses API and vision as they land
+        self.store, self.media = RayResponseStore(store), media  # media: used by vision as it lands
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.ctx, behind_serve_proxy=True)  # Serve's proxy stamps x-request-id
+        # This replica's request log writer and request figures; /metrics reads every replica's figures.
+        observer = RequestObserver.for_config(self.ctx.config, role="router",
+                                              replica=serve.get_replica_context().replica_tag)
+        # Serve's proxy stamps x-request-id
+        return create_app(self.ctx, behind_serve_proxy=True, response_store=self.store, observer=observer,
+                          metrics_feed=serve_router_feed(self.ctx.engine, observer.figures))

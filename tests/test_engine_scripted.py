@@ -317,3 +317,24 @@ def test_timings_zero_cases_are_finite():
     assert t["prompt_per_second"] == pytest.approx(2000.0)
     assert t["predicted_per_second"] == pytest.approx(100.0)  # 10 intervals in 100 ms
     assert t["predicted_per_token_ms"] == pytest.approx(10.0)
+
+
+def test_replay_covered_entirely_by_a_retained_prefix_resumes_decoding(tok):
+    """Two identical long requests in a small pool with no host budget: the paused twin's replay can
+    be covered completely by the first one's retained endpoint; it must resume decoding, not crash."""
+    prompt = [5] * 100  # with 256 KV slots the paused twin cannot come back until the first one ends
+    for _ in range(2):
+        engine = make_engine(tok, [{"trigger": [5], "output": [6] * 200}], max_concurrency=2, kv_capacity=256, page_size=1,
+                             max_context=512, host_context_bytes=0)
+        results: dict[str, list] = {"a": [], "b": []}
+        try:
+            for rid in results:
+                engine.submit(EngineRequest(rid, prompt, max_tokens=150), results[rid].append)
+            assert _wait_until(lambda: all(r and isinstance(r[-1], FinishEvent) for r in results.values()), 30)
+        finally:
+            engine.shutdown()
+        assert engine.healthy
+        for events in results.values():
+            assert finish_of(events).reason is FinishReason.LENGTH
+            assert [i for e in events if isinstance(e, TokenEvent) for i in e.token_ids] == [6] * 150
+        assert_no_leak(engine)

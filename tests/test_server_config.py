@@ -94,7 +94,6 @@ def test_enum_flags_are_checked_by_the_parser(capsys):
     (["--vision"], "--vision"),
     (["--kv-dtype", "int8"], "--kv-dtype int8"),
     (["--kv-capacity", "auto"], "--kv-capacity auto"),
-    (["--request-log-jsonl", "log.jsonl"], "--request-log-jsonl"),
     (["--context-cost-presets", "presets.json"], "--context-cost-presets"),
 ])
 def test_unimplemented_options_fail_at_startup(argv, named, capsys):

@@ -12,6 +12,7 @@ import queue
 import random
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -34,6 +35,7 @@ from ninfer.engine.types import (
     ProgressEvent,
     QueueTimeoutError,
     ResolvedSampling,
+    SchedulingEvent,
     ServerOverloadedError,
     ThinkingBudgetCapacityError,
     Timings,
@@ -70,6 +72,26 @@ class EngineSettings:
     prefix_reuse: bool = True  # --no-prefix-reuse turns cross-request reads and writes off
     host_context_bytes: int | None = None  # pause-snapshot budget; None: 8 GiB + 8 state images; 0: replay only
     no_cuda_graph: bool = False  # --no-cuda-graph: decode runs eagerly instead of replaying CUDA graphs
+    scheduling_events: bool = False  # emit SchedulingEvents (pause/restore/replay) for the request log
+
+
+def resolve_sampling(settings: EngineSettings, request: EngineRequest) -> ResolvedSampling:
+    """Request values over process flags over the artifact's preset for the thinking mode; a seed is drawn
+    when neither the request nor the process gives one. The router calls this too, to log what runs."""
+    s = settings
+    preset = s.sampling_presets.get("thinking" if request.thinking else "non_thinking", {})
+    merged = {**GENERIC_SAMPLING, **preset, **s.sampling_overrides}
+    given = request.sampling
+    for name in GENERIC_SAMPLING:
+        value = getattr(given, name)
+        if value is not None:
+            merged[name] = value
+    if s.greedy:
+        merged["temperature"] = 0.0
+    seed = given.seed if given.seed is not None else s.seed
+    if seed is None:
+        seed = random.getrandbits(63)
+    return ResolvedSampling(seed=int(seed), **{k: merged[k] for k in GENERIC_SAMPLING})
 
 
 @dataclass
@@ -88,6 +110,63 @@ class Counters:
     transfer_bytes_d2h: int = 0
     transfer_bytes_h2d: int = 0
     paused_seconds: float = 0.0
+    # ---- observability (metrics and the request log) ----
+    host_context_peak_bytes: int = 0
+    context_transfer_bytes: dict[str, int] = field(  # "<resource>_<direction>": main_kv|state x d2h|h2d|d2d
+        default_factory=lambda: {f"{r}_{d}": 0 for r in ("main_kv", "state") for d in ("d2h", "h2d", "d2d")})
+
+
+HOST_PHASES = ("engine_boundary", "program_submit", "program_post", "engine_commit_output", "engine_maintenance")
+WORK_CLASSES = ("decode", "prefill", "control")
+
+
+class HostWork:
+    """Engine-thread wall time for metrics: five mutually exclusive host phases plus blocking device waits,
+    each also split by work class (the prefill step, the decode step, and control: everything else).
+
+    Only the engine thread writes; readers copy the dicts. Inside a step, time no named phase claims
+    (captures, retention, starvation handling) counts as engine_maintenance.
+    """
+
+    def __init__(self) -> None:
+        self.phase_seconds = dict.fromkeys(HOST_PHASES, 0.0)
+        self.device_wait_seconds = 0.0
+        self.class_seconds = {f"{c}_{k}": 0.0 for c in WORK_CLASSES for k in ("host", "device_wait")}
+        self._work_class = "control"
+        self._claimed = 0.0
+
+    def _book(self, phase: str, seconds: float) -> None:
+        if phase == "device_wait":
+            self.device_wait_seconds += seconds
+            self.class_seconds[f"{self._work_class}_device_wait"] += seconds
+        else:
+            self.phase_seconds[phase] += seconds
+            self.class_seconds[f"{self._work_class}_host"] += seconds
+
+    @contextmanager
+    def phase(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            self._claimed += spent
+            self._book(phase, spent)
+
+    def run_step(self, work_class: str, step: Callable[[], bool]) -> bool:
+        """Run one engine step; a step that found nothing to do books no time."""
+        start, self._work_class, self._claimed = time.perf_counter(), work_class, 0.0
+        try:
+            worked = step()
+            if worked:
+                self._book("engine_maintenance", max(time.perf_counter() - start - self._claimed, 0.0))
+            return worked
+        finally:
+            self._work_class = "control"
+
+    def snapshot(self) -> dict[str, object]:
+        return {"host_work_seconds": dict(self.phase_seconds), "device_wait_seconds": self.device_wait_seconds,
+                "work_class_seconds": dict(self.class_seconds)}
 
 
 class Engine:
@@ -110,13 +189,15 @@ class Engine:
         self.cache = ContextCache(pages, slots, hybrid=self.hybrid, enabled=settings.prefix_reuse)
         self.scheduler = Scheduler(max_concurrency=settings.max_concurrency, prefill_chunk=settings.prefill_chunk,
                                    pages=pages, slots=slots, cache=self.cache)
-        self.scheduler.before_pause = self._snapshot_on_pause
-        state_image = transfers.state_bytes(self.runner.cache)
+        self.scheduler.before_pause = self._before_pause
+        state_image = self.state_image_bytes = transfers.state_bytes(self.runner.cache)
         self.host_budget = (settings.host_context_bytes if settings.host_context_bytes is not None
                             else 8 * 2**30 + 8 * state_image)
         self.host_used = 0
         self.thinking = self._thinking_control(tokenizer)
         self.counters = Counters()
+        self.work = HostWork()
+        self._recovering: set[str] = set()  # restored requests whose next commit completes recovery
         self.healthy = True
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._by_id: dict[str, Sequence] = {}
@@ -234,6 +315,8 @@ class Engine:
             "waiting": len(sched.waiting),
             "paused": len(sched.paused),
             "prefilling": sum(s.status is Status.PREFILL for s in resident),
+            "replaying": sum(s.status is Status.PREFILL and bool(s.output_ids) for s in resident),
+            "materializing": 0,  # snapshot restores and prefix copies complete inside admission
             "decode_ready": sum(s.status is Status.DECODE for s in resident),
             "kv_pages_used": sched.pages.used_pages,
             "kv_pages_capacity": sched.pages.num_pages,
@@ -247,8 +330,10 @@ class Engine:
             "retained_checkpoints": len(self.cache.entries),
             "host_context_used_bytes": self.host_used,
             "host_context_capacity_bytes": self.host_budget,
-            **{k: v for k, v in vars(c).items() if k != "requests"},
+            **{k: v for k, v in vars(c).items() if k not in ("requests", "context_transfer_bytes")},
             "requests": dict(c.requests),
+            "context_transfer_bytes": dict(c.context_transfer_bytes),
+            **self.work.snapshot(),
         }
 
     # ---- preparation (caller's thread) -------------------------------------------------------
@@ -261,20 +346,7 @@ class Engine:
                                close_suffix=suffix)
 
     def resolve_sampling(self, request: EngineRequest) -> ResolvedSampling:
-        s = self.settings
-        preset = s.sampling_presets.get("thinking" if request.thinking else "non_thinking", {})
-        merged = {**GENERIC_SAMPLING, **preset, **s.sampling_overrides}
-        given = request.sampling
-        for name in GENERIC_SAMPLING:
-            value = getattr(given, name)
-            if value is not None:
-                merged[name] = value
-        if s.greedy:
-            merged["temperature"] = 0.0
-        seed = given.seed if given.seed is not None else s.seed
-        if seed is None:
-            seed = random.getrandbits(63)
-        return ResolvedSampling(seed=int(seed), **{k: merged[k] for k in GENERIC_SAMPLING})
+        return resolve_sampling(self.settings, request)
 
     def _prepare(self, request: EngineRequest, emit) -> Sequence:
         s = self.settings
@@ -314,11 +386,12 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop:
             try:
-                self._drain_inbox()
-                self._expire_waiting()
-                self._admit()
-                worked = self._prefill_step()
-                worked |= self._decode_step()
+                with self.work.phase("engine_boundary"):
+                    self._drain_inbox()
+                    self._expire_waiting()
+                    self._admit()
+                worked = self.work.run_step("prefill", self._prefill_step)
+                worked |= self.work.run_step("decode", self._decode_step)
             except Exception as exc:  # an engine-wide failure: fail everything, report unhealthy
                 log.exception("engine step failed")
                 self._fail_all(exc)
@@ -352,9 +425,11 @@ class Engine:
 
     def _admit(self) -> None:
         for seq in self.scheduler.admit():
+            restored = None  # the route of a paused request coming back
             if seq.t_paused is not None:
                 self.counters.paused_seconds += time.monotonic() - seq.t_paused
                 seq.t_paused = None
+                restored = "snapshot" if seq.snapshot is not None else "replay"
             if seq.snapshot is not None:
                 self._restore_snapshot(seq)
             else:
@@ -365,12 +440,16 @@ class Engine:
                     self.counters.cached_prompt_tokens += reused
                 elif seq.output_ids:
                     self.counters.replay_restores += 1
+                if seq.output_ids and seq.num_computed >= seq.prefill_target:
+                    seq.status = Status.DECODE  # a retained prefix covered the whole replay
             if seq.t_admit is None:
                 seq.t_admit = time.monotonic()
                 self.counters.prompt_tokens += seq.prompt_len
                 if seq.request.return_progress:
                     seq.emit(ProgressEvent(seq.prompt_len, seq.cached_tokens, seq.cached_tokens, 0.0))
             self.runner.reset_lane(seq.lane, seq.output_ids)
+            if restored:
+                self._scheduling_event(seq, "restored", restored)
 
     # ---- context cache -------------------------------------------------------------------------
     def _reuse_prefix(self, seq: Sequence) -> int:
@@ -391,8 +470,10 @@ class Engine:
                 pool.release(shared)
                 return 0
             transfers.copy_pages(self.runner.cache, [entry.pages[full]], tail)
+            self._count_transfer("d2d", kv=transfers.page_bytes(self.runner.cache))
         if entry.state_slot is not None:
             transfers.copy_state(self.runner.cache, entry.state_slot, seq.state_slot)
+            self._count_transfer("d2d", state=self.state_image_bytes)
         seq.pages = shared + tail
         seq.num_computed = match.length
         return match.length
@@ -409,6 +490,7 @@ class Engine:
                 return  # best effort: no slot to hold the state
             slot = slots.allocate()
             transfers.copy_state(self.runner.cache, seq.state_slot, slot)
+            self._count_transfer("d2d", state=self.state_image_bytes)
         pages = seq.pages[: self.scheduler.pages.pages_for(end)]
         self.scheduler.pages.share(pages)
         self.cache.add(tokens, pages, slot, kind)
@@ -436,6 +518,8 @@ class Engine:
         seq.snapshot = transfers.to_host(self.runner.cache, pages, seq.state_slot)
         self.host_used += seq.snapshot.nbytes
         self.counters.transfer_bytes_d2h += seq.snapshot.nbytes
+        self.counters.host_context_peak_bytes = max(self.counters.host_context_peak_bytes, self.host_used)
+        self._count_snapshot_transfer("d2h", seq.snapshot)
 
     def _restore_snapshot(self, seq: Sequence) -> None:
         snap = seq.snapshot
@@ -443,6 +527,7 @@ class Engine:
         transfers.from_host(self.runner.cache, snap, seq.pages, seq.state_slot)
         self._free_snapshot(seq)
         self.counters.transfer_bytes_h2d += snap.nbytes
+        self._count_snapshot_transfer("h2d", snap)
         self.counters.snapshot_restores += 1
         if seq.output_ids and seq.num_computed >= seq.prefill_target:
             seq.status = Status.DECODE
@@ -460,7 +545,8 @@ class Engine:
             self._starved(unit)
             return True
         seq = unit.seq
-        logits = self.runner.forward([seq], [seq.tokens(unit.start, unit.end)])
+        with self.work.phase("program_submit"):
+            logits = self.runner.forward([seq], [seq.tokens(unit.start, unit.end)])
         computed = unit.end - unit.start
         seq.num_computed = unit.end
         if unit.end in seq.checkpoints:
@@ -475,14 +561,19 @@ class Engine:
             return True
         if not seq.samples_after_prefill:  # replay done: resume decoding without resampling
             seq.status = Status.DECODE
+            self._scheduling_event(seq, "replay_complete", "replay")
             return True
         self._progress(seq)
         if seq.max_tokens == 0:
             self._finish(seq, FinishReason.LENGTH)
             return True
-        token = int(self.runner.sample([seq], logits)[0])
+        with self.work.phase("program_post"):
+            sampled = self.runner.sample([seq], logits)
+        with self.work.phase("device_wait"):
+            token = int(sampled[0])
         seq.status = Status.DECODE
-        self._commit(seq, token)
+        with self.work.phase("engine_commit_output"):
+            self._commit(seq, token)
         return True
 
     def _progress(self, seq: Sequence) -> None:
@@ -496,17 +587,22 @@ class Engine:
             self._starved(seq)
         if not ready:
             return bool(starved)
-        logits = self.runner.forward(ready, [[s.output_ids[-1]] for s in ready])
-        tokens = self.runner.sample(ready, logits).tolist()  # the one host sync per step
+        with self.work.phase("program_submit"):
+            logits = self.runner.forward(ready, [[s.output_ids[-1]] for s in ready])
+        with self.work.phase("program_post"):
+            sampled = self.runner.sample(ready, logits)
+        with self.work.phase("device_wait"):
+            tokens = sampled.tolist()  # the one host sync per step
         self.counters.decode_steps += 1
-        for seq, token in zip(ready, tokens):
-            seq.num_computed += 1
-            if seq.status is not Status.DECODE:
-                continue
-            if seq.forced:  # thinking-budget control tokens replace the sample
-                self._commit(seq, seq.forced.popleft(), forced=True)
-            else:
-                self._commit(seq, token)
+        with self.work.phase("engine_commit_output"):
+            for seq, token in zip(ready, tokens):
+                seq.num_computed += 1
+                if seq.status is not Status.DECODE:
+                    continue
+                if seq.forced:  # thinking-budget control tokens replace the sample
+                    self._commit(seq, seq.forced.popleft(), forced=True)
+                else:
+                    self._commit(seq, token)
         return True
 
     def _starved(self, seq: Sequence) -> None:
@@ -522,6 +618,9 @@ class Engine:
             seq.t_first = now
         seq.t_last = now
         seq.output_ids.append(token)
+        if self._recovering and seq.request_id in self._recovering:  # first fresh token after a restore
+            self._recovering.discard(seq.request_id)
+            self._scheduling_event(seq, "recovery_complete", None)
         self.counters.generation_tokens += 1
         if len(seq.output_ids) > 1:
             self.counters.decode_tokens += 1
@@ -549,6 +648,9 @@ class Engine:
         self._free_snapshot(seq)
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
+        if seq.preemptions:
+            self._recovering.discard(seq.request_id)
+            self._scheduling_event(seq, "terminal", None)
         self._drop(seq)
         now = time.monotonic()
         admitted = seq.t_admit or now
@@ -566,6 +668,38 @@ class Engine:
                              thinking_budget_applied=seq.controller.budget_applied,
                              preemptions=seq.preemptions, prefix_reuse_path=seq.prefix_path, error=error))
         self._count_outcome(reason.value)
+
+    # ---- observability: pause/restore events and transfer accounting --------------------------
+    def _before_pause(self, seq: Sequence) -> None:
+        self._snapshot_on_pause(seq)
+        self._scheduling_event(seq, "paused", "snapshot" if seq.snapshot is not None else "replay", index=1)
+
+    def _scheduling_event(self, seq: Sequence, kind: str, route: str | None, index: int = 0) -> None:
+        """Tell the request's consumer about a pause-cycle boundary (only when the request log wants them).
+
+        `index` is 1 while pausing: the scheduler counts the preemption after its pause hook returns.
+        """
+        if not self.settings.scheduling_events:
+            return
+        if kind == "restored":
+            self._recovering.add(seq.request_id)
+        c, now = self.counters, time.monotonic_ns()
+        seq.emit(SchedulingEvent(
+            kind=kind, preemption_index=seq.preemptions + index, route=route, steady_ns=now,
+            elapsed_ns=now - int(seq.t_submit * 1e9),
+            global_tokens={"prefill": c.prefill_tokens, "decode": c.decode_tokens, "replay": c.replayed_tokens},
+            request_tokens={"computed": seq.num_computed, "generated": len(seq.output_ids)}))
+
+    def _count_transfer(self, direction: str, kv: int = 0, state: int = 0) -> None:
+        moved = self.counters.context_transfer_bytes
+        moved[f"main_kv_{direction}"] += kv
+        moved[f"state_{direction}"] += state
+
+    def _count_snapshot_transfer(self, direction: str, snap) -> None:
+        def size(*tensors):
+            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+        self._count_transfer(direction, kv=size(snap.k, snap.v), state=size(snap.conv, snap.ssm))
 
     def _drop(self, seq: Sequence) -> None:
         with self._lock:

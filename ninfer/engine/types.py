@@ -133,6 +133,24 @@ class FinishEvent:
     error: str | None = None
 
 
+@dataclass
+class SchedulingEvent:
+    """A pause-cycle boundary of one request, for the request log (only with EngineSettings.scheduling_events).
+
+    kind: paused, restored, replay_complete, recovery_complete, or terminal (a preempted request ended).
+    route: snapshot or replay; None where no route applies. steady_ns is the engine's monotonic clock and
+    elapsed_ns counts from submission. Token counters are cumulative: global ones for the whole engine.
+    """
+
+    kind: str
+    preemption_index: int
+    route: str | None
+    steady_ns: int
+    elapsed_ns: int
+    global_tokens: dict[str, int]
+    request_tokens: dict[str, int]
+
+
 class EngineError(Exception):
     """A request the engine cannot take; `code` is the contract's error code."""
 

@@ -10,18 +10,32 @@ from starlette.middleware.cors import CORSMiddleware
 from ninfer.protocol.errors import ProtocolError
 from ninfer.server.chat_completions import chat_completions, model_not_found
 from ninfer.server.context import ServerContext
+from ninfer.server.messages import count_tokens, create_message
+from ninfer.server.metrics import EngineClientFeed, MetricsFeed, ServerFacts, metrics_endpoint
 from ninfer.server.middleware import EdgeMiddleware, error_response_parts
+from ninfer.server.observer import RequestObserver
+from ninfer.server.responses import add_responses_routes
 
 
-def create_app(ctx: ServerContext, *, behind_serve_proxy: bool = False) -> FastAPI:
+def create_app(ctx: ServerContext, *, behind_serve_proxy: bool = False, response_store=None,
+               observer: RequestObserver | None = None, metrics_feed: MetricsFeed | None = None) -> FastAPI:
+    """`observer` and `metrics_feed` default to this process alone (the Ray Router passes its own)."""
     app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
+    # Request lifecycle (JSONL, metrics, stderr) and /metrics; the endpoints reach them via app.state.
+    app.state.observer = observer = observer or RequestObserver.for_config(ctx.config)
+    app.state.metrics_feed = metrics_feed or EngineClientFeed(ctx.engine, observer.figures)
+    app.state.server_facts = ServerFacts.of(ctx.config, observer.model, ctx.max_model_len)
+    app.add_api_route("/metrics", metrics_endpoint, methods=["GET"])
     app.add_exception_handler(ProtocolError, _protocol_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    add_responses_routes(app, response_store)  # None: an in-process ResponseStore
+    app.add_api_route("/v1/messages", create_message, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
     app.add_middleware(EdgeMiddleware, api_key=ctx.config.api_key,
                        max_request_bytes=ctx.config.max_request_mib * 1024 * 1024,
                        upstream_request_id=behind_serve_proxy)

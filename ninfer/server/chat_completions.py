@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -23,9 +22,8 @@ from ninfer.protocol.errors import ProtocolError, from_engine_error, from_prompt
 from ninfer.protocol.openai_chat import ChatRequest, parse_chat_request
 from ninfer.server.chat_output import ChunkWriter, Identity, aggregate, new_call_id
 from ninfer.server.context import ServerContext
+from ninfer.server.observer import RequestShape, RequestTrace
 from ninfer.server.sse import DONE, SSE_HEADERS, data_event, with_keepalive
-
-log = logging.getLogger("ninfer.server")
 
 
 async def read_json(request: Request) -> Any:
@@ -50,26 +48,27 @@ async def chat_completions(request: Request):
     chat = parse_chat_request(await read_json(request), ctx.chat_defaults)
     if chat.model != ctx.model_id:
         raise model_not_found(chat.model)
-    prompt = await asyncio.to_thread(_build_prompt, ctx, chat)  # template + tokenizer: keep the loop free
+    shape = RequestShape.of("openai_chat", chat.conversation, model=chat.model, stream=chat.stream,
+                            max_tokens=chat.max_tokens)
+    trace = request.app.state.observer.begin(shape, request_id)  # validation passed: a measured request
     identity = Identity(model=ctx.model_id)
-    # The engine id is the completion id: unique even when a client reuses its x-request-id (Serve adopts it).
-    engine_request = EngineRequest(request_id=identity.id, prompt_ids=list(prompt.token_ids), sampling=chat.sampling,
-                                   max_tokens=chat.max_tokens, stop=chat.stop, thinking=prompt.thinking,
-                                   return_progress=True,  # the first progress event marks admission
-                                   checkpoints=checkpoints(prompt))
-    try:
-        events = await ctx.engine.open(engine_request)
-    except EngineError as exc:
-        raise from_engine_error(exc) from None
-    try:
+    with trace.preparation():
+        prompt = await asyncio.to_thread(_build_prompt, ctx, chat)  # template + tokenizer: keep the loop free
         decoder = ctx.frontend.output_decoder(chat.conversation, prompt)
-    except BaseException:
-        await events.aclose()  # cancels the accepted engine request
-        raise
-    log.info("%s chat start: prompt %d tokens, stream %s", request_id, len(prompt.token_ids), chat.stream)
+        # The engine id is the completion id: unique even when a client reuses its x-request-id (Serve adopts it).
+        engine_request = EngineRequest(request_id=identity.id, prompt_ids=list(prompt.token_ids),
+                                       sampling=chat.sampling, max_tokens=chat.max_tokens, stop=chat.stop,
+                                       thinking=prompt.thinking,
+                                       return_progress=True,  # the first progress event marks admission
+                                       checkpoints=checkpoints(prompt))
+        trace.submitting(engine_request, prompt)
+        try:
+            events = trace.watch(await ctx.engine.open(engine_request))
+        except EngineError as exc:
+            raise from_engine_error(exc) from None
     if not chat.stream:
-        return await _aggregate(events, decoder, identity, request_id)
-    frames = with_keepalive(_stream(events, decoder, identity, chat, request_id), ctx.keepalive_s)
+        return await _aggregate(events, decoder, identity, trace)
+    frames = with_keepalive(_stream(events, decoder, identity, chat, trace), ctx.keepalive_s)
     return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -88,57 +87,60 @@ def _build_prompt(ctx: ServerContext, chat: ChatRequest):
         raise from_prompt_error(exc) from None
 
 
-async def _aggregate(events: AsyncIterator[Any], decoder, identity: Identity, request_id: str) -> JSONResponse:
-    fin: FinishEvent | None = None
-    try:
-        async for ev in events:
-            if isinstance(ev, TokenEvent) and ev.text:
-                decoder.feed(ev.text, ev.channel)
-            elif isinstance(ev, FinishEvent):
-                fin = ev
-    except EngineError as exc:  # e.g. the queue deadline passed before admission
-        raise from_engine_error(exc) from None
-    finally:
-        await events.aclose()
-    if fin is None or fin.reason is FinishReason.ERROR:
-        raise ProtocolError(f"generation failed in the engine: {fin and fin.error}", code="engine_failure", status=500)
-    _, decoded = decoder.finish()
-    for call in decoded.tool_calls:
-        call.call_id = call.call_id or new_call_id()
-    _log_done(request_id, fin)
-    return JSONResponse(aggregate(identity, decoded, fin))
+async def _aggregate(events: AsyncIterator[Any], decoder, identity: Identity, trace: RequestTrace) -> JSONResponse:
+    with trace.generation():  # exactly one terminal record, whatever happens below
+        fin: FinishEvent | None = None
+        try:
+            async for ev in events:
+                if isinstance(ev, TokenEvent) and ev.text:
+                    decoder.feed(ev.text, ev.channel)
+                elif isinstance(ev, FinishEvent):
+                    fin = ev
+        except EngineError as exc:  # e.g. the queue deadline passed before admission
+            raise from_engine_error(exc) from None
+        finally:
+            await events.aclose()
+        if fin is None or fin.reason is FinishReason.ERROR:
+            raise ProtocolError(f"generation failed in the engine: {fin and fin.error}", code="engine_failure",
+                                status=500)
+        _, decoded = decoder.finish()
+        for call in decoded.tool_calls:
+            call.call_id = call.call_id or new_call_id()
+        trace.finish(decoded)
+        return JSONResponse(aggregate(identity, decoded, fin))
 
 
 async def _stream(events: AsyncIterator[Any], decoder, identity: Identity, chat: ChatRequest,
-                  request_id: str) -> AsyncIterator[bytes]:
+                  trace: RequestTrace) -> AsyncIterator[bytes]:
     writer = ChunkWriter(identity, include_usage=chat.include_usage, timings_per_token=chat.timings_per_token)
-    try:
-        yield data_event(writer.role())
-        async for ev in events:
-            writer.live.observe(ev)
-            if isinstance(ev, ProgressEvent):
-                if chat.return_progress:
-                    yield data_event(writer.progress(ev))
-            elif isinstance(ev, TokenEvent):
-                for frame in _frames(writer, decoder.feed(ev.text, ev.channel) if ev.text else []):
-                    yield frame
-            elif isinstance(ev, FinishEvent):
-                if ev.reason is FinishReason.ERROR:
-                    err = ProtocolError(f"generation failed in the engine: {ev.error}", code="engine_failure",
-                                        status=500)
-                    yield data_event(err.openai_body())
-                    return
-                tail, decoded = decoder.finish()
-                for frame in _frames(writer, tail):
-                    yield frame
-                for payload in writer.finish(decoded, ev):
-                    yield data_event(payload)
-                yield DONE
-                _log_done(request_id, ev)
-    except EngineError as exc:  # after the stream opened, errors travel as an SSE error event
-        yield data_event(from_engine_error(exc).openai_body())
-    finally:
-        await events.aclose()
+    with trace.generation():  # a client that goes away mid-stream ends here as a cancellation
+        try:
+            yield data_event(writer.role())
+            async for ev in events:
+                writer.live.observe(ev)
+                if isinstance(ev, ProgressEvent):
+                    if chat.return_progress:
+                        yield data_event(writer.progress(ev))
+                elif isinstance(ev, TokenEvent):
+                    for frame in _frames(writer, decoder.feed(ev.text, ev.channel) if ev.text else []):
+                        yield frame
+                elif isinstance(ev, FinishEvent):
+                    if ev.reason is FinishReason.ERROR:
+                        err = ProtocolError(f"generation failed in the engine: {ev.error}", code="engine_failure",
+                                            status=500)
+                        yield data_event(err.openai_body())
+                        return
+                    tail, decoded = decoder.finish()
+                    trace.finish(decoded)  # the outcome is final; later send failures are transport failures
+                    for frame in _frames(writer, tail):
+                        yield frame
+                    for payload in writer.finish(decoded, ev):
+                        yield data_event(payload)
+                    yield DONE
+        except EngineError as exc:  # after the stream opened, errors travel as an SSE error event
+            yield data_event(from_engine_error(exc).openai_body())
+        finally:
+            await events.aclose()
 
 
 def _frames(writer: ChunkWriter, deltas) -> list[bytes]:
@@ -151,9 +153,3 @@ def _frames(writer: ChunkWriter, deltas) -> list[bytes]:
             out.append(data_event(payload))
     return out
 
-
-def _log_done(request_id: str, fin: FinishEvent) -> None:
-    u, t = fin.usage, fin.timings
-    log.info("%s chat done: %s, prompt %d (cached %d), completion %d, ttft %.0f ms, decode %.0f ms",
-             request_id, fin.reason.value, u.prompt_tokens, u.cached_tokens, u.completion_tokens, t.prompt_ms,
-             t.predicted_ms)

@@ -7,6 +7,8 @@ Flags are generated from ServerConfig's fields (one flag per field, `--max-conte
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import signal
 import sys
@@ -38,7 +40,7 @@ FLAG_HELP: dict[str, tuple[str | None, str]] = {
     "media_cache_mib": ("N", "LRU-retained prepared media payloads in MiB (vision only)"),
     "media_live_mib": ("N", "all live prepared media payloads in MiB (vision only)"),
     "media_preprocess_threads": ("N", "media preprocessing workers; 0 picks from host cores (vision only)"),
-    "request_log_jsonl": ("FILE", "append full-precision request records (not implemented yet)"),
+    "request_log_jsonl": ("FILE", "append full-precision JSONL server/request records (its folder must exist)"),
     "response_store_max_records": ("N", "locally retained Responses objects"),
     "response_store_max_mib": ("N", "local Response store budget in MiB"),
     "kv_dtype": (None, "KV-cache storage (only bf16 is implemented)"),
@@ -122,11 +124,16 @@ def flag_errors(errors: list[dict[str, Any]]) -> str:
 def run(cfg: ServerConfig) -> int:
     """Start a local Ray, deploy the graph on cfg.host:cfg.port, serve until SIGINT/SIGTERM."""
     from ninfer.artifact.container import Artifact
+    from ninfer.server.request_log import ARGV_ENV, redact_argv
     from ninfer.server.startup import check_implemented, configure_logging
 
     check_implemented(cfg)
     Artifact(cfg.artifact)  # a missing or corrupt file fails here, before Ray starts
     configure_logging(cfg.log_level)
+    log = logging.getLogger("ninfer.server")
+    os.environ[ARGV_ENV] = json.dumps(redact_argv(sys.argv, cfg.api_key))  # for server_start; replicas inherit it
+    if not sys.stderr.isatty():  # Ray colours the replica prefixes it relays to us; redirected stderr stays plain
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
     import ray
     from ray import serve
@@ -142,8 +149,10 @@ def run(cfg: ServerConfig) -> int:
     try:
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
         serve.run(build_application(cfg), name=APP_NAME, route_prefix="/")
-        print(f"ninfer: serving {cfg.artifact} on http://{cfg.host}:{cfg.port}", file=sys.stderr)
+        log.info("serving %s on http://%s:%d (auth %s)", cfg.artifact, cfg.host, cfg.port,
+                 "on" if cfg.api_key else "off")
         stop.wait()
+        log.info("shutting down")
     finally:
         serve.shutdown()
         ray.shutdown()

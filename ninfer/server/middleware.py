@@ -13,6 +13,7 @@ import logging
 import secrets
 from typing import Any
 
+from ninfer.protocol.anthropic_errors import anthropic_error
 from ninfer.protocol.errors import ProtocolError
 
 log = logging.getLogger("ninfer.server")
@@ -29,8 +30,8 @@ def is_anthropic(path: str) -> bool:
 
 
 def error_response_parts(err: ProtocolError, path: str, request_id: str) -> tuple[int, bytes]:
-    body = err.anthropic_body(request_id) if is_anthropic(path) else err.openai_body()
-    return err.status, json.dumps(body, ensure_ascii=False).encode()
+    status, body = anthropic_error(err, request_id) if is_anthropic(path) else (err.status, err.openai_body())
+    return status, json.dumps(body, ensure_ascii=False).encode()
 
 
 class EdgeMiddleware:

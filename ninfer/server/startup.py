@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
+import time
 
 from ninfer.config import ServerConfig
 from ninfer.engine.engine import EngineSettings
+from ninfer.server.oplog import configure_logging
+from ninfer.server.request_log import check_log_path
+
+log = logging.getLogger("ninfer.server")
 
 
 class UnsupportedOptionError(ValueError):
@@ -32,17 +36,19 @@ def unimplemented_options(cfg: ServerConfig) -> list[str]:
         problems.append(f"--kv-dtype {cfg.kv_dtype}: only bf16 KV storage is implemented")
     if cfg.kv_capacity == "auto":
         problems.append("--kv-capacity auto: sizing from free device memory is not implemented yet; give a token count")
-    if cfg.request_log_jsonl is not None:
-        problems.append("--request-log-jsonl: the JSONL request log is not implemented yet")
     if cfg.context_cost_presets is not None:
         problems.append("--context-cost-presets: context-cost presets are not implemented yet")
     return problems
 
 
 def check_implemented(cfg: ServerConfig) -> None:
+    """The startup gate both front doors pass: unsupported options, then a request-log path that cannot
+    work (missing folder, or the artifact itself) also stops startup here, before Ray starts."""
     problems = unimplemented_options(cfg)
     if problems:
         raise UnsupportedOptionError("cannot start: " + "; ".join(problems))
+    if cfg.request_log_jsonl is not None:
+        check_log_path(cfg.request_log_jsonl, cfg.artifact)
 
 
 def engine_settings(cfg: ServerConfig) -> EngineSettings:
@@ -54,6 +60,7 @@ def engine_settings(cfg: ServerConfig) -> EngineSettings:
         sampling_overrides=cfg.process_sampling_overrides(), greedy=cfg.greedy, seed=cfg.seed,
         prefix_reuse=not cfg.no_prefix_reuse, no_cuda_graph=cfg.no_cuda_graph,
         host_context_bytes=None if cfg.host_context_mib is None else cfg.host_context_mib * 1024 * 1024,
+        scheduling_events=cfg.request_log_jsonl is not None,  # request_scheduling records need them
     )
 
 
@@ -70,23 +77,15 @@ def load_engine_for(cfg: ServerConfig, *, device_index: int | None = None, threa
     if device.type == "cpu":
         # Ray sets OMP threads from a replica's num_cpus; the engine uses the cores it may run on.
         torch.set_num_threads(threads or max(1, len(os.sched_getaffinity(0))))
-    return load_engine(cfg.artifact, engine_settings(cfg), device=device, dtype=cfg.dtype)
+    log.info("loading %s on %s", cfg.artifact, device)
+    started = time.monotonic()
+    engine = load_engine(cfg.artifact, engine_settings(cfg), device=device, dtype=cfg.dtype)
+    snap = engine.snapshot()
+    log.info("engine ready in %.1f s: %d lanes, KV %d pages of %d tokens, %d state slots, prefix reuse %s",
+             time.monotonic() - started, cfg.max_concurrency, snap["kv_pages_capacity"], cfg.page_size,
+             snap["state_slots_capacity"], "off" if cfg.no_prefix_reuse else "on")
+    return engine
 
 
-TRACE = 5
-_LEVELS = {"trace": TRACE, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-           "error": logging.ERROR, "critical": logging.CRITICAL, "off": logging.CRITICAL + 10}
-
-
-def configure_logging(level: str) -> None:
-    """Operational records on stderr: `YYYY-MM-DD HH:MM:SS.mmm LEVEL message`, no prompts or text."""
-    logging.addLevelName(TRACE, "TRACE")
-    logger = logging.getLogger("ninfer")
-    logger.setLevel(_LEVELS[level])
-    if not any(getattr(h, "_ninfer", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)s %(message)s",
-                                               datefmt="%Y-%m-%d %H:%M:%S"))
-        handler._ninfer = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
-        logger.propagate = False
+__all__ = ["UnsupportedOptionError", "check_implemented", "configure_logging", "engine_settings",
+           "load_engine_for", "unimplemented_options"]

@@ -1,0 +1,226 @@
+"""--request-log-jsonl and the stderr records, end to end over the scripted model.
+
+Two servers append to one campaign file (as successive model blocks would). Every line must
+validate against ninfer/server/request_log.schema.json; every started generation gets exactly one
+terminal (success, stream, tool call, cancellation, engine failure); preparation rejections have no
+start; validation errors get nothing. A planted API key and planted prompt text must appear in no log.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import threading
+from collections import Counter
+
+import httpx
+import jsonschema
+import pytest
+from server_fixtures import MODEL, OUTPUTS, WEATHER_TOOL, scripted_artifact, start_server, wait_until
+
+from ninfer.server.oplog import RecordFormatter
+from ninfer.server.request_log import SCHEMA_PATH
+from ninfer.server.stats import StatsReporter
+
+KEY = "sk-PLANTED-KEY-9f8e7d"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PLANTED_PROMPT = "PLANTED-PROMPT-TEXT-do-not-log"
+PLANTED_OUTPUT = "The answer is 4"  # the ALPHA script's answer
+RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} (TRACE|DEBUG|INFO|WARNING|ERROR|CRITICAL) \S")
+
+
+def body(keyword: str, **extra) -> dict:
+    messages = [{"role": "system", "content": PLANTED_PROMPT}, {"role": "user", "content": keyword}]
+    return {"model": MODEL, "messages": messages, **extra}
+
+
+@pytest.fixture(scope="module")
+def stderr_records():
+    """The `ninfer` logger's records at INFO, formatted as on stderr."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(RecordFormatter())
+    logger = logging.getLogger("ninfer")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield stream
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def campaign(artifacts_dir, qwen_tokenizer, tmp_path_factory, stderr_records):
+    """Drive both servers once; the tests below read what they wrote."""
+    path = scripted_artifact(artifacts_dir, qwen_tokenizer)
+    log_path = tmp_path_factory.mktemp("campaign") / "requests.jsonl"
+    ids: dict[str, str] = {}
+
+    live = start_server(path, qwen_tokenizer, api_key=KEY, request_log_jsonl=str(log_path))
+    try:
+        url = live.url + "/v1/chat/completions"
+        before = live.engine.snapshot()
+        r = httpx.post(url, json=body("ALPHA"), headers=AUTH, timeout=30)
+        assert r.status_code == 200 and PLANTED_OUTPUT in r.text
+        ids["done"] = r.headers["x-request-id"]
+        with httpx.stream("POST", url, json=body("COUNT", stream=True), headers=AUTH, timeout=30) as s:
+            assert s.read().endswith(b"data: [DONE]\n\n")
+            ids["stream"] = s.headers["x-request-id"]
+        r = httpx.post(url, json=body("WEATHER", tools=[WEATHER_TOOL]), headers=AUTH, timeout=30)
+        assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+        ids["tool"] = r.headers["x-request-id"]
+        r = httpx.post(url, json=body("ALPHA", top_k=99), headers=AUTH, timeout=30)
+        assert r.status_code == 400
+        ids["invalid"] = r.headers["x-request-id"]
+        r = httpx.post(url, json=body("word " * 5000), headers=AUTH, timeout=30)
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        ids["rejected"] = r.headers["x-request-id"]
+        with httpx.Client(timeout=30, headers=AUTH) as http:
+            with http.stream("POST", url, json=body("LONG", stream=True, max_tokens=2500)) as s:
+                ids["cancelled"] = s.headers["x-request-id"]
+                lines = s.iter_lines()
+                for _ in range(6):
+                    next(lines)
+        assert wait_until(lambda: live.engine.snapshot()["running"] == 0)
+        # one throughput interval from the engine's snapshots, written where the engine lives
+        reporter = StatsReporter(live.engine.snapshot, 5000, request_log=live.server.config.app.state.observer.log,
+                                 replica="0")
+        reporter.report(before, live.engine.snapshot(), 2.5)
+        reporter.report(live.engine.snapshot(), live.engine.snapshot(), 5.0)  # idle: omitted
+    finally:
+        live.stop()
+
+    # A second block in the same file: KV pressure (pause, replay, restore), then an engine failure.
+    # (no prefix reuse: the twin request's retained endpoint must not stand in for the replay)
+    tight = start_server(path, qwen_tokenizer, request_log_jsonl=str(log_path), kv_capacity=256, host_context_mib=0,
+                         no_prefix_reuse=True)
+    try:
+        url = tight.url + "/v1/chat/completions"
+        results = []
+
+        def run() -> None:
+            results.append(httpx.post(url, json=body("LONG", max_tokens=150), timeout=60))
+
+        threads = [threading.Thread(target=run) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [r.status_code for r in results] == [200, 200]
+        assert tight.engine.counters.replay_restores >= 1, tight.engine.snapshot()
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("device lost")
+
+        tight.engine.runner.forward = broken
+        r = httpx.post(url, json=body("ALPHA"), timeout=30)
+        assert r.status_code == 500
+        ids["failed"] = r.headers["x-request-id"]
+    finally:
+        tight.stop()
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    return {"path": log_path, "records": records, "ids": ids, "stderr": stderr_records.getvalue()}
+
+
+def by_http_id(records: list[dict], http_id: str) -> list[dict]:
+    return [r for r in records if r.get("request", {}).get("x_request_id") == http_id]
+
+
+def test_every_line_validates_against_the_schema(campaign):
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text()))
+    for record in campaign["records"]:
+        errors = sorted(validator.iter_errors(record), key=str)
+        assert not errors, (record["event"], [e.message for e in errors[:3]])
+    events = Counter(r["event"] for r in campaign["records"])
+    assert events["server_start"] == 2 and events["throughput"] == 1
+    assert events["request_scheduling"] >= 3
+
+
+def test_exactly_one_terminal_per_started_generation(campaign):
+    records = campaign["records"]
+    for instance in {r["server_instance_id"] for r in records}:
+        mine = [r for r in records if r["server_instance_id"] == instance]
+        assert mine[0]["event"] == "server_start"
+        started = [r["request"]["request_id"] for r in mine if r["event"] == "request_start"]
+        terminals = Counter(r["request"]["request_id"] for r in mine if r["event"] in ("request_done", "request_error"))
+        assert sorted(terminals) == sorted(started) and set(terminals.values()) == {1}
+        rejected = [r["request"]["request_id"] for r in mine if r["event"] == "request_rejected"]
+        assert not set(rejected) & set(started)
+        numbered = [r["request"]["request_id"] for r in mine if r["event"] in ("request_start", "request_rejected")]
+        assert numbered == sorted(numbered) and numbered == list(range(1, len(numbered) + 1))  # monotonic ids
+
+
+def test_outcomes_per_request(campaign):
+    records, ids = campaign["records"], campaign["ids"]
+    assert by_http_id(records, ids["invalid"]) == []  # validation errors are not measurement requests
+    (rejected,) = by_http_id(records, ids["rejected"])
+    assert rejected["event"] == "request_rejected" and rejected["phase"] == "prepare"
+    assert (rejected["error"]["status"], rejected["error"]["code"]) == (400, "context_length_exceeded")
+
+    start, done = by_http_id(records, ids["done"])
+    assert (start["event"], done["event"]) == ("request_start", "request_done")
+    assert start["request"]["protocol"] == "openai_chat" and start["request"]["enable_thinking"] is True
+    assert start["request"]["requested_output_tokens_source"] == "server_default"
+    assert isinstance(start["request"]["sampling"]["seed"], int)
+    result, timings = done["result"], done["timings_seconds"]
+    assert result["finish_reason"] == "stop" and result["completion_tokens"] == len(result["generated_token_ids"])
+    assert result["computed_prefill_tokens"] + result["prefix_cache_hit_tokens"] == result["prompt_tokens"]
+    assert result["prefix_reuse_path"] in ("root", "checkpoint") and result["tool_call_parse"]["marker_seen"] is False
+    assert 0 < timings["prepare"] <= timings["ttft"] <= timings["total"] and timings["queue"] >= 0
+    assert any(not float(v).is_integer() for v in timings.values() if v)  # full precision, not rounded ms
+
+    tool_done = by_http_id(records, ids["tool"])[-1]
+    assert tool_done["request"]["tool_count"] == 1
+    assert tool_done["result"]["tool_call_count"] == 1
+    assert tool_done["result"]["tool_call_parse"]["structured_call_count"] == 1
+    assert by_http_id(records, ids["stream"])[-1]["request"]["stream"] is True
+
+    cancelled = by_http_id(records, ids["cancelled"])[-1]
+    assert cancelled["event"] == "request_error" and cancelled["error"]["kind"] == "cancellation"
+    failed = by_http_id(records, ids["failed"])[-1]
+    assert failed["event"] == "request_error" and failed["error"]["code"] == "engine_failure"
+
+
+def test_scheduling_events_trace_pause_and_replay(campaign):
+    events = [r for r in campaign["records"] if r["event"] == "request_scheduling"]
+    kinds = [e["scheduling"]["kind"] for e in events]
+    for kind in ("paused", "restored", "replay_complete", "terminal"):
+        assert kind in kinds, kinds
+    paused = next(e for e in events if e["scheduling"]["kind"] == "paused")
+    assert paused["scheduling"]["route"] == "replay" and paused["scheduling"]["preemption_index"] == 1
+    done = [r for r in campaign["records"] if r["event"] == "request_done" and r["result"]["finish_reason"] == "length"]
+    assert sum(r["scheduling"]["preemptions"] for r in done) >= 1
+
+
+def test_server_start_and_throughput(campaign):
+    start = campaign["records"][0]
+    assert start["event"] == "server_start" and start["process"]["role"] == "server"
+    assert start["server"]["api_key_configured"] is True and start["artifact"]["architecture"] == "scripted"
+    assert "--api-key" in start["argv"] and "<redacted>" in start["argv"]
+    (throughput,) = [r for r in campaign["records"] if r["event"] == "throughput"]
+    assert throughput["tokens"]["committed_decode"] > 0 and throughput["interval_seconds"] == 2.5
+    assert throughput["host_work"]["elapsed_seconds"]["total"] == pytest.approx(
+        sum(v for k, v in throughput["host_work"]["elapsed_seconds"].items() if k != "total"))
+
+
+def test_no_secrets_prompts_or_outputs_in_any_log(campaign):
+    jsonl = campaign["path"].read_text()
+    stderr = campaign["stderr"]
+    for text in (jsonl, stderr):
+        assert KEY not in text and PLANTED_PROMPT not in text and PLANTED_OUTPUT not in text
+        assert "word word" not in text and OUTPUTS["COUNT"][0] not in text
+
+
+def test_stderr_records_cover_the_lifecycle(campaign):
+    lines = campaign["stderr"].splitlines()
+    assert lines and all(RECORD.match(line) for line in lines), lines[:5]
+    assert "\x1b" not in campaign["stderr"]
+    ids = campaign["ids"]
+    text = campaign["stderr"]
+    assert f"{ids['done']} openai_chat start:" in text and f"{ids['done']} done stop:" in text
+    assert f"{ids['rejected']} openai_chat rejected: 400 context_length_exceeded" in text
+    assert f"{ids['cancelled']} cancelled:" in text and f"{ids['failed']} error: engine_failure" in text
+    assert ids["invalid"] not in text
+    assert "throughput: prefill" in text and "engine step failed" in text
