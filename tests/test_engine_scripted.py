@@ -330,7 +330,7 @@ def test_replay_covered_entirely_by_a_retained_prefix_resumes_decoding(tok):
         try:
             for rid in results:
                 engine.submit(EngineRequest(rid, prompt, max_tokens=150), results[rid].append)
-            assert _wait_until(lambda: all(r and isinstance(r[-1], FinishEvent) for r in results.values()), 30)
+            assert _wait_until(lambda res=results: all(r and isinstance(r[-1], FinishEvent) for r in res.values()), 30)
         finally:
             engine.shutdown()
         assert engine.healthy
