@@ -24,13 +24,13 @@ def _dtype(name: str):
 
 def build_default(out: Path = DEFAULT_ARTIFACT, force: bool = False) -> Path:
     """The embedded default (SmolLM2-135M-Instruct, bf16); built once, then reused."""
-    from ninfer.artifact.convert_gguf import convert_gguf, default_smollm2_gguf
+    from ninfer.artifact.convert_gguf import SMOLLM2_SAMPLING, convert_gguf, default_smollm2_gguf
 
     if out.exists() and not force:
         print(f"{out} exists; reusing it", file=sys.stderr)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    convert_gguf(default_smollm2_gguf(), out, name="smollm2-135m-instruct")
+    convert_gguf(default_smollm2_gguf(), out, name="smollm2-135m-instruct", sampling_presets=SMOLLM2_SAMPLING)
     return out
 
 

@@ -42,8 +42,6 @@ def tiny_qwen_moe_path(artifacts_dir):
 
 @pytest.fixture(scope="session")
 def smollm2_path(artifacts_dir):
-    from ninfer.artifact.convert_gguf import convert_gguf, default_smollm2_gguf
+    from ninfer.cli import build_default
 
-    out = artifacts_dir / "smollm2-135m-instruct.ninfer"
-    convert_gguf(default_smollm2_gguf(), out, name="smollm2-135m-instruct", progress=False)
-    return out
+    return build_default(artifacts_dir / "smollm2-135m-instruct.ninfer")  # exactly what `make serve` builds

@@ -115,3 +115,9 @@ def test_greedy_matches_transformers(artifact, gguf_path):
     ref = hf_greedy(gguf_path, prompts)
     assert ours == ref
     assert all(len(out) >= 8 for out in ours)  # real continuations, not an immediate EOS
+
+
+def test_embedded_default_carries_the_model_cards_sampling(artifact):
+    """SmolLM2-Instruct's card recommends temperature 0.2 / top-p 0.9 (contract: presets by architecture
+    and mode; the engine falls back to the artifact's presets before its generic defaults)."""
+    assert artifact.manifest.sampling_presets["non_thinking"] == {"temperature": 0.2, "top_p": 0.9}

