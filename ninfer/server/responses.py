@@ -4,6 +4,12 @@ resources in stored_responses, and the explicit refusal to compact.
 Create follows Chat Completions' path: request -> Item history (stored parent + input) -> IR
 conversation -> prompt -> engine -> output decoder, then Response Items. A stored Response is
 put in the ResponseStore before its terminal event, so a client that reads it back finds it.
+
+Like the other generation endpoints, create is observed (server.observer): the request is measured
+once its conversation is resolved (the stored parent found, the Items valid), the prompt build and
+engine submission are its preparation, and the engine's outcome is its one terminal record, written
+before the Response is stored, so a storage or transport failure after it is only a response failure.
+input_tokens and the stored-Response resources are not measured.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from ninfer.protocol.responses_output import (
 )
 from ninfer.server.chat_completions import checkpoints, model_not_found, read_json
 from ninfer.server.context import ServerContext
+from ninfer.server.observer import RequestShape, RequestTrace
 from ninfer.server.responses_generation import Generation, GenerationFailed, Outcome
 from ninfer.server.sse import SSE_HEADERS, named_event, with_keepalive
 from ninfer.server.stored_responses import (
@@ -82,37 +89,51 @@ async def create_response(request: Request):
     ctx: ServerContext = request.app.state.ctx
     store: ResponseStoreClient = request.app.state.response_store
     create = parse_create_request(await read_json(request), ctx.chat_defaults)
-    parent, conversation, prompt = await _prepare(ctx, store, create.prompt)
+    parent, conversation = await _resolve(ctx, store, create.prompt)
+    shape = RequestShape.of("openai_responses", conversation, model=create.prompt.model, stream=create.stream,
+                            max_tokens=create.max_output_tokens,
+                            semantic_change=_branches_thinking(create.prompt, parent))
+    trace = request.app.state.observer.begin(shape, request.state.request_id)  # validation passed: measured
     frame = ResponseFrame(create.echo)
     # A stored root starts a session its children inherit; a store:false child reads but keeps no endpoint.
     session_key = parent.session_key if parent else (f"responses:{frame.id}" if create.store else None)
-    engine_request = EngineRequest(request_id=frame.id, prompt_ids=list(prompt.token_ids), sampling=create.sampling,
-                                   max_tokens=create.max_output_tokens, thinking=prompt.thinking,
-                                   return_progress=True, checkpoints=checkpoints(prompt), session_key=session_key,
-                                   retain_endpoint=create.store or parent is None)
-    try:
-        events = await ctx.engine.open(engine_request)
-    except EngineError as exc:
-        raise from_engine_error(exc) from None
-    try:
+    with trace.preparation():
+        prompt = await asyncio.to_thread(_build_prompt, ctx, conversation)  # template + tokenizer off the loop
         decoder = ctx.frontend.output_decoder(conversation, prompt)
-    except BaseException:
-        await events.aclose()  # cancels the accepted engine request
-        raise
+        engine_request = EngineRequest(request_id=frame.id, prompt_ids=list(prompt.token_ids),
+                                       sampling=create.sampling, max_tokens=create.max_output_tokens,
+                                       thinking=prompt.thinking,
+                                       return_progress=True,  # the first progress event marks admission
+                                       checkpoints=checkpoints(prompt), session_key=session_key,
+                                       retain_endpoint=create.store or parent is None)
+        trace.submitting(engine_request, prompt)
+        try:
+            events = trace.watch(await ctx.engine.open(engine_request))
+        except EngineError as exc:
+            raise from_engine_error(exc) from None
     pending = _PendingResponse(create, frame, OutputIds(), parent, session_key, prompt.preserve_thinking, store,
                                request.state.request_id)
     generation = Generation(events, decoder, prompt_tokens=len(prompt.token_ids), single_call=create.single_call)
-    log.info("%s responses start: prompt %d tokens, stream %s, store %s", request.state.request_id,
-             len(prompt.token_ids), create.stream, create.store)
     if not create.stream:
-        return JSONResponse(await _aggregate(generation, pending))
-    frames = with_keepalive(_stream(generation, pending), ctx.keepalive_s)
+        return JSONResponse(await _aggregate(generation, pending, trace))
+    frames = with_keepalive(_stream(generation, pending, trace), ctx.keepalive_s)
     return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _prepare(ctx: ServerContext, store: ResponseStoreClient,
-                   request: ResponsesPrompt) -> tuple[Continuation | None, ir.Conversation, ir.Prompt]:
-    """The stored parent, the conversation it continues into, and that conversation's prompt."""
+def _branches_thinking(request: ResponsesPrompt, parent: Continuation | None) -> bool:
+    """A child that explicitly chooses another preserve_thinking than its parent's: a new semantic branch."""
+    if parent is None or not request.chooses_preserve_thinking:
+        return False
+    options = request.options
+    chosen = options.preserve_thinking
+    if chosen is None:
+        chosen = options.template_kwargs.get("preserve_thinking")
+    return chosen != parent.preserve_thinking
+
+
+async def _resolve(ctx: ServerContext, store: ResponseStoreClient,
+                   request: ResponsesPrompt) -> tuple[Continuation | None, ir.Conversation]:
+    """The stored parent and the conversation it continues into: the last of create's validation."""
     if request.model != ctx.model_id:
         raise model_not_found(request.model)
     parent = None
@@ -123,9 +144,7 @@ async def _prepare(ctx: ServerContext, store: ResponseStoreClient,
             raise response_not_found(request.previous_response_id, "previous_response_id")
         history = parse_items(parent.history, {"previous_response_id": parent.history},
                               ItemRules(ctx.chat_defaults.vision), ("previous_response_id",), unique_ids=False)
-    conversation = request.conversation(history, parent.preserve_thinking if parent else None)
-    prompt = await asyncio.to_thread(_build_prompt, ctx, conversation)  # template + tokenizer: keep the loop free
-    return parent, conversation, prompt
+    return parent, request.conversation(history, parent.preserve_thinking if parent else None)
 
 
 def _build_prompt(ctx: ServerContext, conversation: ir.Conversation) -> ir.Prompt:
@@ -153,9 +172,8 @@ class _PendingResponse:
         status = response_status(outcome.reason)
         output = output_items(outcome.decoded, status, self.ids, sealed=self.create.seal_reasoning)
         response = self.frame.object(status, output, usage_json(outcome.usage))
-        u = outcome.usage
-        log.info("%s responses done: %s, prompt %d (cached %d), output %d, %d calls", self.request_id, status,
-                 u.prompt_tokens, u.cached_tokens, u.completion_tokens, len(outcome.decoded.tool_calls))
+        log.debug("%s responses %s: %d output items, store %s", self.request_id, status, len(output),
+                  self.create.store)
         if self.create.store:
             await self._store(response, output)
         return response
@@ -177,32 +195,36 @@ class _PendingResponse:
                                 "raise the limit", param="store", code="response_store_capacity_exceeded")
 
 
-async def _aggregate(generation: Generation, pending: _PendingResponse) -> dict[str, Any]:
-    try:
-        async for _ in generation.deltas():
-            pass
-    except EngineError as exc:  # e.g. the queue deadline passed before admission
-        raise from_engine_error(exc) from None
-    except GenerationFailed as exc:
-        raise ProtocolError(str(exc), code="engine_failure", status=500) from None
-    finally:
-        await generation.events.aclose()
-    assert generation.outcome is not None
-    return await pending.finish(generation.outcome)
+async def _aggregate(generation: Generation, pending: _PendingResponse, trace: RequestTrace) -> dict[str, Any]:
+    with trace.generation():  # exactly one terminal record, whatever happens below
+        try:
+            async for _ in generation.deltas():
+                pass
+        except EngineError as exc:  # e.g. the queue deadline passed before admission
+            raise from_engine_error(exc) from None
+        except GenerationFailed as exc:
+            raise ProtocolError(str(exc), code="engine_failure", status=500) from None
+        finally:
+            await generation.events.aclose()
+        assert generation.outcome is not None
+        _settle(trace, generation.outcome)
+        return await pending.finish(generation.outcome)  # a storage failure now is a response failure
 
 
-async def _stream(generation: Generation, pending: _PendingResponse) -> AsyncIterator[bytes]:
+async def _stream(generation: Generation, pending: _PendingResponse, trace: RequestTrace) -> AsyncIterator[bytes]:
     writer = ResponseEvents(pending.frame, pending.ids, sealed=pending.create.seal_reasoning)
     try:
-        for event in writer.start():
-            yield _frame(event)
-        async for delta in generation.deltas():
-            for event in writer.delta(delta):
+        with trace.generation():  # a client that goes away mid-stream ends here as a cancellation
+            for event in writer.start():
                 yield _frame(event)
-        assert generation.outcome is not None
-        response = await pending.finish(generation.outcome)
-        for event in writer.finish(response):
-            yield _frame(event)
+            async for delta in generation.deltas():
+                for event in writer.delta(delta):
+                    yield _frame(event)
+            assert generation.outcome is not None
+            _settle(trace, generation.outcome)  # final: a later storage or send failure is a response failure
+            response = await pending.finish(generation.outcome)
+            for event in writer.finish(response):
+                yield _frame(event)
     except EngineError as exc:  # after the stream started, failures end it with response.failed
         err = from_engine_error(exc)
         yield _frame(writer.failed(err.code, err.message))
@@ -212,6 +234,14 @@ async def _stream(generation: Generation, pending: _PendingResponse) -> AsyncIte
         yield _frame(writer.failed(err.code, err.message))
     finally:
         await generation.events.aclose()
+
+
+def _settle(trace: RequestTrace, outcome: Outcome) -> None:
+    """The request's terminal record. An answer the router ended at its first call (parallel_tool_calls:
+    false) has no engine FinishEvent to observe; the one the Generation made stands in for it."""
+    if trace.fin is None:
+        trace.fin = outcome.finish
+    trace.finish(outcome.decoded)
 
 
 def _frame(event: dict[str, Any]) -> bytes:
@@ -225,7 +255,8 @@ async def count_input_tokens(request: Request) -> JSONResponse:
     """The prompt token count of the same request sent to create, without generating."""
     ctx: ServerContext = request.app.state.ctx
     prompt_request = parse_input_tokens_request(await read_json(request), ctx.chat_defaults)
-    _, _, prompt = await _prepare(ctx, request.app.state.response_store, prompt_request)
+    _, conversation = await _resolve(ctx, request.app.state.response_store, prompt_request)
+    prompt = await asyncio.to_thread(_build_prompt, ctx, conversation)  # not a generation: not measured
     return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt.token_ids)})
 
 
