@@ -14,6 +14,7 @@ import argparse
 import gc
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,16 +26,25 @@ from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams, Toke
 
 
 def turn(engine, rid, prompt, max_tokens):
+    """(time from submission to the first committed token, output ids, finish event)."""
+    done = threading.Event()
+    marks: dict[str, float] = {}
+    events: list = []
+
+    def on_event(ev):  # runs on the engine thread: timestamp the first token as it is committed
+        if isinstance(ev, TokenEvent) and ev.token_ids and "first" not in marks:
+            marks["first"] = time.perf_counter()
+        events.append(ev)
+        if isinstance(ev, (FinishEvent, Exception)):
+            done.set()
+
     t0 = time.perf_counter()
-    ttft, ids, fin = None, [], None
-    for ev in engine.generate(EngineRequest(rid, prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0))):
-        if isinstance(ev, TokenEvent) and ev.token_ids and ttft is None:
-            ttft = time.perf_counter() - t0
-        if isinstance(ev, TokenEvent):
-            ids += ev.token_ids
-        if isinstance(ev, FinishEvent):
-            fin = ev
-    return ttft, ids, fin
+    engine.submit(EngineRequest(rid, prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0)), on_event)
+    done.wait()
+    if isinstance(events[-1], Exception):
+        raise events[-1]
+    ids = [i for ev in events if isinstance(ev, TokenEvent) for i in ev.token_ids]
+    return marks["first"] - t0, ids, events[-1]
 
 
 def main() -> None:
