@@ -22,6 +22,7 @@ from ninfer.protocol.errors import ProtocolError, from_engine_error, from_prompt
 from ninfer.protocol.openai_chat import ChatRequest, parse_chat_request
 from ninfer.server.chat_output import ChunkWriter, Identity, aggregate, new_call_id
 from ninfer.server.context import ServerContext
+from ninfer.server.engine_client import decode_to_finish
 from ninfer.server.observer import RequestShape, RequestTrace
 from ninfer.server.sse import DONE, SSE_HEADERS, data_event, with_keepalive
 
@@ -89,17 +90,7 @@ def _build_prompt(ctx: ServerContext, chat: ChatRequest):
 
 async def _aggregate(events: AsyncIterator[Any], decoder, identity: Identity, trace: RequestTrace) -> JSONResponse:
     with trace.generation():  # exactly one terminal record, whatever happens below
-        fin: FinishEvent | None = None
-        try:
-            async for ev in events:
-                if isinstance(ev, TokenEvent) and ev.text:
-                    decoder.feed(ev.text, ev.channel)
-                elif isinstance(ev, FinishEvent):
-                    fin = ev
-        except EngineError as exc:  # e.g. the queue deadline passed before admission
-            raise from_engine_error(exc) from None
-        finally:
-            await events.aclose()
+        fin = await decode_to_finish(events, decoder)
         if fin is None or fin.reason is FinishReason.ERROR:
             raise ProtocolError(f"generation failed in the engine: {fin and fin.error}", code="engine_failure",
                                 status=500)

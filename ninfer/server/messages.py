@@ -30,6 +30,7 @@ from ninfer.protocol.anthropic_output import Event, EventWriter, Identity, messa
 from ninfer.protocol.errors import ProtocolError, from_engine_error, from_prompt_error
 from ninfer.server.chat_completions import checkpoints, read_json
 from ninfer.server.context import ServerContext
+from ninfer.server.engine_client import decode_to_finish
 from ninfer.server.observer import RequestShape, RequestTrace
 from ninfer.server.sse import SSE_HEADERS, named_event, with_keepalive
 
@@ -121,17 +122,7 @@ def _close_suffix_tokens(ctx: ServerContext) -> int:
 async def _aggregate(events: AsyncIterator[Any], decoder, identity: Identity, msg: MessagesRequest,
                      trace: RequestTrace) -> JSONResponse:
     with trace.generation():  # exactly one terminal record, whatever happens below
-        fin: FinishEvent | None = None
-        try:
-            async for ev in events:
-                if isinstance(ev, TokenEvent) and ev.text:
-                    decoder.feed(ev.text, ev.channel)
-                elif isinstance(ev, FinishEvent):
-                    fin = ev
-        except EngineError as exc:  # e.g. the queue deadline passed before admission
-            raise from_engine_error(exc) from None
-        finally:
-            await events.aclose()
+        fin = await decode_to_finish(events, decoder)
         if fin is None or fin.reason is FinishReason.ERROR:
             raise _engine_failure(fin)
         _, decoded = decoder.finish()
