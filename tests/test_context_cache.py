@@ -135,7 +135,7 @@ def _storm(path, **kw):
     return prompts, [_ids(r) for r in results], engine
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen_path"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen_path", "smollm2_path"])
 @pytest.mark.parametrize("host_budget", [None, 0], ids=["snapshot", "replay"])
 def test_pressure_storm_keeps_greedy_output(fixture, host_budget, request):
     path = request.getfixturevalue(fixture)
