@@ -221,8 +221,13 @@ class RequestTrace:
             raise
         self._settle_without_finish(None)
 
-    def finish(self, decoded: ir.DecodedOutput | None = None) -> None:
-        """The engine returned its outcome and the endpoint decoded it: the request's terminal."""
+    def finish(self, decoded: ir.DecodedOutput | None = None, fin: FinishEvent | None = None) -> None:
+        """The engine returned its outcome and the endpoint decoded it: the request's terminal.
+
+        `fin` stands in when the endpoint ended the generation itself (Responses stops at the first
+        call with parallel_tool_calls:false) and no engine FinishEvent was observed."""
+        if self.fin is None:
+            self.fin = fin
         fin = self.fin
         if self.settled or fin is None:
             return

@@ -207,7 +207,7 @@ async def _aggregate(generation: Generation, pending: _PendingResponse, trace: R
         finally:
             await generation.events.aclose()
         assert generation.outcome is not None
-        _settle(trace, generation.outcome)
+        trace.finish(generation.outcome.decoded, fin=generation.outcome.finish)
         return await pending.finish(generation.outcome)  # a storage failure now is a response failure
 
 
@@ -221,7 +221,8 @@ async def _stream(generation: Generation, pending: _PendingResponse, trace: Requ
                 for event in writer.delta(delta):
                     yield _frame(event)
             assert generation.outcome is not None
-            _settle(trace, generation.outcome)  # final: a later storage or send failure is a response failure
+            # final: a later storage or send failure is a response failure
+            trace.finish(generation.outcome.decoded, fin=generation.outcome.finish)
             response = await pending.finish(generation.outcome)
             for event in writer.finish(response):
                 yield _frame(event)
@@ -234,14 +235,6 @@ async def _stream(generation: Generation, pending: _PendingResponse, trace: Requ
         yield _frame(writer.failed(err.code, err.message))
     finally:
         await generation.events.aclose()
-
-
-def _settle(trace: RequestTrace, outcome: Outcome) -> None:
-    """The request's terminal record. An answer the router ended at its first call (parallel_tool_calls:
-    false) has no engine FinishEvent to observe; the one the Generation made stands in for it."""
-    if trace.fin is None:
-        trace.fin = outcome.finish
-    trace.finish(outcome.decoded)
 
 
 def _frame(event: dict[str, Any]) -> bytes:
