@@ -12,7 +12,6 @@ import queue
 import random
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -20,6 +19,7 @@ import torch
 
 from ninfer.engine import transfers
 from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.counters import Counters, HostWork
 from ninfer.engine.kv_pool import PagePool, PoolExhausted, SlotPool
 from ninfer.engine.output_control import OutputController, ThinkingControl
 from ninfer.engine.runner import ModelRunner
@@ -92,81 +92,6 @@ def resolve_sampling(settings: EngineSettings, request: EngineRequest) -> Resolv
     if seed is None:
         seed = random.getrandbits(63)
     return ResolvedSampling(seed=int(seed), **{k: merged[k] for k in GENERIC_SAMPLING})
-
-
-@dataclass
-class Counters:
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    prefill_tokens: int = 0
-    replayed_tokens: int = 0
-    generation_tokens: int = 0
-    decode_tokens: int = 0
-    replay_restores: int = 0
-    requests: dict[str, int] = field(default_factory=dict)
-    decode_steps: int = 0
-    prefill_chunks: int = 0
-    snapshot_restores: int = 0
-    transfer_bytes_d2h: int = 0
-    transfer_bytes_h2d: int = 0
-    paused_seconds: float = 0.0
-    # ---- observability (metrics and the request log) ----
-    host_context_peak_bytes: int = 0
-    context_transfer_bytes: dict[str, int] = field(  # "<resource>_<direction>": main_kv|state x d2h|h2d|d2d
-        default_factory=lambda: {f"{r}_{d}": 0 for r in ("main_kv", "state") for d in ("d2h", "h2d", "d2d")})
-
-
-HOST_PHASES = ("engine_boundary", "program_submit", "program_post", "engine_commit_output", "engine_maintenance")
-WORK_CLASSES = ("decode", "prefill", "control")
-
-
-class HostWork:
-    """Engine-thread wall time for metrics: five mutually exclusive host phases plus blocking device waits,
-    each also split by work class (the prefill step, the decode step, and control: everything else).
-
-    Only the engine thread writes; readers copy the dicts. Inside a step, time no named phase claims
-    (captures, retention, starvation handling) counts as engine_maintenance.
-    """
-
-    def __init__(self) -> None:
-        self.phase_seconds = dict.fromkeys(HOST_PHASES, 0.0)
-        self.device_wait_seconds = 0.0
-        self.class_seconds = {f"{c}_{k}": 0.0 for c in WORK_CLASSES for k in ("host", "device_wait")}
-        self._work_class = "control"
-        self._claimed = 0.0
-
-    def _book(self, phase: str, seconds: float) -> None:
-        if phase == "device_wait":
-            self.device_wait_seconds += seconds
-            self.class_seconds[f"{self._work_class}_device_wait"] += seconds
-        else:
-            self.phase_seconds[phase] += seconds
-            self.class_seconds[f"{self._work_class}_host"] += seconds
-
-    @contextmanager
-    def phase(self, phase: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            spent = time.perf_counter() - start
-            self._claimed += spent
-            self._book(phase, spent)
-
-    def run_step(self, work_class: str, step: Callable[[], bool]) -> bool:
-        """Run one engine step; a step that found nothing to do books no time."""
-        start, self._work_class, self._claimed = time.perf_counter(), work_class, 0.0
-        try:
-            worked = step()
-            if worked:
-                self._book("engine_maintenance", max(time.perf_counter() - start - self._claimed, 0.0))
-            return worked
-        finally:
-            self._work_class = "control"
-
-    def snapshot(self) -> dict[str, object]:
-        return {"host_work_seconds": dict(self.phase_seconds), "device_wait_seconds": self.device_wait_seconds,
-                "work_class_seconds": dict(self.class_seconds)}
 
 
 class Engine:
