@@ -520,14 +520,18 @@ class Engine:
             tokens = sampled.tolist()  # the one host sync per step
         self.counters.decode_steps += 1
         with self.work.phase("engine_commit_output"):
+            counted: list[tuple[int, int]] = []
             for seq, token in zip(ready, tokens):
                 seq.num_computed += 1
                 if seq.status is not Status.DECODE:
                     continue
                 if seq.forced:  # thinking-budget control tokens replace the sample
-                    self._commit(seq, seq.forced.popleft(), forced=True)
+                    self._commit(seq, seq.forced.popleft(), forced=True, counted=counted)
                 else:
-                    self._commit(seq, token)
+                    self._commit(seq, token, counted=counted)
+            if counted:
+                lanes, ids = zip(*counted)
+                self.runner.count_tokens(list(lanes), list(ids))
         return True
 
     def _starved(self, seq: Sequence) -> None:
@@ -537,7 +541,10 @@ class Engine:
         else:
             self.scheduler.pause(seq)
 
-    def _commit(self, seq: Sequence, token: int, forced: bool = False) -> None:
+    def _commit(self, seq: Sequence, token: int, forced: bool = False,
+                counted: list[tuple[int, int]] | None = None) -> None:
+        """Commit one token. `counted` collects (lane, token) for one batched penalty-count upload per
+        decode step; without it the token is counted at once."""
         now = time.monotonic()
         if seq.t_first is None:
             seq.t_first = now
@@ -549,7 +556,10 @@ class Engine:
         self.counters.generation_tokens += 1
         if len(seq.output_ids) > 1:
             self.counters.decode_tokens += 1
-        self.runner.count_tokens([seq.lane], [token])  # uploaded through pinned memory: no host sync
+        if counted is None:
+            self.runner.count_tokens([seq.lane], [token])  # uploaded through pinned memory: no host sync
+        else:
+            counted.append((seq.lane, token))
         events, reason = seq.controller.commit(token, forced=forced)
         for ev in events:
             seq.emit(ev)
