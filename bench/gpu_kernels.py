@@ -268,7 +268,7 @@ def profile_27b(batches=(1, 8), prompt=128):
     max_b = max(batches)
     pages_per_seq = 32
     t0 = time.perf_counter()
-    runner = ModelRunner(model, num_pages=pages_per_seq * max_b, page_size=16, num_state_slots=2 * max_b,
+    runner = ModelRunner(model, num_pages=pages_per_seq * max_b + 8192 // 16 + 1, page_size=16, num_state_slots=2 * max_b,
                          num_lanes=max_b, vocab_size=vocab, device=torch.device("cuda"), dtype=torch.bfloat16,
                          cuda_graphs=True, max_seq_len=pages_per_seq * 16)
     capture_s = time.perf_counter() - t0
@@ -334,6 +334,8 @@ def profile_27b(batches=(1, 8), prompt=128):
                 key = "attention"
             elif "_recurrent_kernel" in low or "_conv_update_kernel" in low:
                 key = "gdn"
+            elif "_fused_" in low:  # ninfer.kernels.triton_fused: norms, rope, gates, silu-mul
+                key = "fused elementwise"
             else:
                 key = "other (elementwise, norms, copies, sampling)"
             groups[key] += ms
@@ -343,6 +345,60 @@ def profile_27b(batches=(1, 8), prompt=128):
              gpu_kernel_ms_per_step=total, weight_floor_ms=weight_bytes / bw / 1e6,
              groups_ms={k: round(v, 3) for k, v in groups.items()},
              top_kernels_ms=[[n[:90], round(ms, 3)] for n, ms in top])
+    profile_prefill(runner, vocab, first_page=pages_per_seq * max_b)
+
+
+def _kernel_groups(prof, reps: int) -> tuple[float, dict, list]:
+    per_kernel = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name] += ev.time_range.elapsed_us() / reps / 1000
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return sum(per_kernel.values()), per_kernel, [[n[:90], round(ms, 3)] for n, ms in top]
+
+
+def profile_prefill(runner, vocab: int, first_page: int, prompt: int = 8192, chunk: int = 1024) -> None:
+    """One 8k prompt in 1024-token chunks: wall vs GPU-kernel time per chunk, and the host's blocking
+    calls (stream/device syncs, pageable copies) inside one chunk's forward: a chunk whose wall time
+    exceeds its kernel time is host-bound."""
+    from types import SimpleNamespace
+
+    need_pages = -(-prompt // 16) + 1
+    if runner.cache.num_pages < first_page + need_pages:
+        emit(profile="27b_prefill", skipped=f"cache has {runner.cache.num_pages} pages, needs {first_page + need_pages}")
+        return
+    seq = SimpleNamespace(num_computed=0, pages=list(range(first_page, first_page + need_pages)), state_slot=0,
+                          lane=0, output_ids=[], sampling=None)
+    ids = [(31 * j) % 5000 + 100 for j in range(prompt)]
+    walls, last = [], prompt - chunk
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    for i in range(0, prompt, chunk):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        if i == last:  # the longest-context chunk runs once, under the profiler
+            with torch.profiler.profile(activities=acts) as prof:
+                runner.forward([seq], [ids[i:i + chunk]])
+                torch.cuda.synchronize()
+        else:
+            runner.forward([seq], [ids[i:i + chunk]])
+            torch.cuda.synchronize()
+            walls.append(round((time.perf_counter() - t) * 1e3, 2))
+        seq.num_computed += chunk
+    total, _, top = _kernel_groups(prof, 1)
+    blocking = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CPU and any(
+                k in ev.name for k in ("Synchronize", "cudaMemcpy", "aten::item", "aten::_local_scalar_dense",
+                                       "cudaHostAlloc", "aten::nonzero")):
+            blocking[ev.name] += 1
+    prof_wall = max((ev.time_range.end for ev in prof.events()), default=0) - \
+        min((ev.time_range.start for ev in prof.events()), default=0)
+    host_ops = sorted(((a.key, a.self_cpu_time_total / 1000, a.count) for a in prof.key_averages()),
+                      key=lambda r: -r[1])[:20]
+    emit(profile="27b_prefill", prompt=prompt, chunk=chunk, chunk_wall_ms_unprofiled=walls,
+         host_self_ms_top=[[k[:60], round(ms, 2), n] for k, ms, n in host_ops],
+         last_chunk_gpu_kernel_ms=round(total, 3), last_chunk_profiled_wall_ms=round(prof_wall / 1000, 3),
+         blocking_host_calls=dict(blocking), top_kernels_ms=top)
 
 
 def main():

@@ -48,11 +48,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         from ninfer.artifact.convert_hf import convert_hf
 
         convert_hf(args.input, out, dtype=args.dtype, name=args.name, progress=not args.quiet,
-                   keep_template=args.keep_template)
+                   keep_template=args.keep_template, weights=args.weights)
     elif args.source == "synthetic":
         from ninfer.artifact.presets import write_preset
 
-        write_preset(args.preset, out, seed=args.seed, dtype=args.dtype)
+        write_preset(args.preset, out, seed=args.seed, dtype=args.dtype, weights=args.weights)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -90,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", type=_dtype, default=_dtype(dtype_default), help="tensor dtype (bf16, fp16, fp32)")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    def weights_option(p: argparse.ArgumentParser, checkpoint: bool = False) -> None:
+        choices = ["auto", "bf16", "nvfp4"] if checkpoint else ["bf16", "nvfp4"]
+        p.add_argument("--weights", choices=choices, default=choices[0],
+                       help="decoder linear weights: bf16 = unquantized (stored in --dtype), nvfp4 = quantized at "
+                            "conversion (E2M1 + E4M3 scale per 16 + fp32 scale; embeddings, lm_head, MoE router "
+                            "and experts stay in --dtype)" + (
+                                "; auto (default) keeps the checkpoint's: an NVFP4 checkpoint (ModelOpt or "
+                                "compressed-tensors) stays NVFP4, bf16 = dequantize it" if checkpoint else ""))
+
     g = csub.add_parser("gguf", help="GGUF file -> .ninfer, dequantized (the embedded default's path)")
     g.add_argument("input", help="path to a .gguf file (Llama architecture)")
     g.add_argument("--name", help="public model name (default: the GGUF general.name)")
@@ -101,11 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--keep-template", action="store_true",
                    help="store the checkpoint's own chat template instead of ninfer's maintained Qwen template")
     common(h)
+    weights_option(h, checkpoint=True)
 
     s = csub.add_parser("synthetic", help="random-weight artifact from a named preset")
     s.add_argument("--preset", required=True, choices=["tiny-llama", "tiny-qwen3.6", "tiny-qwen3.6-moe"])
     s.add_argument("--seed", type=int, default=0)
     common(s, "fp32")
+    weights_option(s)
 
     d = csub.add_parser("default", help="build the embedded default (SmolLM2-135M-Instruct) once")
     d.add_argument("-o", "--output", default=str(DEFAULT_ARTIFACT), help=f"output path (default {DEFAULT_ARTIFACT})")

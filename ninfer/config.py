@@ -82,11 +82,18 @@ class ServerConfig(BaseModel):
         extra = self.max_concurrency if self.device_state_slots is None else self.device_state_slots
         return self.max_concurrency + extra
 
-    def resolved_kv_capacity(self) -> int:
+    @property
+    def max_model_len(self) -> int:
+        """The prompt + output ceiling a request is validated against before it reaches the engine
+        (with auto capacity the engine also checks its resolved pool)."""
+        return min(self.max_context, self.resolved_kv_capacity() or self.max_context)
+
+    def resolved_kv_capacity(self) -> int | None:
+        """Tokens of the shared KV pool; None for auto, which the engine resolves from free device memory."""
         if self.kv_capacity is None:
             return self.max_context
         if self.kv_capacity == "auto":
-            raise ValueError("--kv-capacity auto is resolved by the engine from free device memory")
+            return None
         return self.kv_capacity
 
     def process_sampling_overrides(self) -> dict[str, float | int]:

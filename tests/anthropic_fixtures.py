@@ -58,5 +58,5 @@ def start_anthropic_server(artifacts_dir, tokenizer, *, keepalive_s: float = 5.0
     model = ScriptedModel({"vocab_size": VOCAB, "eos": EOS, "scripts": _scripts(tokenizer)})
     engine = Engine(model, tokenizer, replace(engine_settings(cfg), eos_ids={EOS, 248044}), dtype=torch.float32).start()
     ctx = replace(base, config=cfg, engine=LocalEngineClient(engine), frontend=frontend, keepalive_s=keepalive_s,
-                  max_model_len=min(cfg.max_context, cfg.resolved_kv_capacity()))
+                  max_model_len=cfg.max_model_len)
     return LiveServer(ctx, engine)

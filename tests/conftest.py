@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from ninfer.tokenizer import Tokenizer
+
+# Without a GPU, our Triton kernels run on CPU tensors in Triton's interpreter (tests/test_kernels.py,
+# tests/test_kv_dtype.py). triton.jit reads TRITON_INTERPRET when a kernel module is imported, so it
+# must be set here, before any `ninfer.kernels.triton_*` import. Model code on CPU never calls Triton
+# (`backend.use_triton` needs CUDA tensors), so nothing else changes.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -129,7 +129,7 @@ def start_server(path: Path, tokenizer, *, keepalive_s: float = 5.0, **options) 
     engine = scripted_engine(path, tokenizer, cfg)
     base = base_context(path)
     ctx = replace(base, config=cfg, engine=LocalEngineClient(engine), keepalive_s=keepalive_s,
-                  model_id=cfg.model_id or base.model_id, max_model_len=min(cfg.max_context, cfg.resolved_kv_capacity()))
+                  model_id=cfg.model_id or base.model_id, max_model_len=cfg.max_model_len)
     return LiveServer(ctx, engine)
 
 

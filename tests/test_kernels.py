@@ -10,25 +10,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
+from kernel_markers import needs_cuda, needs_interpreter
 
 from ninfer.kernels import backend, selfcheck
 from ninfer.kernels.attention import paged_attention, paged_attention_ref
 from ninfer.kernels.gdn import GDNMetadata, gated_delta_rule, short_conv
 from ninfer.models.batch import ForwardBatch
-
-HAS_CUDA = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
-
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRET, reason="Triton kernels on CPU need triton installed and TRITON_INTERPRET=1")
-
 
 # ---- dispatch (CPU) -------------------------------------------------------------------------
 

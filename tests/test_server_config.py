@@ -48,8 +48,9 @@ def test_reference_command_line_maps_onto_the_config():
     assert cfg.state_slots == 4  # two lanes plus two extra device slots
     with pytest.raises(UnsupportedOptionError) as err:
         check_implemented(cfg)
-    for flag in ("--spec", "--draft-tokens", "--lm-head-draft", "--kv-dtype fp8"):
+    for flag in ("--spec", "--draft-tokens", "--lm-head-draft"):
         assert flag in str(err.value)
+    assert "--kv-dtype" not in str(err.value)  # fp8 KV is implemented
 
 
 def test_defaults_and_sampling_flags_reach_the_engine_settings():
@@ -61,6 +62,13 @@ def test_defaults_and_sampling_flags_reach_the_engine_settings():
     assert (settings.seed, settings.greedy, settings.prefix_reuse, settings.host_context_bytes) == (-3, True, False, 0)
     assert (settings.default_thinking_budget, settings.max_pending_requests, settings.no_cuda_graph) == (512, 0, True)
     assert settings.kv_capacity == settings.max_context == 8192 and settings.state_slots == 2
+
+
+def test_kv_capacity_auto_reaches_the_engine_unresolved():
+    """serving.md, server options: `--kv-capacity N|auto`; auto resolves once, in the engine."""
+    cfg = parse(["m.ninfer", "--kv-capacity", "auto", "--max-context", "4096"])
+    assert cfg.kv_capacity == "auto" and cfg.resolved_kv_capacity() is None and cfg.max_model_len == 4096
+    assert engine_settings(cfg).kv_capacity == "auto"
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -92,8 +100,8 @@ def test_enum_flags_are_checked_by_the_parser(capsys):
 @pytest.mark.parametrize("argv,named", [
     (["--spec", "dflash"], "--spec dflash"),
     (["--vision"], "--vision"),
-    (["--kv-dtype", "int8"], "--kv-dtype int8"),
-    (["--kv-capacity", "auto"], "--kv-capacity auto"),
+    (["--kv-dtype", "nvfp4"], "--kv-dtype nvfp4"),
+    (["--kv-dtype", "k8v4"], "--kv-dtype k8v4"),
     (["--context-cost-presets", "presets.json"], "--context-cost-presets"),
 ])
 def test_unimplemented_options_fail_at_startup(argv, named, capsys):

@@ -48,7 +48,7 @@ class Manifest:
     name: str
     architecture: str
     components: dict[str, dict[str, Any]]
-    quantization: dict[str, str] = field(default_factory=dict)
+    quantization: dict[str, Any] = field(default_factory=dict)
     sampling_presets: dict[str, dict[str, float]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -93,10 +93,80 @@ def _eos_ids(folder: Path, config: dict[str, Any]) -> list[int]:
     return []
 
 
+# NVFP4 checkpoints. ModelOpt: `<m>.weight` (uint8, packed), `<m>.weight_scale` (E4M3 [N, K/16]),
+# `<m>.weight_scale_2` (fp32 multiplier), `<m>.input_scale`. compressed-tensors (nvfp4-pack-quantized):
+# `<m>.weight_packed`, `<m>.weight_scale`, `<m>.weight_global_scale` (fp32 divisor),
+# `<m>.input_global_scale`. Both pack element 2j in the low nibble, as ninfer does, so the codes and
+# block scales are taken as they are; the per-tensor scale becomes ninfer's per-row fp32 row scale.
+# Activation scales are dropped (ninfer's NVFP4 is weight-only).
+_NVFP4_AUX = ("weight_scale_2", "weight_global_scale", "input_scale", "input_global_scale", "weight_shape",
+              "weight_zero_point")
+
+
+def _nvfp4_target(module: str) -> bool:
+    """A checkpoint-quantized module kept as NVFP4: a linear of a text decoder layer (the routed
+    experts are fused bf16 parameters in ninfer, so their quantized weights are dequantized)."""
+    return re.match(r"^layers\.\d+\.", module) is not None and ".mlp.experts." not in module
+
+
+def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: str,
+                   dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Checkpoint NVFP4 modules -> ninfer's NVFP4 tensors (or dequantized weights), and with
+    weights="nvfp4" the quantizable bf16 linears quantized. Returns the tensors and the NVFP4 modules."""
+    from ninfer.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4, quantizable, quantize_nvfp4
+
+    out = dict(tensors)
+    kept = []
+    quantized = sorted(n[: -len(".weight_scale")] for n, t in tensors.items()
+                       if n.endswith(".weight_scale") and t.dtype == torch.float8_e4m3fn)
+    for module in quantized:
+        packed = out.pop(f"{module}.weight_packed", None)
+        if packed is None:
+            packed = out.pop(f"{module}.weight", None)
+        scale = out.pop(f"{module}.weight_scale")
+        global_scale = out.get(f"{module}.weight_global_scale")
+        multiplier = out.get(f"{module}.weight_scale_2")
+        for aux in _NVFP4_AUX:
+            out.pop(f"{module}.{aux}", None)
+        if packed is None or packed.dtype != torch.uint8 or (global_scale is None and multiplier is None):
+            raise ValueError(f"{module}: NVFP4 scales without a packed uint8 weight and a global scale")
+        n, half = packed.shape
+        if tuple(scale.shape) != (n, half * 2 // GROUP_SIZE):
+            raise ValueError(f"{module}: NVFP4 block scales {tuple(scale.shape)} do not fit weight [{n}, {half * 2}]")
+        per_tensor = 1.0 / global_scale.float() if global_scale is not None else multiplier.float()
+        row_scale = per_tensor.reshape(-1).expand(n).clone() if per_tensor.numel() == 1 else per_tensor.reshape(n)
+        if weights != "bf16" and component == "text" and _nvfp4_target(module):
+            out[f"{module}.weight_packed"], out[f"{module}.weight_scale"] = packed, scale
+            out[f"{module}.weight_row_scale"] = row_scale
+            kept.append(module)
+        else:
+            out[f"{module}.weight"] = dequantize_nvfp4(packed, scale, row_scale, dtype)
+    if weights == "nvfp4" and component == "text":
+        for name, tensor in list(out.items()):
+            module = name[: -len(".weight")]
+            if (name.endswith(".weight") and tensor.dim() == 2 and tensor.is_floating_point()
+                    and quantizable(module, tensor.shape[0], tensor.shape[1])):
+                q = quantize_nvfp4(out.pop(name))
+                out[f"{module}.weight_packed"], out[f"{module}.weight_scale"] = q.packed, q.scale
+                out[f"{module}.weight_row_scale"] = q.row_scale
+                kept.append(module)
+    return out, kept
+
+
 def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
-               name: str | None = None, progress: bool = True, keep_template: bool = False) -> Path:
+               name: str | None = None, progress: bool = True, keep_template: bool = False,
+               weights: str = "auto") -> Path:
     """Convert a checkpoint folder. Qwen3.5/3.6 artifacts get ninfer's maintained chat template
-    (mid-conversation system/developer turns) unless keep_template asks for the checkpoint's own."""
+    (mid-conversation system/developer turns) unless keep_template asks for the checkpoint's own.
+
+    weights: "auto" keeps the checkpoint's format (an NVFP4 ModelOpt / compressed-tensors checkpoint
+    stays NVFP4), "bf16" dequantizes NVFP4 weights to `dtype`, "nvfp4" also quantizes the decoder's
+    bf16 linears (ninfer.quant.nvfp4.quantizable decides which).
+    """
+    if weights not in ("auto", "bf16", "nvfp4"):
+        raise ValueError(f"weights must be auto, bf16 or nvfp4, not {weights!r}")
+    from ninfer.quant.nvfp4 import manifest_entry, quantizable
+
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     architecture = _model_type(config)
@@ -128,7 +198,10 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
             continue
         with safe_open(str(shard), framework="pt") as f:
             tensor = f.get_tensor(key)
-        if tensor.is_floating_point() and tensor.element_size() >= 2 and not inner.endswith(("A_log", "dt_bias")):
+        keep_precision = inner.endswith(("A_log", "dt_bias")) or inner.rpartition(".")[2] in _NVFP4_AUX or (
+            weights == "nvfp4" and component == "text" and tensor.dim() == 2 and inner.endswith(".weight")
+            and quantizable(inner[: -len(".weight")], *tensor.shape))  # quantized from the checkpoint's values
+        if tensor.is_floating_point() and tensor.element_size() >= 2 and not keep_precision:
             tensor = tensor.to(dtype)
         by_component[component][inner] = tensor
 
@@ -137,15 +210,22 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
         layers = text_config.get("mtp_num_hidden_layers", 1)
         components["mtp"] = {"num_hidden_layers": layers}
     tensors = {}
+    nvfp4_modules = []
     for component, group in by_component.items():
+        group, kept = _convert_nvfp4(group, component, weights, dtype)
+        if component == "text":
+            nvfp4_modules = kept
         for inner, tensor in _fuse_experts(group).items():
             tensors[f"{component}.{inner}"] = tensor
+    quantization: dict[str, Any] = {c: str(dtype).removeprefix("torch.") for c in components}
+    if nvfp4_modules:
+        quantization.update(manifest_entry(nvfp4_modules))
     model_name = name or folder.name.lower()
     manifest = Manifest(
         name=model_name,
         architecture=architecture,
         components=components,
-        quantization={c: str(dtype).removeprefix("torch.") for c in components},
+        quantization=quantization,
         sampling_presets=SAMPLING_PRESETS_BY_ARCHITECTURE.get(architecture, {}),
         extra={"eos_token_ids": _eos_ids(folder, config), "add_bos": False, "skipped_components": sorted(skipped)},
     )

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ninfer.artifact.container import Manifest, write_artifact
-from ninfer.models import build_model
+from ninfer.models import build_model, prepare_for_inference_
 
 # Contract, "Server options": registered sampler defaults by thinking mode.
 _QWEN27B_PRESETS = {
@@ -74,8 +74,12 @@ def get_preset(name: str) -> Preset:
 
 
 def instantiate(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                seed: int = 0) -> torch.nn.Module:
-    """Build a preset's model with random weights directly on `device` (no file, no CPU copy)."""
+                seed: int = 0, fuse: bool = True) -> torch.nn.Module:
+    """Build a preset's model with random weights directly on `device` (no file, no CPU copy).
+
+    fuse: bring the model to its run-time form (`prepare_for_inference_`: merged projections, decode
+    GEMVs), as the loader does.
+    """
     preset = get_preset(name)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -83,6 +87,8 @@ def instantiate(name: str, device: str | torch.device = "cpu", dtype: torch.dtyp
         with torch.device(device):
             model = build_model(preset.architecture, preset.text_config())
             model.init_random_(seed)
+            if fuse:
+                prepare_for_inference_(model)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
@@ -119,19 +125,31 @@ def tokenizer_json_for(preset: Preset) -> tuple[str, dict[str, Any]]:
     return tok_json, extra
 
 
-def write_preset(name: str, out_path: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    """Write a tiny preset as a .ninfer artifact (random weights, real tokenizer and template)."""
+def write_preset(name: str, out_path: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 weights: str = "bf16") -> Path:
+    """Write a tiny preset as a .ninfer artifact (random weights, real tokenizer and template).
+
+    weights="nvfp4" quantizes the decoder's linears (ninfer.quant.nvfp4) from the same random
+    weights that weights="bf16" (unquantized, stored in `dtype`) writes.
+    """
     if name not in FILE_PRESETS:
         raise ValueError(f"preset {name!r} is a full-size shape: it is instantiated on the GPU, not written")
+    if weights not in ("bf16", "nvfp4"):
+        raise ValueError(f"weights must be bf16 or nvfp4, not {weights!r}")
     preset = get_preset(name)
-    model = instantiate(name, "cpu", dtype, seed)
+    model = instantiate(name, "cpu", dtype, seed, fuse=False)  # separate tensors, no shared storage to save
+    quantization: dict[str, Any] = {"text": str(dtype).removeprefix("torch.")}
+    if weights == "nvfp4":
+        from ninfer.quant.nvfp4 import manifest_entry, quantize_model_
+
+        quantization.update(manifest_entry(quantize_model_(model)))
     tensors = unique_tensors(model.state_dict(), prefix="text.")
     tok_json, template, extra = _tokenizer_and_template(preset.tokenizer)
     manifest = Manifest(
         name=name,
         architecture=preset.architecture,
         components={"text": preset.text_config()},
-        quantization={"text": str(dtype).removeprefix("torch.")},
+        quantization=quantization,
         sampling_presets=preset.sampling_presets,
         extra=extra,
     )

@@ -21,6 +21,7 @@ from ninfer.engine import transfers
 from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.counters import Counters, HostWork
 from ninfer.engine.kv_pool import PagePool, PoolExhausted, SlotPool
+from ninfer.engine.kv_sizing import auto_kv_capacity
 from ninfer.engine.output_control import OutputController, ThinkingControl
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Scheduler
@@ -55,7 +56,8 @@ THINKING_GUIDANCE = (
 @dataclass
 class EngineSettings:
     max_context: int = 8192
-    kv_capacity: int | None = None  # tokens; None follows max_context
+    kv_capacity: int | str | None = None  # tokens; "auto" sizes it from free device memory; None follows max_context
+    kv_dtype: str = "bf16"  # KV storage: bf16 (the model's dtype, unquantized), fp8 or int8 (ninfer.models.batch)
     max_concurrency: int = 1
     max_pending_requests: int = 16
     pending_timeout_ms: int = 30000
@@ -100,16 +102,27 @@ class Engine:
         self.settings = settings
         self.tokenizer = tokenizer
         self.device = torch.device(device)
-        capacity = settings.kv_capacity or settings.max_context
-        self.kv_capacity = capacity
-        pages = PagePool((capacity + settings.page_size - 1) // settings.page_size, settings.page_size)
         spec = model.cache_spec()
         num_slots = settings.state_slots or 2 * settings.max_concurrency
+        self.kv_sizing = None
+        if settings.kv_capacity == "auto":
+            self.kv_sizing = auto_kv_capacity(
+                model, page_size=settings.page_size, prefill_chunk=settings.prefill_chunk,
+                num_state_slots=num_slots if spec.num_state_layers else 0, max_context=settings.max_context,
+                max_concurrency=settings.max_concurrency, vocab_size=tokenizer.vocab_size, device=self.device,
+                dtype=dtype, kv_dtype=settings.kv_dtype)
+            capacity = self.kv_sizing.tokens
+            log.info("KV capacity auto: %d tokens (%s)", capacity, self.kv_sizing.as_dict())
+        else:
+            capacity = settings.kv_capacity or settings.max_context
+        self.kv_capacity = capacity
+        pages = PagePool((capacity + settings.page_size - 1) // settings.page_size, settings.page_size)
         slots = SlotPool(num_slots) if spec.num_state_layers > 0 else None
         self.runner = ModelRunner(model, num_pages=pages.num_pages, page_size=settings.page_size,
                                   num_state_slots=num_slots if slots else 0, num_lanes=settings.max_concurrency,
                                   vocab_size=tokenizer.vocab_size, device=self.device, dtype=dtype,
-                                  cuda_graphs=not settings.no_cuda_graph, max_seq_len=settings.max_context)
+                                  cuda_graphs=not settings.no_cuda_graph, max_seq_len=settings.max_context,
+                                  kv_dtype=settings.kv_dtype)
         self.hybrid = slots is not None
         self.cache = ContextCache(pages, slots, hybrid=self.hybrid, enabled=settings.prefix_reuse)
         self.scheduler = Scheduler(max_concurrency=settings.max_concurrency, prefill_chunk=settings.prefill_chunk,
@@ -245,6 +258,7 @@ class Engine:
             "decode_ready": sum(s.status is Status.DECODE for s in resident),
             "kv_pages_used": sched.pages.used_pages,
             "kv_pages_capacity": sched.pages.num_pages,
+            "kv_capacity_tokens": self.kv_capacity,
             "state_slots_used": sched.slots.used_slots if sched.slots else 0,
             "state_slots_capacity": sched.slots.num_slots if sched.slots else 0,
             "preemptions": sched.preemptions,

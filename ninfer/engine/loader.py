@@ -9,7 +9,7 @@ import torch
 
 from ninfer.artifact.container import Artifact
 from ninfer.engine.engine import Engine, EngineSettings
-from ninfer.models import build_model
+from ninfer.models import build_model, prepare_for_inference_
 from ninfer.tokenizer import Tokenizer
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -26,10 +26,35 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _nvfp4_modules(artifact: Artifact) -> list[str]:
+    quant = artifact.manifest.quantization or {}
+    kind = quant.get("weights")
+    if kind in (None, "bf16"):
+        return []
+    if kind != "nvfp4":
+        raise ValueError(f"{artifact.path}: weight format {kind!r} is not supported (bf16, nvfp4)")
+    return list(quant.get("modules", []))
+
+
+def _cast_floating(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Artifact.load's dtype cast, except for NVFP4 row scales (fp32 by format)."""
+    if tensor.is_floating_point() and tensor.element_size() >= 2 and not name.endswith(".weight_row_scale"):
+        return tensor.to(dtype)
+    return tensor
+
+
 def load_model(artifact: Artifact, device: torch.device, dtype: torch.dtype,
                components: tuple[str, ...] = ("text",)) -> torch.nn.Module:
-    """Build the module on the device and adopt the artifact's tensors (assign: no second copy kept)."""
-    weights = artifact.load(components, device="cpu", dtype=dtype)["text"]
+    """Build the module on the device and adopt the artifact's tensors (assign: no second copy kept).
+
+    NVFP4 artifacts (manifest quantization {"weights": "nvfp4", "modules": [...]}): the listed
+    linears become NVFP4Linear before loading; their fp32 row scales keep fp32.
+    """
+    nvfp4_modules = _nvfp4_modules(artifact)
+    if nvfp4_modules:
+        weights = {k: _cast_floating(k, v, dtype) for k, v in artifact.load(components, device="cpu")["text"].items()}
+    else:
+        weights = artifact.load(components, device="cpu", dtype=dtype)["text"]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -37,6 +62,10 @@ def load_model(artifact: Artifact, device: torch.device, dtype: torch.dtype,
             model = build_model(artifact.architecture, artifact.config("text"))
     finally:
         torch.set_default_dtype(previous)
+    if nvfp4_modules:
+        from ninfer.quant.nvfp4 import replace_with_nvfp4_
+
+        replace_with_nvfp4_(model, nvfp4_modules)
     expected = set(model.state_dict())
     missing = sorted(expected - set(weights))
     unexpected = sorted(set(weights) - expected)
@@ -44,7 +73,7 @@ def load_model(artifact: Artifact, device: torch.device, dtype: torch.dtype,
         raise ValueError(f"{artifact.path}: weights do not match the {artifact.architecture} model "
                          f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False, assign=True)
-    return model.eval()
+    return prepare_for_inference_(model).eval()
 
 
 def load_engine(path: str | Path, settings: EngineSettings | None = None, *, device: torch.device | None = None,
@@ -68,17 +97,33 @@ def load_engine(path: str | Path, settings: EngineSettings | None = None, *, dev
 
 
 def engine_from_preset(name: str, settings: EngineSettings | None = None, *, device: torch.device | None = None,
-                       dtype: str = "auto", seed: int = 0, start: bool = True) -> Engine:
-    """A random-weight preset built directly on the device (full-size shapes for benchmarks: no file)."""
+                       dtype: str = "auto", seed: int = 0, start: bool = True, weights: str = "bf16") -> Engine:
+    """A random-weight preset built directly on the device (full-size shapes for benchmarks: no file).
+
+    weights="nvfp4": the random weights are quantized in place on the device (one linear at a time,
+    so peak memory stays near the unquantized model's), then the model gets its run-time form.
+    """
     if start:
         return Engine.build_and_start(
-            lambda: engine_from_preset(name, settings, device=device, dtype=dtype, seed=seed, start=False))
+            lambda: engine_from_preset(name, settings, device=device, dtype=dtype, seed=seed, start=False,
+                                       weights=weights))
     from ninfer.artifact.presets import get_preset, instantiate, tokenizer_json_for
 
+    if weights not in ("bf16", "nvfp4"):
+        raise ValueError(f"weights must be bf16 or nvfp4, not {weights!r}")
     preset = get_preset(name)
     device = device or pick_device()
     torch_dtype = pick_dtype(dtype, device)
-    model = instantiate(name, device, torch_dtype, seed)
+    if weights == "nvfp4":
+        from ninfer.quant.nvfp4 import quantize_model_
+
+        model = instantiate(name, device, torch_dtype, seed, fuse=False)
+        quantize_model_(model)
+        prepare_for_inference_(model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed bf16 weights back before the KV cache is sized
+    else:
+        model = instantiate(name, device, torch_dtype, seed)
     tokenizer_json, extra = tokenizer_json_for(preset)
     settings = dataclasses.replace(settings) if settings else EngineSettings()
     if not settings.eos_ids:

@@ -79,11 +79,12 @@ class _DecodeBuffers:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_pages: int, page_size: int, num_state_slots: int,
                  num_lanes: int, vocab_size: int, device: torch.device, dtype: torch.dtype,
-                 cuda_graphs: bool = True, max_seq_len: int | None = None):
+                 cuda_graphs: bool = True, max_seq_len: int | None = None, kv_dtype: str = "bf16"):
         self.model = model
         self.device = torch.device(device)
         self.page_size = page_size
-        self.cache = ModelCache(model.cache_spec(), num_pages, page_size, num_state_slots, dtype, self.device)
+        self.cache = ModelCache(model.cache_spec(), num_pages, page_size, num_state_slots, dtype, self.device,
+                                kv_dtype=kv_dtype)
         # generated-token counts per lane, for presence/frequency penalties
         self.counts = torch.zeros((num_lanes, vocab_size), dtype=torch.float32, device=self.device)
         self.vocab_size = vocab_size

@@ -1,5 +1,8 @@
 """Tensor moves the context cache and pausing need: page and state-slot copies on the device, and
-snapshots of a request's KV pages and recurrent state to (pinned) host memory and back."""
+snapshots of a request's KV pages and recurrent state to (pinned) host memory and back.
+
+A quantized cache (fp8 / int8) keeps one scale per (slot, KV head) in `k_scale` / `v_scale`; every
+move of KV slots moves their scale rows with them, and the byte counts include them."""
 
 from __future__ import annotations
 
@@ -8,6 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.models.batch import ModelCache
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """Byte view of fp8 KV: every device supports indexing and copying uint8, not all float8."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _slot_index(cache: ModelCache, pages: list[int], device) -> torch.Tensor:
@@ -21,8 +29,11 @@ def copy_pages(cache: ModelCache, src: list[int], dst: list[int]) -> None:
     if not src or cache.k.shape[0] == 0:
         return
     s, d = _slot_index(cache, src, cache.k.device), _slot_index(cache, dst, cache.k.device)
-    cache.k[:, d] = cache.k[:, s]
-    cache.v[:, d] = cache.v[:, s]
+    for t in (_raw(cache.k), _raw(cache.v)):
+        t[:, d] = t[:, s]
+    if cache.k_scale is not None:
+        cache.k_scale[:, d] = cache.k_scale[:, s]
+        cache.v_scale[:, d] = cache.v_scale[:, s]
 
 
 def copy_state(cache: ModelCache, src: int, dst: int) -> None:
@@ -33,8 +44,8 @@ def copy_state(cache: ModelCache, src: int, dst: int) -> None:
 
 
 def page_bytes(cache: ModelCache) -> int:
-    per_slot = cache.k[:, :1].numel() * cache.k.element_size() * 2
-    return per_slot * cache.page_size
+    """KV bytes of one page over all layers, scales included."""
+    return cache.kv_bytes_per_token * cache.page_size
 
 
 def state_bytes(cache: ModelCache) -> int:
@@ -52,10 +63,13 @@ class HostSnapshot:
     conv: torch.Tensor | None
     ssm: torch.Tensor | None
     num_pages: int
+    k_scale: torch.Tensor | None = None  # quantized KV only
+    v_scale: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.conv, self.ssm) if t is not None)
+        tensors = (self.k, self.v, self.k_scale, self.v_scale, self.conv, self.ssm)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def snapshot_bytes(cache: ModelCache, num_pages: int, has_state: bool) -> int:
@@ -70,22 +84,27 @@ def to_host(cache: ModelCache, pages: list[int], slot: int | None) -> HostSnapsh
         out.copy_(t, non_blocking=pin)
         return out
 
-    k = v = conv = ssm = None
+    k = v = k_scale = v_scale = conv = ssm = None
     if pages and cache.k.shape[0]:
         idx = _slot_index(cache, pages, cache.k.device)
-        k, v = host(cache.k[:, idx]), host(cache.v[:, idx])
+        k, v = host(_raw(cache.k)[:, idx]), host(_raw(cache.v)[:, idx])  # fp8 travels as bytes
+        if cache.k_scale is not None:
+            k_scale, v_scale = host(cache.k_scale[:, idx]), host(cache.v_scale[:, idx])
     if slot is not None and cache.conv.shape[0]:
         conv, ssm = host(cache.conv[:, slot]), host(cache.ssm[:, slot])
     if pin:
         torch.cuda.current_stream(cache.k.device).synchronize()  # the host copy must be complete before pages are reused
-    return HostSnapshot(k, v, conv, ssm, len(pages))
+    return HostSnapshot(k, v, conv, ssm, len(pages), k_scale, v_scale)
 
 
 def from_host(cache: ModelCache, snap: HostSnapshot, pages: list[int], slot: int | None) -> None:
     if snap.k is not None:
         idx = _slot_index(cache, pages, cache.k.device)
-        cache.k[:, idx] = snap.k.to(cache.k.device, non_blocking=True)
-        cache.v[:, idx] = snap.v.to(cache.v.device, non_blocking=True)
+        _raw(cache.k)[:, idx] = snap.k.to(cache.k.device, non_blocking=True)
+        _raw(cache.v)[:, idx] = snap.v.to(cache.v.device, non_blocking=True)
+        if snap.k_scale is not None:
+            cache.k_scale[:, idx] = snap.k_scale.to(cache.k_scale.device, non_blocking=True)
+            cache.v_scale[:, idx] = snap.v_scale.to(cache.v_scale.device, non_blocking=True)
     if snap.conv is not None and slot is not None:
         cache.conv[:, slot] = snap.conv.to(cache.conv.device, non_blocking=True)
         cache.ssm[:, slot] = snap.ssm.to(cache.ssm.device, non_blocking=True)

@@ -3,6 +3,16 @@
 The torch reference loops over sequences with host lengths; it is the oracle that CUDA backends
 are checked against. CUDA tensors take our Triton kernels (`triton_attention`: split-KV decode,
 varlen causal prefill) unless NINFER_KERNELS=reference (see `ninfer.kernels.backend`).
+
+Quantized KV (`--kv-dtype fp8|int8`; storage and scales in `ninfer.models.batch`). The models keep
+calling `write_kv(cache.k[i], cache.v[i], ...)` and `paged_attention(q, cache.k[i], cache.v[i], ...)`:
+a quantized cache's layer view carries its scales (`layer_kv_scale`), and these functions switch on
+it. `write_kv` quantizes each new token per KV head (`quantize_kv`: scale = amax over head_dim /
+448 for float8_e4m3fn, / 127 for symmetric int8; fp8 rounds to nearest even, int8 half away from
+zero); the reference dequantizes the gathered slots (`dequantize_kv`) before SDPA; the Triton
+kernels read the 1-byte values and fold the scales in. Per element the stored value is within
+half a step of the input: |x - q*s| <= s/2 = amax/254 for int8; for fp8 <= 2^-4 |x|, and <= 2^-10 s
+in e4m3's subnormal range (|x| < 2^-6 s). Unquantized caches take exactly the code they took before.
 """
 
 from __future__ import annotations
@@ -11,13 +21,58 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.kernels.backend import use_triton
-from ninfer.models.batch import ForwardBatch
+from ninfer.models.batch import ForwardBatch, layer_kv_scale
+
+QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}  # largest stored magnitude per quantized dtype
+_INV_QMAX = {dt: torch.tensor(1.0 / q, dtype=torch.float32).item() for dt, q in QMAX.items()}  # fp32(1/qmax)
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
+
+def quantize_kv(x: torch.Tensor, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (values [..., D] in `storage`, fp32 scales [...]) with x ~= values * scale.
+    The torch reference of `triton_attention.write_kv_quantized`."""
+    qmax = QMAX[storage]
+    xf = x.float()
+    # amax * fp32(1/qmax) and an IEEE reciprocal: the same fp32 operations as the Triton write
+    scale = (xf.abs().amax(-1) * _INV_QMAX[storage]).clamp_min(_FP32_TINY)
+    y = (xf * torch.reciprocal(scale)[..., None]).clamp(-qmax, qmax)
+    if storage == torch.int8:
+        y = torch.where(y >= 0, y + 0.5, y - 0.5).trunc()
+    return y.to(storage), scale
+
+
+def dequantize_kv(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (values.float() * scale[..., None]).to(dtype)
+
+
+def _gather_dequantized(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype):
+    values = cache.view(torch.uint8)[slots].view(cache.dtype)  # gather bytes: not every device indexes float8
+    return dequantize_kv(values, scale[slots], dtype)
+
+
+def _scales(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    ks, vs = layer_kv_scale(k_cache), layer_kv_scale(v_cache)
+    if ks is None and k_cache.dtype in QMAX:
+        raise ValueError("a quantized KV cache view without its scales: pass the layer view cache.k[i] / cache.v[i]")
+    return ks, vs
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """k_cache/v_cache: [S, Hkv, D] (one layer); k/v: [T, Hkv, D]; slots: [T]."""
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+    """k_cache/v_cache: [S, Hkv, D] (one layer); k/v: [T, Hkv, D]; slots: [T]. Quantizes for fp8/int8 caches."""
+    k_scale, v_scale = _scales(k_cache, v_cache)
+    if k_scale is None:
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+        return
+    if use_triton(k):
+        from ninfer.kernels import triton_attention
+
+        triton_attention.write_kv_quantized(k_cache, v_cache, k_scale, v_scale, k, v, slots)
+        return
+    for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+        values, scale = quantize_kv(x, cache.dtype)
+        cache.view(torch.uint8).index_copy_(0, slots, values.view(torch.uint8))  # no fp8 index_copy_ on CPU
+        scales.index_copy_(0, slots, scale)
 
 
 def sequence_slots(batch: ForwardBatch, i: int, page_size: int) -> torch.Tensor:
@@ -37,13 +92,18 @@ def paged_attention_ref(
     One fused SDPA call per sequence (GQA without repeating K/V); the explicit mask handles a
     chunk that starts after cached tokens, which SDPA's is_causal (top-left aligned) would not.
     """
+    k_scale, v_scale = _scales(k_cache, v_cache)
     out = torch.empty_like(q)
     start = 0
     for i, qlen in enumerate(batch.query_lens_cpu):
         n = batch.seq_lens_cpu[i]
         slots = sequence_slots(batch, i, page_size)
-        k = k_cache[slots].to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, n, D]
-        v = v_cache[slots].to(q.dtype).transpose(0, 1)[None]
+        if k_scale is None:
+            k = k_cache[slots].to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, n, D]
+            v = v_cache[slots].to(q.dtype).transpose(0, 1)[None]
+        else:
+            k = _gather_dequantized(k_cache, k_scale, slots, q.dtype).transpose(0, 1)[None]
+            v = _gather_dequantized(v_cache, v_scale, slots, q.dtype).transpose(0, 1)[None]
         qi = q[start : start + qlen].transpose(0, 1)[None]  # [1, Hq, qlen, D]
         if qlen == 1:
             mask = None  # a decode token sees the whole context
@@ -64,9 +124,11 @@ def paged_attention(
     if use_triton(q):
         from ninfer.kernels import triton_attention
 
+        k_scale, v_scale = _scales(k_cache, v_cache)
         if batch.is_decode:
             return triton_attention.paged_decode(q, k_cache, v_cache, batch.page_table, batch.seq_lens, page_size,
-                                                 scale)
+                                                 scale, k_scale=k_scale, v_scale=v_scale)
         return triton_attention.paged_prefill(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
-                                              batch.page_table, page_size, scale, max(batch.query_lens_cpu))
+                                              batch.page_table, page_size, scale, max(batch.query_lens_cpu),
+                                              k_scale=k_scale, v_scale=v_scale)
     return paged_attention_ref(q, k_cache, v_cache, batch, page_size, scale)

@@ -43,6 +43,10 @@ class GDNMetadata:
     pos_in_seq: torch.Tensor  # [T] int64 offset of each token among its sequence's new tokens
     query_lens_cpu: list[int]
     is_decode: bool  # every sequence advances one token: the recurrent (decode) kernels apply
+    # prefill only (None for decode): fla's varlen bookkeeping, built once per forward so that its
+    # 48 GDN layers neither rebuild it nor upload it (each pageable upload stalls the host)
+    cu_seqlens_long: torch.Tensor | None = None  # [N+1] int64, the one object every layer passes
+    chunk_indices: torch.Tensor | None = None  # [num_chunks, 2] int64 (sequence, chunk within it)
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch) -> "GDNMetadata":
@@ -53,6 +57,7 @@ class GDNMetadata:
         # output_size keeps repeat_interleave from reading the lengths back to the host
         seq_idx = torch.repeat_interleave(seqs, query_lens, output_size=num_tokens)
         pos_in_seq = torch.arange(num_tokens, device=qsl.device) - qsl.long()[seq_idx]
+        is_decode = batch.is_decode
         return cls(
             cu_seqlens=qsl.to(torch.int32),
             state_slots=batch.state_slots.long(),
@@ -60,8 +65,20 @@ class GDNMetadata:
             seq_idx=seq_idx,
             pos_in_seq=pos_in_seq,
             query_lens_cpu=list(batch.query_lens_cpu),
-            is_decode=batch.is_decode,
+            is_decode=is_decode,
+            cu_seqlens_long=None if is_decode else qsl.long(),
+            chunk_indices=None if is_decode else _chunk_indices(batch.query_lens_cpu, qsl.device),
         )
+
+
+def _chunk_indices(query_lens: list[int], device: torch.device) -> torch.Tensor:
+    """(sequence, chunk) of every CHUNK_SIZE-token chunk of a varlen batch: fla's `chunk_indices`,
+    from the host lengths, uploaded without a stream sync."""
+    rows = [(i, c) for i, n in enumerate(query_lens) for c in range(-(-n // CHUNK_SIZE))]
+    table = torch.tensor(rows, dtype=torch.long).view(-1, 2)
+    if torch.device(device).type != "cuda":
+        return table
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 def _gather_state(cache: torch.Tensor, meta: GDNMetadata) -> torch.Tensor:
@@ -122,7 +139,7 @@ def gated_delta_rule(
         out, final = chunk_gated_delta_rule(
             q[None], k[None], v[None], g[None], beta[None],
             initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
-            cu_seqlens=meta.cu_seqlens, seq_lens_cpu=meta.query_lens_cpu,
+            cu_seqlens=meta.cu_seqlens_long, seq_lens_cpu=meta.query_lens_cpu, chunk_indices=meta.chunk_indices,
         )
         out = out[0]
     ssm_cache.index_copy_(0, meta.state_slots, final.to(ssm_cache.dtype))
@@ -163,18 +180,19 @@ def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False, cu_seqlens: torch.Tensor | None = None,
-    seq_lens_cpu: list[int] | None = None,
+    seq_lens_cpu: list[int] | None = None, chunk_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla-core's signature: q, k [1, T, Hk, Dk]; v [1, T, Hv, Dv]; g, beta [1, T, Hv]; states [N, Hv, Dk, Dv].
 
-    seq_lens_cpu (ours, optional) spares the reference reading cu_seqlens back from the device.
+    seq_lens_cpu (ours, optional) spares the reference reading cu_seqlens back from the device;
+    chunk_indices (fla's, optional) spares fla building and uploading its chunk table per call.
     """
     if use_fla(q):
         from ninfer.kernels import fla_gdn
 
         return fla_gdn.chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-            seq_lens_cpu,
+            seq_lens_cpu, chunk_indices,
         )
     return chunk_gated_delta_rule_ref(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,

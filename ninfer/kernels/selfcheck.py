@@ -161,6 +161,14 @@ def check_fla(device, dtype, *, hk=2, hv=4, dk=64, dv=64, query_lens=(1, 70, 5, 
     o, h = fla_gdn.chunk_gated_delta_rule(*args, None, h0, True, True, cu, list(query_lens))
     out = {"chunk_o": (o.float() - ref_o.float()).abs().max().item(),
            "chunk_state": (h.float() - ref_h.float()).abs().max().item()}
+    # our once-per-forward chunk table (GDNMetadata) must be fla's own, and give the same result
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    ours = gdn._chunk_indices(list(query_lens), torch.device(device))
+    out["chunk_indices_mismatch"] = float(not torch.equal(ours, prepare_chunk_indices(cu.long(), gdn.CHUNK_SIZE)))
+    o2, h2 = fla_gdn.chunk_gated_delta_rule(*args, None, h0, True, True, cu.long(), list(query_lens), ours)
+    out["chunk_o_with_indices"] = (o2.float() - ref_o.float()).abs().max().item()
+    out["chunk_state_with_indices"] = (h2.float() - ref_h.float()).abs().max().item()
     b = n  # one token each, dense batch
     q1, k1, v1, g1, beta1 = gdn_problem(device, dtype, b, hk, hv, dk, dv, gen)
     args1 = (q1[:, None], k1[:, None], v1[:, None], g1[:, None], beta1[:, None])
@@ -176,7 +184,7 @@ def check_fla(device, dtype, *, hk=2, hv=4, dk=64, dv=64, query_lens=(1, 70, 5, 
 
 
 def engine_greedy(model, tokenizer, device, dtype, *, no_cuda_graph: bool, concurrency: int,
-                  prompts: list[list[int]], max_tokens: int = 12) -> dict:
+                  prompts: list[list[int]], max_tokens: int = 12, kv_dtype: str = "bf16") -> dict:
     """Greedy tokens of every prompt through a fresh Engine; with the runner's graph status and step counts."""
     import asyncio
 
@@ -184,7 +192,7 @@ def engine_greedy(model, tokenizer, device, dtype, *, no_cuda_graph: bool, concu
     from ninfer.engine.types import EngineRequest, SamplingParams, TokenEvent
 
     settings = EngineSettings(max_context=256, max_concurrency=concurrency, prefill_chunk=16, eos_ids=set(),
-                              no_cuda_graph=no_cuda_graph)
+                              no_cuda_graph=no_cuda_graph, kv_dtype=kv_dtype)
     engine = Engine(model, tokenizer, settings, device=device, dtype=dtype).start()
     engine.settings.eos_ids = set()
     reqs = [EngineRequest(f"g{i}", p, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
@@ -204,7 +212,8 @@ def engine_greedy(model, tokenizer, device, dtype, *, no_cuda_graph: bool, concu
             "eager_steps": runner.eager_steps}
 
 
-def runner_sync_check(model, device, dtype, *, batch: int = 4, steps: int = 3, cuda_graphs: bool = True) -> dict:
+def runner_sync_check(model, device, dtype, *, batch: int = 4, steps: int = 3, cuda_graphs: bool = True,
+                      kv_dtype: str = "bf16") -> dict:
     """Prefill `batch` sequences eagerly, then run decode steps (forward + sample + penalty counts)
     under torch.cuda.set_sync_debug_mode("error"): any host synchronization raises."""
     from types import SimpleNamespace
@@ -214,7 +223,7 @@ def runner_sync_check(model, device, dtype, *, batch: int = 4, steps: int = 3, c
     vocab = model.config["vocab_size"]
     runner = ModelRunner(model, num_pages=64, page_size=16, num_state_slots=2 * batch, num_lanes=batch,
                          vocab_size=vocab, device=torch.device(device), dtype=dtype, cuda_graphs=cuda_graphs,
-                         max_seq_len=256)
+                         max_seq_len=256, kv_dtype=kv_dtype)
     sampling = SimpleNamespace(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, presence_penalty=0.5,
                                frequency_penalty=0.1, seed=1234)
     seqs = [SimpleNamespace(num_computed=0, pages=[4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], state_slot=i, lane=i,

@@ -14,6 +14,15 @@ the 64 MiB the device tool carries, and nothing can be installed on the H200 hos
 
 Both compute softmax in fp32 (exp2 domain); fp32 inputs use IEEE dots so fp32 models match the
 torch reference (`ninfer.kernels.attention.paged_attention_ref`) to rounding.
+
+Quantized KV (fp8 e4m3 / int8 storage with one fp32 scale per (slot, KV head); see
+`ninfer.models.batch`): a constexpr KV_QUANT switch makes both kernels load the 1-byte K/V, convert
+them exactly to the query dtype (e4m3 and int8 values are exact in bf16 and fp32) and fold the
+scales into the fp32 scores (s = q.k_q * k_scale) and the probabilities (p * v_scale before the
+P.V dot), so no dequantized tile is materialized. `write_kv_quantized` is the fused write: it
+quantizes a step's new K and V rows (amax per head, scale = amax / qmax) and scatters values and
+scales to their slots, one program per token, device tensors only (CUDA-graph capturable). The
+unquantized (bf16) path compiles to the same code as before (KV_QUANT=False prunes every branch).
 """
 
 from __future__ import annotations
@@ -24,6 +33,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from ninfer.kernels.triton_compat import fix_interpreter
+
+fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
 
 LOG2E = 1.4426950408889634
 
@@ -38,16 +51,19 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
-    Q, K, V, PT, SL, OP, LSE,
+    Q, K, V, KS, VS, PT, SL, OP, LSE,
     qk_scale, num_splits,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
+    stride_kss, stride_ksh,
+    stride_vss, stride_vsh,
     stride_pb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, STORE_LSE: tl.constexpr, IEEE: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -77,7 +93,11 @@ def _decode_kernel(
         slot = page.to(tl.int64) * PAGE_SIZE + (n % PAGE_SIZE)
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k.to(q.dtype)), IEEE) * qk_scale
+        if KV_QUANT:
+            ks = tl.load(KS + slot * stride_kss + kvh * stride_ksh, mask=nmask, other=0.0)
+            s = _dot(q, tl.trans(k.to(q.dtype)), IEEE) * (ks * qk_scale)[None, :]
+        else:
+            s = _dot(q, tl.trans(k.to(q.dtype)), IEEE) * qk_scale
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -85,6 +105,9 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = v.to(q.dtype)
+        if KV_QUANT:
+            vs = tl.load(VS + slot * stride_vss + kvh * stride_vsh, mask=nmask, other=0.0)
+            p = p * vs[None, :]
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
 
@@ -122,15 +145,17 @@ def _combine_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, OP, QSL, SL, PT,
+    Q, K, V, KS, VS, OP, QSL, SL, PT,
     qk_scale,
     stride_qt, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
+    stride_kss, stride_ksh,
+    stride_vss, stride_vsh,
     stride_ot, stride_oh,
     stride_pb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     qb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -164,7 +189,11 @@ def _prefill_kernel(
         slot = page.to(tl.int64) * PAGE_SIZE + (n % PAGE_SIZE)
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k.to(q.dtype)), IEEE) * qk_scale
+        if KV_QUANT:
+            ks = tl.load(KS + slot * stride_kss + kvh * stride_ksh, mask=nmask, other=0.0)
+            s = _dot(q, tl.trans(k.to(q.dtype)), IEEE) * (ks * qk_scale)[None, :]
+        else:
+            s = _dot(q, tl.trans(k.to(q.dtype)), IEEE) * qk_scale
         s = tl.where((n[None, :] <= q_pos[:, None]) & nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -172,6 +201,9 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = v.to(q.dtype)
+        if KV_QUANT:
+            vs = tl.load(VS + slot * stride_vss + kvh * stride_vsh, mask=nmask, other=0.0)
+            p = p * vs[None, :]
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
 
@@ -199,12 +231,21 @@ def pick_num_splits(device: torch.device, kv_heads: int, cache_slots: int) -> in
     return max(1, min(want, cap, 64))
 
 
+def _scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
+    """(KS, VS, their 4 strides, KV_QUANT): placeholders (never read) for an unquantized cache."""
+    if k_scale is None:
+        return k_cache, k_cache, 0, 0, 0, 0, False
+    return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1), True
+
+
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
     seq_lens: torch.Tensor, page_size: int, scale: float, num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence, already written to the cache); caches [S, Hkv, D];
-    page_table [B, P] int32; seq_lens [B] (context length including the new token). -> [B, Hq, D]."""
+    page_table [B, P] int32; seq_lens [B] (context length including the new token). -> [B, Hq, D].
+    Quantized caches (fp8 / int8) pass their fp32 scales k_scale / v_scale [S, Hkv]."""
     batch, hq, head_dim = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -214,26 +255,33 @@ def paged_decode(
     block_h = max(16, triton.next_power_of_2(group))
     block_n = 32 if block_d >= 256 else 64
     num_warps = 8 if block_d >= 256 else 4
+    num_stages = 2
     ieee = q.dtype == torch.float32
     out = torch.empty((batch, hq, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
+    ks, vs, *scale_strides, kv_quant = _scale_args(k_cache, k_scale, v_scale)
+    if not ieee and block_d >= 256:
+        # H200 tile sweep (bench/results/2026-11-30-h200-s2/attention_tile_sweep.txt), 24/4 heads, D 256,
+        # 64k cached tokens: bf16 82 us at 64/4/2 (100 us at 32/8/2); 1-byte K/V rows take longer,
+        # 3-stage tiles: fp8 81 us, int8 85 us at 128/4/3 (106-130 us at 32/8/2).
+        block_n, num_warps, num_stages = (128, 4, 3) if kv_quant else (64, 4, 2)
     common = dict(GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-                  PAGE_SIZE=page_size, IEEE=ieee, num_warps=num_warps, num_stages=2)
+                  PAGE_SIZE=page_size, IEEE=ieee, KV_QUANT=kv_quant, num_warps=num_warps, num_stages=num_stages)
     if num_splits == 1:
         _decode_kernel[(batch, hkv, 1)](
-            q, k_cache, v_cache, page_table, seq_lens, out, out, scale * LOG2E, 1,
+            q, k_cache, v_cache, ks, vs, page_table, seq_lens, out, out, scale * LOG2E, 1,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            page_table.stride(0), out.stride(0), out.stride(1), 0, 0, 0, STORE_LSE=False, **common,
+            *scale_strides, page_table.stride(0), out.stride(0), out.stride(1), 0, 0, 0, STORE_LSE=False, **common,
         )
         return out
     part = torch.empty((batch, hq, num_splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, hkv, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, part, lse, scale * LOG2E, num_splits,
+        q, k_cache, v_cache, ks, vs, page_table, seq_lens, part, lse, scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        page_table.stride(0), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        STORE_LSE=True, **common,
+        *scale_strides, page_table.stride(0), part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
+        lse.stride(1), STORE_LSE=True, **common,
     )
     _combine_kernel[(batch, hq)](
         part, lse, out, num_splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
@@ -246,9 +294,11 @@ def paged_decode(
 def paged_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, page_table: torch.Tensor, page_size: int, scale: float, max_query_len: int,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] ragged new tokens (K/V already written); query_start_loc [B+1]; seq_lens [B];
-    page_table [B, P]. Causal within each sequence's context. -> [T, Hq, D]."""
+    page_table [B, P]. Causal within each sequence's context. -> [T, Hq, D]. Quantized caches pass
+    their scales as in `paged_decode`."""
     tokens, hq, head_dim = q.shape
     hkv = k_cache.shape[1]
     batch = seq_lens.shape[0]
@@ -263,13 +313,117 @@ def paged_prefill(
         block_m, block_n, num_warps = 64, 64, 4
     if ieee and block_d >= 128:
         block_n = 32
+    ks, vs, *scale_strides, kv_quant = _scale_args(k_cache, k_scale, v_scale)
+    if not ieee and block_d >= 256:
+        # H200 tile sweep, 1024 new after 4096 cached, 24/4 heads, D 256, at 128/64/8: bf16 442 us,
+        # fp8 877 us, int8 802 us (921 / 1528 / 1378 us at 64/32/8)
+        block_m, block_n, num_warps = 128, 64, 8
     block_m = min(block_m, max(16, triton.next_power_of_2(max_query_len)))
     grid = (math.ceil(max_query_len / block_m), batch, hq)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, page_table, scale * LOG2E,
+        q, k_cache, v_cache, ks, vs, out, query_start_loc, seq_lens, page_table, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), page_table.stride(0),
+        *scale_strides, out.stride(0), out.stride(1), page_table.stride(0),
         GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGE_SIZE=page_size, IEEE=ieee, num_warps=num_warps, num_stages=2,
+        PAGE_SIZE=page_size, IEEE=ieee, KV_QUANT=kv_quant, num_warps=num_warps, num_stages=2,
     )
     return out
+
+
+# ---- quantized KV write ------------------------------------------------------------------------
+
+FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # smallest normal fp32: the scale of an all-zero row
+
+
+def fp32_reciprocal(x: float) -> float:
+    """1/x rounded to fp32 (as a Python float), so torch and Triton multiply by the same constant."""
+    return torch.tensor(1.0 / x, dtype=torch.float32).item()
+
+
+@triton.jit
+def _round_e4m3(y):
+    """Round fp32 |y| <= 448 to the nearest float8 e4m3 value (ties to even), in fp32. Only for
+    Triton's interpreter, whose fp32->fp8 cast does not carry a mantissa round-up into the exponent
+    (-7.98 becomes -4): after this the cast is exact. GPUs cast with cvt.rn (the same rounding)."""
+    a = tl.abs(y)
+    bits = a.to(tl.int32, bitcast=True)
+    # normal e4m3 (|y| >= 2^-6): keep 3 of fp32's 23 mantissa bits, round half to even
+    normal = (((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20).to(tl.float32, bitcast=True)
+    # subnormal e4m3: multiples of 2^-9
+    t = a * 512.0
+    n = t.to(tl.int32)
+    f = t - n.to(tl.float32)
+    up = (f > 0.5) | ((f == 0.5) & ((n & 1) == 1))
+    sub = (n + up.to(tl.int32)).to(tl.float32) * (1.0 / 512.0)
+    r = tl.where(a < 0.015625, sub, normal)
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _quantize_rows(src, dst, scale_ptr, mask, hmask, QMAX: tl.constexpr, INV_QMAX: tl.constexpr,
+                   IS_FP8: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """[BLOCK_H, BLOCK_D] rows at `src` -> quantized values at `dst`, one fp32 scale per row at `scale_ptr`."""
+    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    # scale = amax * fp32(1/qmax), then an IEEE reciprocal: the same fp32 operations as `quantize_kv`,
+    # so the write is bit-identical to it on any device
+    scale = tl.maximum(tl.max(tl.abs(x), 1) * INV_QMAX, FP32_TINY)
+    y = x * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if IS_FP8:
+        if EMULATE_RNE:
+            y = _round_e4m3(y)
+        q = y.to(tl.float8e4nv)
+    else:
+        q = tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8)  # round half away from zero, then truncate
+    tl.store(dst, q, mask=mask)
+    tl.store(scale_ptr, scale, mask=hmask)
+
+
+@triton.jit
+def _write_kv_quant_kernel(
+    K, V, KC, VC, KS, VS, SLOTS,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    stride_kss, stride_ksh, stride_vss, stride_vsh,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    QMAX: tl.constexpr, INV_QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    hmask = offs_h < HEADS
+    mask = hmask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    h2, d2 = offs_h[:, None], offs_d[None, :]
+    _quantize_rows(K + t * stride_kt + h2 * stride_kh + d2, KC + slot * stride_kcs + h2 * stride_kch + d2,
+                   KS + slot * stride_kss + offs_h * stride_ksh, mask, hmask, QMAX, INV_QMAX, IS_FP8, EMULATE_RNE)
+    _quantize_rows(V + t * stride_vt + h2 * stride_vh + d2, VC + slot * stride_vcs + h2 * stride_vch + d2,
+                   VS + slot * stride_vss + offs_h * stride_vsh, mask, hmask, QMAX, INV_QMAX, IS_FP8, EMULATE_RNE)
+
+
+def write_kv_quantized(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+) -> None:
+    """Quantize k/v [T, Hkv, D] per (token, head) into the fp8 / int8 caches [S, Hkv, D] at `slots` [T],
+    with their fp32 scales into k_scale / v_scale [S, Hkv]. Bit-identical to
+    `ninfer.kernels.attention.quantize_kv`."""
+    tokens, hkv, head_dim = k.shape
+    if tokens == 0:
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if not is_fp8 and k_cache.dtype != torch.int8:
+        raise ValueError(f"write_kv_quantized needs an fp8 or int8 cache, not {k_cache.dtype}")
+    block_d = triton.next_power_of_2(head_dim)
+    qmax = 448.0 if is_fp8 else 127.0
+    _write_kv_quant_kernel[(tokens,)](
+        k, v, k_cache, v_cache, k_scale, v_scale, slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
+        HEADS=hkv, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=block_d,
+        QMAX=qmax, INV_QMAX=fp32_reciprocal(qmax), IS_FP8=is_fp8, EMULATE_RNE=k.device.type != "cuda",
+        num_warps=4 if hkv * block_d >= 1024 else 1,
+    )

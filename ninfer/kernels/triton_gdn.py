@@ -23,6 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.triton_compat import fix_interpreter
+
+fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
+
 
 @triton.jit
 def _conv_update_kernel(

@@ -6,6 +6,7 @@ Interface of a causal LM here:
   logits = model.compute_logits(hidden[rows])          # [N, V] float32
   model.cache_spec()                                   # what ModelCache to allocate
   model.init_random_(seed)                             # synthetic weights, in place
+  prepare_for_inference_(model)                        # after loading: merged projections, decode GEMVs
 Parameters never alias each other (a tied head reads embed_tokens.weight), so the artifact
 stores each tensor once and loading can adopt tensors without copies.
 """
@@ -33,3 +34,15 @@ def build_model(architecture: str, config: dict[str, Any]) -> nn.Module:
 
         return ScriptedModel(config)
     raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")
+
+
+def prepare_for_inference_(model: nn.Module) -> nn.Module:
+    """The run-time form of a loaded model, in place: projections that read one input merged into
+    one matmul (state-dict names unchanged), and plain linears taking the Triton decode GEMV on CUDA.
+    Quantize (ninfer.quant) before this, not after. Idempotent."""
+    from ninfer.kernels.linear import use_decode_linears_
+
+    if hasattr(model, "fuse_projections_"):
+        model.fuse_projections_()
+    use_decode_linears_(model)
+    return model

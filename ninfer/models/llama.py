@@ -10,12 +10,13 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ninfer.kernels.attention import paged_attention, write_kv
+from ninfer.kernels import fused
+from ninfer.kernels.attention import paged_attention
+from ninfer.kernels.linear import linear
 from ninfer.models.batch import CacheSpec, ForwardBatch, ModelCache
-from ninfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from ninfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, fuse_projections_, project
 
 # HF LlamaConfig defaults, for configs that leave a field out.
 _DEFAULTS: dict[str, Any] = {
@@ -71,6 +72,8 @@ def rope_inv_freq(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
+    FUSE = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, cfg: dict[str, Any], layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -88,11 +91,12 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = project(self, ("q_proj", "k_proj", "v_proj"), x)
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        # RoPE on q and k, k and v into the cache: one kernel (views of the merged projection)
+        q = fused.rope_qk_write_kv(
+            q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim), cos, sin, k_cache, v_cache, batch.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, batch, cache.page_size, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -106,11 +110,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
-    ) -> torch.Tensor:
-        # Same order of additions as transformers, so float32 results agree to rounding.
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        batch: ForwardBatch, cache: ModelCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (or the embeddings, residual None); the hidden state is
+        residual + x. Returns (this layer's MLP output, residual): each residual add runs fused with
+        the norm after it. Same order of additions as transformers, so float32 results agree to rounding."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, batch, cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -155,12 +167,18 @@ class LlamaForCausalLM(nn.Module):
             x = self.embed_tokens(batch.input_ids)
         positions = batch.positions if batch.positions.dim() == 1 else batch.positions[0]
         cos, sin = self.rotary.cos_sin(positions, dtype)  # once per step, shared by all layers
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, batch, cache)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def fuse_projections_(self) -> int:
+        """Merge q/k/v and gate/up into one matmul each (call after loading weights; idempotent).
+        The state dict keeps the checkpoint's separate names."""
+        return fuse_projections_(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.output_weight).float()
+        return linear(hidden, self.output_weight).float()  # the decode GEMV kernel on CUDA for small batches
 
     @torch.no_grad()
     def init_random_(self, seed: int) -> None:

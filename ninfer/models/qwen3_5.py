@@ -16,10 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ninfer.kernels.attention import paged_attention, write_kv
+from ninfer.kernels import fused
+from ninfer.kernels.attention import paged_attention
+from ninfer.kernels.backend import use_triton
 from ninfer.kernels.gdn import GDNMetadata, gated_delta_rule, short_conv
+from ninfer.kernels.linear import linear
 from ninfer.models.batch import CacheSpec, ForwardBatch, ModelCache
-from ninfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from ninfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, fuse_projections_, project
 
 _ROPE_QWEN3_6 = {
     "rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
@@ -126,13 +129,15 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf.to(dtype) * F.silu(z.float())).to(dtype)
+        return fused.gated_rms_norm(x, z, self.weight, self.eps)
+
+
+_GDN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
 class GatedDeltaNet(nn.Module):
+    FUSE = {"in_proj_qkvzba": _GDN_PROJ}  # after fuse_projections_: one matmul, columns [qkv | z | b | a]
+
     def __init__(self, cfg: dict[str, Any], state_index: int):
         super().__init__()
         hidden = cfg["hidden_size"]
@@ -155,21 +160,23 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: ModelCache, meta: GDNMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = short_conv(self.in_proj_qkv(x), self.conv1d.weight, cache.conv[self.state_index], meta)
+        # column views of one matmul once fused: each consumer reads its slice in place (no copies)
+        qkv, z, b, a = project(self, _GDN_PROJ, x)
+        qkv = short_conv(qkv, self.conv1d.weight, cache.conv[self.state_index], meta)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = self.in_proj_b(x).sigmoid()
-        # fp32: in low precision exp(A_log) and the softplus lose the small decays that matter
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        beta, g = fused.gdn_gates(b, a, self.A_log, self.dt_bias)  # g in fp32
         out = gated_delta_rule(
             q.reshape(tokens, self.nk, self.dk), k.reshape(tokens, self.nk, self.dk),
             v.reshape(tokens, self.nv, self.dv), g, beta, cache.ssm[self.state_index], meta,
         )
-        z = self.in_proj_z(x).reshape(tokens, self.nv, self.dv)
-        return self.out_proj(self.norm(out, z).reshape(tokens, self.value_dim))
+        out = self.norm(out, z.reshape(tokens, self.nv, self.dv))
+        return self.out_proj(out.reshape(tokens, self.value_dim))
 
 
 class GatedAttention(nn.Module):
     """Full attention with an output gate: q_proj yields [query | gate] per head."""
+
+    FUSE = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(self, cfg: dict[str, Any], attn_index: int):
         super().__init__()
@@ -190,15 +197,16 @@ class GatedAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        qg, k, v = project(self, ("q_proj", "k_proj", "v_proj"), x)
+        q, gate = qg.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k_cache, v_cache = cache.k[self.attn_index], cache.v[self.attn_index]
-        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        # q/k norms, partial RoPE, and k, v into the cache: one kernel reading the projection in place
+        q = fused.rope_qk_write_kv(
+            q, k.view(tokens, self.num_kv_heads, self.head_dim), v.view(tokens, self.num_kv_heads, self.head_dim),
+            cos, sin, k_cache, v_cache, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+        )
         out = paged_attention(q, k_cache, v_cache, batch, cache.page_size, self.scale)
-        out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.o_proj(out)
+        return self.o_proj(fused.sigmoid_gate_mul(out.reshape(tokens, self.num_heads, self.head_dim), gate))
 
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -223,6 +231,11 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; top_ids, top_weights: [T, k]. Sum over each token's k experts, weighted."""
         tokens, top_k = top_ids.shape
+        if use_triton(x):  # decode on CUDA: two fused Triton GEMV kernels, no sort/gather/scatter
+            from ninfer.kernels import triton_moe
+
+            if tokens <= triton_moe.MAX_TOKENS:
+                return triton_moe.fused_experts(x, top_ids, top_weights, self.gate_up_proj, self.down_proj)
         num_experts = self.gate_up_proj.shape[0]
         # (token, choice) pairs grouped by expert; group ends by searchsorted (bincount would sync on CUDA)
         sorted_ids, order = top_ids.reshape(-1).sort(stable=True)
@@ -246,7 +259,13 @@ class Experts(nn.Module):
         return (y.view(tokens, top_k, -1) * top_weights[..., None]).sum(dim=1)
 
 
+_MOE_PROJ = ("gate", "shared_expert_gate", "shared_expert.gate_proj", "shared_expert.up_proj")
+
+
 class SparseMoeBlock(nn.Module):
+    # router, shared-expert gate and the shared expert's gate/up all read x: one matmul once fused
+    FUSE = {"in_proj": _MOE_PROJ}
+
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
         hidden = cfg["hidden_size"]
@@ -257,12 +276,18 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # over all experts, then top-k
-        top_weights, top_ids = probs.topk(self.top_k, dim=-1)
-        top_weights = (top_weights / top_weights.sum(-1, keepdim=True)).to(x.dtype)  # always renormalised
+        logits, shared_gate, gate, up = project(self, _MOE_PROJ, x)
+        if use_triton(x):  # the same routing math in one Triton kernel (ninfer.kernels.triton_moe.route)
+            from ninfer.kernels import triton_moe
+
+            top_weights, top_ids = triton_moe.route(logits, self.top_k, x.dtype)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # over all experts, then top-k
+            top_weights, top_ids = probs.topk(self.top_k, dim=-1)
+            top_weights = (top_weights / top_weights.sum(-1, keepdim=True)).to(x.dtype)  # always renormalised
         routed = self.experts(x, top_ids, top_weights)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = self.shared_expert.down_proj(fused.silu_and_mul(gate, up))  # = self.shared_expert(x)
+        return routed + torch.sigmoid(shared_gate) * shared
 
 
 class DecoderLayer(nn.Module):
@@ -281,14 +306,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, zero_centered=True)
 
-    def forward(self, x, cos, sin, batch: ForwardBatch, cache: ModelCache, meta: GDNMetadata) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x, residual, cos, sin, batch: ForwardBatch, cache: ModelCache, meta: GDNMetadata):
+        """x: the previous layer's MLP output (or the embeddings, residual None); the hidden state is
+        residual + x. Returns (this layer's MLP output, residual): each residual add runs fused with
+        the norm after it (same additions, same order as before)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
         if self.is_attention:
             h = self.self_attn(h, cos, sin, batch, cache)
         else:
             h = self.linear_attn(h, cache, meta)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,13 +378,20 @@ class Qwen3_5ForCausalLM(nn.Module):
         x = batch.inputs_embeds if batch.inputs_embeds is not None else self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         meta = GDNMetadata.from_batch(batch)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, batch, cache, meta)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def fuse_projections_(self) -> int:
+        """Merge the projections that read one input into one matmul each (call after loading weights;
+        idempotent): attention q/k/v; GDN qkv/z/b/a; MLP gate/up; MoE router, shared-expert gate and
+        shared gate/up. The state dict keeps the checkpoint's separate names."""
+        return fuse_projections_(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()  # the decode GEMV kernel on CUDA for small batches
 
     @torch.no_grad()
     def init_random_(self, seed: int) -> None:

@@ -41,5 +41,5 @@ def build_context(cfg: ServerConfig, engine: EngineClient, *, keepalive_s: float
     eos_ids = list(artifact.manifest.extra.get("eos_token_ids", []))
     frontend = frontend_for(tokenizer, template, eos_ids, defaults=defaults)
     return ServerContext(config=cfg, model_id=cfg.model_id or artifact.public_name,
-                         max_model_len=min(cfg.max_context, cfg.resolved_kv_capacity()), frontend=frontend,
+                         max_model_len=cfg.max_model_len, frontend=frontend,
                          engine=engine, chat_defaults=ChatDefaults(vision=cfg.vision), keepalive_s=keepalive_s)

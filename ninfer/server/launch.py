@@ -43,7 +43,8 @@ FLAG_HELP: dict[str, tuple[str | None, str]] = {
     "request_log_jsonl": ("FILE", "append full-precision JSONL server/request records (its folder must exist)"),
     "response_store_max_records": ("N", "locally retained Responses objects"),
     "response_store_max_mib": ("N", "local Response store budget in MiB"),
-    "kv_dtype": (None, "KV-cache storage (only bf16 is implemented)"),
+    "kv_dtype": (None, "KV-cache storage: bf16 (unquantized, the model's dtype), fp8 (e4m3) or int8, each "
+                       "quantized token with per-head scales; nvfp4 and k8v4 are not supported yet"),
     "spec": (None, "speculative backend (not implemented yet)"),
     "draft_tokens": ("N", "draft tokens: MTP 1..5, DFlash/DFlash2 1..15"),
     "lm_head_draft": (None, "load the optimized proposal head"),

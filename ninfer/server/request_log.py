@@ -178,7 +178,9 @@ def server_start_fields(cfg: ServerConfig, model: ModelIdentity, *, role: str, r
                      "architecture": model.architecture, "name": model.name},
         "engine": {
             "device": cfg.device, "dtype": cfg.dtype, "max_context": cfg.max_context,
-            "kv_capacity_mode": "explicit", "kv_capacity": cfg.resolved_kv_capacity(), "page_size": cfg.page_size,
+            "kv_capacity_mode": "auto" if cfg.kv_capacity == "auto" else "explicit",
+            "kv_capacity": (engine or {}).get("kv_capacity_tokens", cfg.resolved_kv_capacity()),
+            "page_size": cfg.page_size,
             "max_concurrency": cfg.max_concurrency, "max_pending_requests": cfg.max_pending_requests,
             "pending_timeout_ms": cfg.pending_timeout_ms, "prefill_chunk": cfg.prefill_chunk,
             "log_stats_interval_ms": cfg.log_stats_interval_ms, "kv_cache": cfg.kv_dtype, "vision": cfg.vision,

@@ -12,6 +12,7 @@ import time
 
 from ninfer.config import ServerConfig
 from ninfer.engine.engine import EngineSettings
+from ninfer.models.batch import KV_DTYPES
 from ninfer.server.oplog import configure_logging
 from ninfer.server.request_log import check_log_path
 
@@ -32,10 +33,9 @@ def unimplemented_options(cfg: ServerConfig) -> list[str]:
         problems.append("--lm-head-draft: speculative decoding is not implemented yet")
     if cfg.vision:
         problems.append("--vision: image and video input is not implemented yet")
-    if cfg.kv_dtype != "bf16":
-        problems.append(f"--kv-dtype {cfg.kv_dtype}: only bf16 KV storage is implemented")
-    if cfg.kv_capacity == "auto":
-        problems.append("--kv-capacity auto: sizing from free device memory is not implemented yet; give a token count")
+    if cfg.kv_dtype not in KV_DTYPES:
+        problems.append(f"--kv-dtype {cfg.kv_dtype}: {cfg.kv_dtype} KV storage is unsupported in this build "
+                        f"(supported: {', '.join(KV_DTYPES)})")
     if cfg.context_cost_presets is not None:
         problems.append("--context-cost-presets: context-cost presets are not implemented yet")
     return problems
@@ -53,7 +53,8 @@ def check_implemented(cfg: ServerConfig) -> None:
 
 def engine_settings(cfg: ServerConfig) -> EngineSettings:
     return EngineSettings(
-        max_context=cfg.max_context, kv_capacity=cfg.resolved_kv_capacity(), max_concurrency=cfg.max_concurrency,
+        max_context=cfg.max_context, kv_capacity=cfg.kv_capacity or cfg.max_context, kv_dtype=cfg.kv_dtype,
+        max_concurrency=cfg.max_concurrency,
         max_pending_requests=cfg.max_pending_requests, pending_timeout_ms=cfg.pending_timeout_ms,
         prefill_chunk=cfg.prefill_chunk, page_size=cfg.page_size, state_slots=cfg.state_slots,
         default_max_tokens=cfg.default_max_tokens, default_thinking_budget=cfg.default_thinking_budget,
@@ -81,9 +82,11 @@ def load_engine_for(cfg: ServerConfig, *, device_index: int | None = None, threa
     started = time.monotonic()
     engine = load_engine(cfg.artifact, engine_settings(cfg), device=device, dtype=cfg.dtype)
     snap = engine.snapshot()
-    log.info("engine ready in %.1f s: %d lanes, KV %d pages of %d tokens, %d state slots, prefix reuse %s",
-             time.monotonic() - started, cfg.max_concurrency, snap["kv_pages_capacity"], cfg.page_size,
-             snap["state_slots_capacity"], "off" if cfg.no_prefix_reuse else "on")
+    kv = engine.runner.cache
+    log.info("engine ready in %.1f s: %d lanes, KV %d pages of %d tokens (%s, %.1f MiB), %d state slots, "
+             "prefix reuse %s", time.monotonic() - started, cfg.max_concurrency, snap["kv_pages_capacity"],
+             cfg.page_size, cfg.kv_dtype, kv.kv_bytes / 2**20, snap["state_slots_capacity"],
+             "off" if cfg.no_prefix_reuse else "on")
     return engine
 
 

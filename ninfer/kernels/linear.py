@@ -1,0 +1,73 @@
+"""Linear layers that take our Triton skinny GEMM (ninfer.kernels.triton_gemv) at decode batch sizes.
+
+- `linear(x, weight, bias)`: F.linear, except on CUDA (`backend.use_triton`) with at most
+  `triton_gemv.MAX_M` rows (leading dims flattened), bf16/fp16 x and weight of the same dtype and a
+  weight whose last dim is contiguous: then the Triton kernel. `NINFER_GEMV=cublas` (read at every
+  call, for A/B runs) keeps F.linear everywhere; `NINFER_KERNELS=reference` does too.
+- `DecodeLinear`: an nn.Linear (same parameters, same state-dict names) whose forward is `linear`.
+- `use_decode_linears_(model)`: turns every module of exact type nn.Linear into a DecodeLinear in
+  place (the module object keeps its parameters, hooks and identity: no copy); subclasses such as
+  quantized linears are left alone. Idempotent. Merged projections keep their checkpoint names.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ninfer.kernels import backend
+
+ENV_VAR = "NINFER_GEMV"
+MAX_ROWS = 16  # = triton_gemv.MAX_M (not imported here: triton may be absent)
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def cublas_forced() -> bool:
+    return os.environ.get(ENV_VAR, "").strip().lower() == "cublas"
+
+
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` runs the Triton kernel."""
+    k = x.shape[-1] if x.dim() else 0
+    return (
+        x.dim() >= 1
+        and x.dtype in _DTYPES
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and weight.shape[1] == k
+        and weight.stride(1) == 1
+        and 0 < x.numel() <= MAX_ROWS * k
+        and backend.use_triton(x)
+        and not cublas_forced()
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight^T (+ bias): the Triton skinny GEMM for decode-sized x on CUDA, else F.linear."""
+    if takes_gemv(x, weight) and (bias is None or bias.dtype == x.dtype):
+        from ninfer.kernels import triton_gemv
+
+        return triton_gemv.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class DecodeLinear(nn.Linear):
+    """nn.Linear whose forward takes the Triton skinny GEMM at decode batch sizes (see `linear`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def use_decode_linears_(model: nn.Module) -> int:
+    """Every module of exact type nn.Linear in `model` (the root too) becomes a DecodeLinear, in place:
+    same object, parameters and hooks (merged projections keep splitting into their checkpoint names:
+    `layers` treats any nn.Linear subclass as plain). Returns the number changed (0 on a second call)."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = DecodeLinear
+            changed += 1
+    return changed

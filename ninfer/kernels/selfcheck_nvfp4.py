@@ -1,0 +1,235 @@
+"""NVFP4 kernels against the torch reference, and their bandwidth, at the Qwen3.6-27B shapes.
+
+    from ninfer.kernels import selfcheck_nvfp4 as s
+    s.check_nvfp4("cuda", torch.bfloat16)   # {"max_abs_diff": {...}, "ref_absmax": ...}
+    s.time_nvfp4_gemv("cuda")               # per shape: us and GB/s, NVFP4 kernel vs bf16 F.linear
+
+Shapes are (N, K) of the 27B decoder's matmuls, merged as the model merges them: GDN
+in_proj_qkv+z (16384 x 5120), attention q+k+v (14336 x 5120), MLP gate+up (34816 x 5120), MLP
+down (5120 x 17408), o_proj / GDN out_proj (5120 x 6144).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+SHAPES_27B = {
+    "gdn_in_qkvz": (16384, 5120),
+    "attn_qkv": (14336, 5120),
+    "mlp_gate_up": (34816, 5120),
+    "mlp_down": (5120, 17408),
+    "o_proj": (5120, 6144),
+}
+
+
+def _problem(n: int, k: int, m: int, device, dtype, seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k, generator=gen, device=device, dtype=torch.float32) * 0.02
+    q = quantize_nvfp4(w)
+    x = torch.randn(m, k, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    return q, x
+
+
+def check_nvfp4(device, dtype, *, shapes: dict | None = None, ms=(1, 2, 3, 8, 16, 17, 64), seed: int = 0) -> dict:
+    """Kernel (nvfp4_linear: GEMV for M <= 16, dequantize + matmul above) vs x @ dequantize(W)^T in
+    fp32. Returns {"max_abs_diff": {shape_mM: diff}, "ref_absmax": max |ref|}; also the
+    dequantize kernel vs the torch dequantizer (exact in fp32)."""
+    from ninfer.kernels import triton_nvfp4
+
+    diffs, absmax = {}, 0.0
+    for name, (n, k) in (shapes or SHAPES_27B).items():
+        q, _ = _problem(n, k, 1, device, dtype, seed)
+        w = dequantize_nvfp4(*q)
+        diffs[f"{name}_dequant"] = (triton_nvfp4.nvfp4_dequantize(*q, dtype=torch.float32) - w).abs().max().item()
+        for m in ms:
+            x = _problem(1, k, m, device, dtype, seed + m)[1]
+            ref = x.float() @ w.T
+            got = triton_nvfp4.nvfp4_linear(x, *q).float()
+            diffs[f"{name}_m{m}"] = (got - ref).abs().max().item()
+            absmax = max(absmax, ref.abs().max().item())
+        del w
+    return {"max_abs_diff": diffs, "ref_absmax": absmax}
+
+
+def _time(fn, iters: int) -> float:
+    """Mean microseconds per call over `iters` calls captured in one CUDA graph (launch overhead
+    excluded, as in the engine's decode graphs), L2 flushed before the replay."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(3):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / iters)
+    return min(times)
+
+
+def _rotating(fn, items: list):
+    """fn(item) over items in turn, one per call (each captured call reads a different copy)."""
+    state = {"i": 0}
+
+    def call():
+        item = items[state["i"] % len(items)]
+        state["i"] += 1
+        fn(item)
+
+    return call
+
+
+def time_nvfp4_gemv(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8), iters: int = 20,
+                    config: dict | None = None, with_bf16: bool = True) -> list[dict]:
+    """Per shape and M: microseconds and GB/s of the NVFP4 GEMV (bytes read = packed + scales +
+    row scales + x, written = y) and of torch's bf16 F.linear on the same shape (bytes = 2NK + x + y).
+    Each timed call reads a different copy of the weight when one copy fits in L2."""
+    from ninfer.kernels import triton_nvfp4
+
+    out = []
+    for name, (n, k) in (shapes or SHAPES_27B).items():
+        q, _ = _problem(n, k, 1, device, torch.bfloat16)
+        copies = max(1, -(-(120 << 20) // (n * k // 2)))  # rotate over > 2x the 60 MB L2
+        qs = [q] + [tuple(t.clone() for t in q) for _ in range(copies - 1)]
+        ws = []
+        if with_bf16:
+            w_bf16 = dequantize_nvfp4(*q, dtype=torch.bfloat16)
+            ws = [w_bf16] + [w_bf16.clone() for _ in range(max(1, -(-(120 << 20) // (n * k * 2))) - 1)]
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+            ours = _rotating(lambda qq, x=x, y=y: triton_nvfp4.nvfp4_gemv(x, *qq, out=y, config=config), qs)
+            theirs = _rotating(lambda ww, x=x, y=y: torch.mm(x, ww.t(), out=y), ws)
+            us = _time(ours, iters)
+            io = 2 * m * k + 2 * m * n
+            nbytes = n * k // 2 + n * k // 16 + 4 * n + io
+            row = {"shape": name, "n": n, "k": k, "m": m, "us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1)}
+            if with_bf16:
+                us_bf16 = _time(theirs, iters)
+                row.update(us_bf16=round(us_bf16, 2), GBps_bf16=round((2 * n * k + io) / us_bf16 / 1e3, 1),
+                           speedup=round(us_bf16 / us, 2))
+            out.append(row)
+    return out
+
+
+def time_nvfp4_prefill(device="cuda", *, shapes: dict | None = None, m: int = 1024, iters: int = 5) -> list[dict]:
+    """M > 16 path (dequantize to bf16 scratch + torch matmul) against bf16 F.linear: TFLOP/s."""
+    from ninfer.kernels import triton_nvfp4
+
+    out = []
+    for name, (n, k) in (shapes or SHAPES_27B).items():
+        q, x = _problem(n, k, m, device, torch.bfloat16)
+        w = dequantize_nvfp4(*q, dtype=torch.bfloat16)
+        us = _time(lambda x=x, q=q: triton_nvfp4.nvfp4_linear(x, *q), iters)
+        us_bf16 = _time(lambda x=x, w=w: F.linear(x, w), iters)
+        us_deq = _time(lambda q=q: triton_nvfp4.nvfp4_dequantize(*q), iters)
+        flops = 2 * m * n * k
+        out.append({"shape": name, "m": m, "us": round(us, 1), "TFLOPs": round(flops / us / 1e6, 1),
+                    "us_bf16": round(us_bf16, 1), "TFLOPs_bf16": round(flops / us_bf16 / 1e6, 1),
+                    "us_dequant": round(us_deq, 1), "GBps_dequant": round(n * k * (2 + 0.5625) / us_deq / 1e3, 1)})
+    return out
+
+
+def default_sweep(m: int) -> list[dict]:
+    """Candidate configs: CUDA-core GEMV for M = 1, tensor cores for M > 1."""
+    if m == 1:
+        return [dict(kind="fma", BLOCK_M=1, BLOCK_N=bn, BLOCK_W=32 * w, num_warps=w) for bn in (4, 8) for w in (2, 4, 8)]
+    return [dict(kind="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_W=bw, num_warps=w)
+            for bn, bw, w in ((32, 16, 4), (64, 16, 4), (64, 16, 8), (64, 8, 4))]
+
+
+def sweep_gemv_configs(device="cuda", *, shapes: dict | None = None, ms=(1, 4), configs: list[dict] | None = None,
+                       iters: int = 20) -> list[dict]:
+    """GB/s of each candidate launch config per shape and M (for choosing triton_nvfp4._gemv_config)."""
+    out = []
+    for m in ms:
+        for cfg in configs if configs is not None else default_sweep(m):
+            try:
+                rows = time_nvfp4_gemv(device, shapes=shapes, ms=(m,), iters=iters, config=cfg, with_bf16=False)
+            except Exception as exc:  # a config the compiler refuses (registers, shared memory)
+                out.append({"m": m, "config": cfg, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                continue
+            out.append({"m": m, "config": cfg, "GBps": {r["shape"]: r["GBps"] for r in rows},
+                        "us": {r["shape"]: r["us"] for r in rows}})
+    return out
+
+
+def decode_tokens_per_s(preset: str = "qwen3.6-27b", weights: str = "nvfp4", new_tokens: int = 64) -> dict:
+    """Batch-1 greedy decode speed of a random-weight preset through the engine (CUDA graphs on):
+    the time of a 4 + new_tokens request minus that of a 4-token one, over new_tokens."""
+    import gc
+    import time
+
+    from ninfer.engine.engine import EngineSettings
+    from ninfer.engine.loader import engine_from_preset
+    from ninfer.engine.types import EngineRequest, SamplingParams
+
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    settings = EngineSettings(max_context=1024, max_concurrency=1, eos_ids={-1}, prefix_reuse=False)
+    engine = engine_from_preset(preset, settings, weights=weights)
+    build_s = time.perf_counter() - start
+    try:
+        def run(eng, n: int, tag: str) -> float:
+            req = EngineRequest(f"{tag}{n}", list(range(100, 132)), max_tokens=n,
+                                sampling=SamplingParams(temperature=0.0))
+            t = time.perf_counter()
+            eng.generate(req)
+            return time.perf_counter() - t
+
+        run(engine, 4, "warm")
+        short, long = run(engine, 4, "a"), run(engine, 4 + new_tokens, "b")
+    finally:
+        engine.shutdown()
+    out = {"preset": preset, "weights": weights, "tokens_per_s": round(new_tokens / (long - short), 2),
+           "ms_per_token": round((long - short) / new_tokens * 1e3, 3), "build_s": round(build_s, 1),
+           "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
+    engine = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m ninfer.kernels.selfcheck_nvfp4 [--sweep] [--out FILE]: check, time, print JSON."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time the candidate GEMV configs")
+    parser.add_argument("--decode", action="store_true",
+                        help="only the 27B batch-1 engine decode speed, NVFP4 then bf16 (needs ~60 GB)")
+    parser.add_argument("--out", help="write the JSON here too")
+    args = parser.parse_args(argv)
+    result = {"device": torch.cuda.get_device_name()}
+    if args.decode:
+        result["decode"] = [decode_tokens_per_s(weights="nvfp4"), decode_tokens_per_s(weights="bf16")]
+    else:
+        result.update(check_bf16=check_nvfp4("cuda", torch.bfloat16), gemv=time_nvfp4_gemv("cuda"),
+                      prefill=time_nvfp4_prefill("cuda"))
+    if args.sweep:
+        result["sweep"] = sweep_gemv_configs("cuda")
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

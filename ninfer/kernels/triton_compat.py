@@ -1,0 +1,37 @@
+"""Run our Triton kernels under Triton's CPU interpreter (`TRITON_INTERPRET=1`) with NumPy >= 2.4.
+
+The interpreter keeps every scalar as a 1-element NumPy array and converts it to a Python int
+with `int(array)` when a runtime value bounds a loop (`for blk in range(lo, hi)`). NumPy 2.4 made
+that conversion a TypeError ("only 0-dimensional arrays can be converted to Python scalars";
+triton-lang/triton#9171), so every kernel with a data-dependent loop bound fails in Triton <= 3.6's
+interpreter. Rewriting the loops (e.g. as `while`) would cost the compiled kernels their software
+pipelining, so instead `fix_interpreter()` wraps the interpreter's tensor patching to take the
+scalar with `.item()`. It does nothing unless TRITON_INTERPRET=1 and the interpreter has the hook
+it wraps; the compiled (GPU) path is untouched.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def fix_interpreter() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "on"):
+        return
+    try:
+        from triton.runtime import interpreter
+    except Exception:  # no interpreter in this triton build: nothing to fix
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_ninfer_index_fix", False):
+        return
+
+    def _index(self):
+        return int(self.handle.data.item())  # a 1-element array; raises for a real block, as before
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", _index)  # restored with the rest when the kernel returns
+
+    patch_lang_tensor._ninfer_index_fix = True
+    interpreter._patch_lang_tensor = patch_lang_tensor

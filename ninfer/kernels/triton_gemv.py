@@ -1,0 +1,283 @@
+"""Skinny GEMM for decode: y = x @ W^T (+ b) with a few rows of x (M <= 16) and a large W.
+
+At batch 1..16 a linear layer is a pure stream of W through the chip: every weight byte is read once
+and used M times, so the kernel is built for HBM bandwidth, not arithmetic:
+
+- W is [N, K] row-major (nn.Linear's layout). Each program owns a BLOCK_N x K slab of W (or, with
+  split-K, a K piece of it) and walks K in BLOCK_K steps; x's few rows are re-read from L2 each step.
+- Loads of W are unmasked along K when BLOCK_K divides K (rows past N are clamped to a valid row,
+  their outputs are not stored), so they vectorise to 16-byte accesses; big tiles and software
+  pipelining (num_stages) keep several loads per thread in flight.
+- Two inner products, picked per config:
+  * "fma" (M <= 4): fp32 multiply-adds on the CUDA cores into a [BLOCK_M, BLOCK_N, BLOCK_K]
+    accumulator, reduced over K once at the end (on the H200: small programs, 4 rows x 256 of K,
+    2 warps, 4-6 pipeline stages, win at M = 1 for all but the q/k/v-like shapes);
+  * "dot" (any M <= 16): tensor cores on the swapped product W_tile @ x_tile^T ([BLOCK_N, 16]),
+    x's rows zero-padded to 16, so W is the MMA's big operand (cp.async-pipelined tiles).
+- Split-K writes fp32 partials to a [SPLIT_K, M, N] workspace and a second small kernel sums them
+  in a fixed order (+ bias, cast): no atomics, so results are bitwise identical run to run, eager or
+  replayed in a CUDA graph.
+
+Configs come from a fixed table per shape class (`pick_config`); nothing is tuned at run time. The
+offline helper `ninfer.kernels.selfcheck_gemv.tune_gemv` times a few candidates on the device and
+prints the winners for the table. No host syncs, workspace sized from shapes alone: CUDA-graph
+capturable. Kernels also run on CPU fp32 tensors under TRITON_INTERPRET=1 (tests/test_gemv.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.triton_compat import fix_interpreter
+
+fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
+
+MAX_M = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    dot: bool  # tensor-core inner product (x padded to 16 rows) instead of CUDA-core FMAs
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def short(self) -> str:
+        kind = "dot" if self.dot else "fma"
+        return f"{kind}_n{self.block_n}_k{self.block_k}_s{self.split_k}_w{self.num_warps}_p{self.num_stages}"
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """One (BLOCK_N rows of W, K piece) per program. Y: the output (no split) or the fp32 partials
+    [SPLIT_K, M, N] (stride_ys between splits; bias then added by the reduction)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(offs_n < N, offs_n, N - 1).to(tl.int64)  # clamped: unmasked W loads
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_ptrs = W + rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    if USE_DOT:
+        x_ptrs = X + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs + k)
+                xt = tl.load(x_ptrs + k, mask=m_ok[None, :], other=0.0)
+            else:
+                k_ok = (k + offs_k) < k_hi
+                w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
+                xt = tl.load(x_ptrs + k, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            if IEEE:
+                acc = tl.dot(w, xt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, xt, acc)
+        out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    else:
+        x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs + k)
+                x = tl.load(x_ptrs + k, mask=m_ok[:, None], other=0.0)
+            else:
+                k_ok = (k + offs_k) < k_hi
+                w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
+                x = tl.load(x_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc3 += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        out = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
+    n_ok = offs_n < N
+    if HAS_BIAS:
+        out += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _splitk_reduce_kernel(P, B, Y, M, N, stride_ym, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Y[m, n] = sum_s P[s, m, n] (+ b[n]), the splits summed in order 0..SPLIT_K-1."""
+    pid = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(P + (s * M + m) * N + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+# ---- configs ------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 132  # CPU (interpreter): any fixed number keeps the configs deterministic
+
+
+def m_bucket(m: int) -> int:
+    return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8 if m <= 8 else 16
+
+
+# Tuned on an H200 (132 SMs, bf16) by selfcheck_gemv.tune_gemv: (m bucket, shape class) -> config;
+# split_k=0 picks the split from the shape (`_auto_split`: no split on the 27B shapes, where the
+# winners ran unsplit; splits N-poor shapes of other models). Ties within timing noise (~0.5%) went
+# to the config with more programs (mid, M <= 2: 64 rows, not 128). Shape classes (Qwen3.6-27B):
+# "wide" N >= 4K (lm_head, MLP gate_up), "mid" K < N < 4K (merged q/k/v, GDN in-projection),
+# "square" K/2 < N <= K (o_proj, GDN out_proj), "tall" N <= K/2 (MLP down).
+_C = GemvConfig
+_TABLE: dict[tuple[int, str], GemvConfig] = {
+    (1, "mid"): _C(dot=True, block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=4),
+    (1, "square"): _C(dot=False, block_n=4, block_k=256, split_k=0, num_warps=2, num_stages=4),
+    (1, "tall"): _C(dot=False, block_n=4, block_k=256, split_k=0, num_warps=2, num_stages=4),
+    (1, "wide"): _C(dot=False, block_n=4, block_k=256, split_k=0, num_warps=2, num_stages=6),
+    (2, "mid"): _C(dot=True, block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=4),
+    (2, "square"): _C(dot=True, block_n=64, block_k=256, split_k=0, num_warps=4, num_stages=4),
+    (2, "tall"): _C(dot=False, block_n=8, block_k=256, split_k=0, num_warps=2, num_stages=4),
+    (2, "wide"): _C(dot=False, block_n=4, block_k=512, split_k=0, num_warps=2, num_stages=4),
+    (4, "mid"): _C(dot=True, block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=4),
+    (4, "square"): _C(dot=True, block_n=64, block_k=256, split_k=0, num_warps=4, num_stages=4),
+    (4, "tall"): _C(dot=True, block_n=64, block_k=256, split_k=0, num_warps=4, num_stages=4),
+    (4, "wide"): _C(dot=True, block_n=32, block_k=128, split_k=0, num_warps=4, num_stages=6),
+    (8, "mid"): _C(dot=True, block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=4),
+    (8, "square"): _C(dot=True, block_n=64, block_k=256, split_k=0, num_warps=4, num_stages=4),
+    (8, "tall"): _C(dot=True, block_n=64, block_k=256, split_k=0, num_warps=4, num_stages=4),
+    (8, "wide"): _C(dot=True, block_n=32, block_k=128, split_k=0, num_warps=4, num_stages=6),
+    (16, "mid"): _C(dot=True, block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=4),
+    (16, "square"): _C(dot=True, block_n=64, block_k=256, split_k=0, num_warps=4, num_stages=4),
+    (16, "tall"): _C(dot=True, block_n=64, block_k=256, split_k=0, num_warps=4, num_stages=4),
+    (16, "wide"): _C(dot=True, block_n=32, block_k=128, split_k=0, num_warps=4, num_stages=6),
+}
+
+
+def shape_class(n: int, k: int) -> str:
+    if n >= 4 * k:
+        return "wide"
+    if n > k:
+        return "mid"
+    if 2 * n > k:
+        return "square"
+    return "tall"
+
+
+def _default_config(m: int) -> GemvConfig:
+    """Untuned fallback: CUDA-core FMAs for M <= 2, tensor cores above (split-K where N is short)."""
+    if m <= 2:
+        return GemvConfig(dot=False, block_n=8 if m == 1 else 4, block_k=512, num_warps=4)
+    return GemvConfig(dot=True, block_n=64, block_k=128, split_k=0, num_warps=4, num_stages=4)
+
+
+def _auto_split(cfg: GemvConfig, n: int, k: int, sms: int) -> int:
+    """Split K while the programs number fewer than half the SMs (each piece keeps >= 4 K tiles).
+    On an H200, 80 programs of 64 rows x K=17408 stream faster unsplit than split 4 ways (tuning)."""
+    blocks = triton.cdiv(n, cfg.block_n)
+    split = 1
+    while 2 * blocks * split < sms and k // (2 * split) >= 4 * cfg.block_k and split < 16:
+        split *= 2
+    return split
+
+
+@functools.lru_cache(maxsize=4096)
+def pick_config(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype) -> GemvConfig:
+    """The table's config for this problem (the untuned default where it has none), fitted to it.
+    Cached per problem (call `pick_config.cache_clear()` after changing `_TABLE`)."""
+    cfg = _TABLE.get((m_bucket(m), shape_class(n, k))) or _default_config(m)
+    return resolve_config(cfg, m, n, k, device, dtype)
+
+
+def resolve_config(cfg: GemvConfig, m: int, n: int, k: int, device: torch.device,
+                   dtype: torch.dtype) -> GemvConfig:
+    """`cfg` made concrete for one problem: automatic split (split_k=0) resolved, tiles fitted."""
+    cfg = fit_config(cfg, m, n, k, dtype)
+    if cfg.split_k == 0:
+        cfg = dataclasses.replace(cfg, split_k=_auto_split(cfg, n, k, sm_count(device)))
+    return cfg
+
+
+def fit_config(cfg: GemvConfig, m: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
+    """Shrink a config to a (small) problem: tiles no larger than the problem, legal dot shapes."""
+    block_k = max(16, min(cfg.block_k, triton.next_power_of_2(k)))
+    if cfg.dot:
+        block_n = max(16, min(cfg.block_n, triton.next_power_of_2(n)))
+    else:
+        block_n = max(1, min(cfg.block_n, triton.next_power_of_2(n)))
+        if m_bucket(m) > 4:  # the FMA accumulator is [BLOCK_M, BLOCK_N, BLOCK_K]: keep it in registers
+            return fit_config(_default_config(m), m, n, k, dtype)
+    split = cfg.split_k if cfg.split_k == 0 else max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
+    if dtype == torch.float32:  # fp32 tiles are twice the bytes: halve K to keep registers in check
+        block_k = max(16, block_k // 2)
+    return dataclasses.replace(cfg, block_n=block_n, block_k=block_k, split_k=split)
+
+
+# ---- launch -------------------------------------------------------------------------------------
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """x [..., K] (at most 16 rows in all), weight [N, K] (last dim contiguous), bias [N] -> [..., N]."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.shape[-1] != k or weight.stride(-1) != 1:
+        raise ValueError(f"gemv: weight {tuple(weight.shape)} (strides {weight.stride()}) vs x [..., {k}]")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"gemv: {m} rows > {MAX_M}")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.reshape(*x.shape[:-1], n)
+    if k == 0:
+        y.zero_()
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], n)
+    if config is None:
+        cfg = pick_config(m, n, k, x.device, x.dtype)
+    else:
+        cfg = resolve_config(config, m, n, k, x.device, x.dtype)
+    block_m = 16 if cfg.dot else triton.next_power_of_2(m)
+    split = cfg.split_k
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)  # no empty pieces
+    even_k = k % cfg.block_k == 0
+    has_bias = bias is not None
+    b = bias if has_bias else weight  # unused pointer
+    grid = (triton.cdiv(n, cfg.block_n), split)
+    common = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k, USE_DOT=cfg.dot,
+                  IEEE=x.dtype == torch.float32, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    if split == 1:
+        _gemv_kernel[grid](x2, weight, b, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), 0,
+                           k_per_split, HAS_BIAS=has_bias, **common)
+    else:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        _gemv_kernel[grid](x2, weight, b, part, m, n, k, x2.stride(0), weight.stride(0), n, m * n,
+                           k_per_split, HAS_BIAS=False, **common)
+        block = min(1024, triton.next_power_of_2(n))
+        _splitk_reduce_kernel[(triton.cdiv(n, block), m)](part, b, y, m, n, y.stride(0), SPLIT_K=split,
+                                                          HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
+    return y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,339 @@
+"""Weight-only NVFP4 matmul in Triton: y[M, N] = x[M, K] @ W^T with W stored as NVFP4
+(ninfer.quant.nvfp4: packed E2M1 codes, low nibble first; E4M3 scale per 16 K elements; fp32 row
+scale), for Hopper, which has no FP4 tensor cores: weights are decoded in registers.
+
+Regimes (chosen by M, which a CUDA graph fixes, so every launch depends on shapes only; no host
+syncs, no data-dependent allocation):
+- M = 1 (batch-1 decode): `_gemv_fma_kernel`, CUDA cores. Each program owns 4 or 8 weight rows and
+  walks all of K: one int32 word (8 codes) per thread and row per step, the matching 8 x values as
+  one 16-byte load shared by the rows, the next step's loads issued before this step's math.
+- 1 < M <= 16: `_gemv_dot_kernel`, tensor cores: the decoded, scaled tile (exact in bf16) @ x^T.
+- M > 16 (prefill, compute-bound): `_dequant_kernel` writes the weight in x.dtype to a scratch
+  tensor, then torch's matmul (cuBLAS). Simpler than an in-kernel dequantizing GEMM; on the H200 the
+  27B shapes at M = 1024 run at ~0.78x of bf16 F.linear (dequantize ~3.5 TB/s + cuBLAS).
+
+Decoding. Words are read as int32 (8 codes; code p at bits 4p..4p+3 is element 8w + p, which is the
+low-nibble-first byte order on a little-endian machine). For code p, one left shift puts its sign
+bit on bit 31, an arithmetic right shift by 6 then puts its three magnitude bits (e1 e0 m) on
+fp32 bits 24..22 (exponent LSBs and mantissa MSB) while bit 31 keeps the sign; masking bits
+31, 24..22 leaves an fp32 whose value is exactly e2m1 * 2^-126, including the subnormal codes
+(+-0.5 are fp32 subnormals: the arithmetic must not flush denormals, which Triton's plain fp32 ops
+do not). Three integer ops per code, no table. Scales likewise: E4M3 bits moved up by 20 are
+exactly scale * 2^-120. Powers of two are folded back by exact multiplies: per word the GEMV sum
+(units of 2^-126) times block scale * 2^100, or for tensor cores the code times block scale *
+2^100 (= code * scale * 2^-26: a normal number, exact in bf16), and at the end row scale * 2^26.
+
+Measured on one H200 (selfcheck_nvfp4, CUDA-graph replay, L2 flushed, 27B shapes, bf16 x):
+M = 1 GEMV 1.3-1.8 TB/s (1.3-1.6x faster than bf16 F.linear at ~3.5-4.1 TB/s; the kernel is bound
+by its ~6 instructions per weight, not by HBM); 1 < M <= 16 0.4-0.9 TB/s (0.4-0.8x of bf16: slower
+than bf16, see the report); dequantize 3.2-3.6 TB/s.
+
+Configs: a fixed table by (M, N) (`_gemv_config`), not triton.autotune: autotune times candidates
+on the first call of each shape, which would slow start-up, run inside CUDA-graph capture, and make
+the chosen kernel depend on timing noise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.triton_compat import fix_interpreter
+
+fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
+
+GEMV_MAX_M = 16
+_SCALE_UP = tl.constexpr(2.0**120)  # E4M3 bits << 20 read as fp32 = scale * 2^-120
+_DOT_SCALE = tl.constexpr(2.0**100)  # dot: code * 2^-126 * scale * 2^100 = code * scale * 2^-26 (exact in bf16)
+_DOT_UNSCALE = tl.constexpr(2.0**26)
+_SIGN_E1E0M = tl.constexpr(-0x7E400000)  # 0x81C00000 as int32: fp32 bits 31 and 24..22
+
+
+@triton.jit
+def _e2m1_times_2m126(words, shift):
+    """int32 words, shift = 28 - 4p -> fp32 value of code p of each word, times 2^-126."""
+    bits = ((words << shift) >> 6) & _SIGN_E1E0M
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3(sbytes):
+    """uint8 E4M3 scales (sign bit unused) -> their fp32 values."""
+    raw = ((sbytes.to(tl.int32) & 0x7F) << 20).to(tl.float32, bitcast=True)
+    return raw * _SCALE_UP
+
+
+@triton.jit
+def _load_row(W, S, n, N, stride_wn, stride_sn, cols, cmask):
+    """One weight row's words [BW] (int32) and their block-scale bytes [BW] over the tile `cols`."""
+    n64 = n.to(tl.int64)
+    mask = cmask & (n < N)
+    words = tl.load(W + n64 * stride_wn + cols, mask=mask, other=0)
+    sbytes = tl.load(S + n64 * stride_sn + cols // 2, mask=mask, other=0)
+    return words, sbytes
+
+
+@triton.jit
+def _row_dot(words, sbytes, x0, x1, x2, x3, x4, x5, x6, x7):
+    """[BW] fp32: per word the sum of its 8 products (units of 2^-126: FMAs with a subnormal factor
+    round only the sum) times its block scale * 2^100. x0..x7: the x of code position p."""
+    part = _e2m1_times_2m126(words, 28) * x0
+    part += _e2m1_times_2m126(words, 24) * x1
+    part += _e2m1_times_2m126(words, 20) * x2
+    part += _e2m1_times_2m126(words, 16) * x3
+    part += _e2m1_times_2m126(words, 12) * x4
+    part += _e2m1_times_2m126(words, 8) * x5
+    part += _e2m1_times_2m126(words, 4) * x6
+    part += _e2m1_times_2m126(words, 0) * x7
+    return part * (_e4m3(sbytes) * _DOT_SCALE)
+
+
+@triton.jit
+def _store_row(Y, RS, n, N, acc):
+    rs = tl.load(RS + n, mask=n < N, other=0.0) * _DOT_UNSCALE
+    tl.store(Y + n, (tl.sum(acc, axis=0) * rs).to(Y.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _gemv_fma_kernel(
+    X, W, S, RS, Y,
+    M, N, KW,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """CUDA-core GEMV for one row of x: one program per BLOCK_N (4 or 8) weight rows, all of K.
+
+    Word tiles of BLOCK_W = 32 * num_warps: one int32 word (8 codes) per thread and row. The
+    thread's 8 x values come in one 16-byte load, are converted once for all BLOCK_N rows and split
+    in registers by code position; each code is decoded by 3 integer ops and meets its x in one FMA.
+    Rows are unrolled with their own accumulators (no cross-thread traffic until the end), and the
+    next tile's words, scales and x are loaded before the current tile is computed (software
+    double buffering: two tiles of loads in flight per thread).
+    """
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_w = tl.arange(0, BLOCK_W)
+    offs_k = tl.arange(0, BLOCK_W * 8)
+    acc0 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc4 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc5 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc6 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc7 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    cmask = offs_w < KW
+    x = tl.load(X + offs_k, mask=offs_k < KW * 8, other=0.0)
+    w0, s0 = _load_row(W, S, n0, N, stride_wn, stride_sn, offs_w, cmask)
+    w1, s1 = _load_row(W, S, n0 + 1, N, stride_wn, stride_sn, offs_w, cmask)
+    w2, s2 = _load_row(W, S, n0 + 2, N, stride_wn, stride_sn, offs_w, cmask)
+    w3, s3 = _load_row(W, S, n0 + 3, N, stride_wn, stride_sn, offs_w, cmask)
+    if BLOCK_N > 4:
+        w4, s4 = _load_row(W, S, n0 + 4, N, stride_wn, stride_sn, offs_w, cmask)
+        w5, s5 = _load_row(W, S, n0 + 5, N, stride_wn, stride_sn, offs_w, cmask)
+        w6, s6 = _load_row(W, S, n0 + 6, N, stride_wn, stride_sn, offs_w, cmask)
+        w7, s7 = _load_row(W, S, n0 + 7, N, stride_wn, stride_sn, offs_w, cmask)
+    for t in range(BLOCK_W, KW + BLOCK_W, BLOCK_W):
+        # next tile (masked off past K) while this one is computed
+        cols = t + offs_w
+        cmask = cols < KW
+        ks = t * 8 + offs_k
+        x_next = tl.load(X + ks, mask=ks < KW * 8, other=0.0)
+        w0n, s0n = _load_row(W, S, n0, N, stride_wn, stride_sn, cols, cmask)
+        w1n, s1n = _load_row(W, S, n0 + 1, N, stride_wn, stride_sn, cols, cmask)
+        w2n, s2n = _load_row(W, S, n0 + 2, N, stride_wn, stride_sn, cols, cmask)
+        w3n, s3n = _load_row(W, S, n0 + 3, N, stride_wn, stride_sn, cols, cmask)
+        if BLOCK_N > 4:
+            w4n, s4n = _load_row(W, S, n0 + 4, N, stride_wn, stride_sn, cols, cmask)
+            w5n, s5n = _load_row(W, S, n0 + 5, N, stride_wn, stride_sn, cols, cmask)
+            w6n, s6n = _load_row(W, S, n0 + 6, N, stride_wn, stride_sn, cols, cmask)
+            w7n, s7n = _load_row(W, S, n0 + 7, N, stride_wn, stride_sn, cols, cmask)
+        # x of word w, code p = 4*b2 + 2*b1 + b0 sits at [w, b2, b1, b0]: split the three minor axes
+        even, odd = tl.split(tl.reshape(x.to(tl.float32), [BLOCK_W, 2, 2, 2]))
+        e0, e1 = tl.split(even)
+        o0, o1 = tl.split(odd)
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        acc0 += _row_dot(w0, s0, x0, x1, x2, x3, x4, x5, x6, x7)
+        acc1 += _row_dot(w1, s1, x0, x1, x2, x3, x4, x5, x6, x7)
+        acc2 += _row_dot(w2, s2, x0, x1, x2, x3, x4, x5, x6, x7)
+        acc3 += _row_dot(w3, s3, x0, x1, x2, x3, x4, x5, x6, x7)
+        x, w0, s0, w1, s1, w2, s2, w3, s3 = x_next, w0n, s0n, w1n, s1n, w2n, s2n, w3n, s3n
+        if BLOCK_N > 4:
+            acc4 += _row_dot(w4, s4, x0, x1, x2, x3, x4, x5, x6, x7)
+            acc5 += _row_dot(w5, s5, x0, x1, x2, x3, x4, x5, x6, x7)
+            acc6 += _row_dot(w6, s6, x0, x1, x2, x3, x4, x5, x6, x7)
+            acc7 += _row_dot(w7, s7, x0, x1, x2, x3, x4, x5, x6, x7)
+            w4, s4, w5, s5, w6, s6, w7, s7 = w4n, s4n, w5n, s5n, w6n, s6n, w7n, s7n
+    _store_row(Y, RS, n0, N, acc0)
+    _store_row(Y, RS, n0 + 1, N, acc1)
+    _store_row(Y, RS, n0 + 2, N, acc2)
+    _store_row(Y, RS, n0 + 3, N, acc3)
+    if BLOCK_N > 4:
+        _store_row(Y, RS, n0 + 4, N, acc4)
+        _store_row(Y, RS, n0 + 5, N, acc5)
+        _store_row(Y, RS, n0 + 6, N, acc6)
+        _store_row(Y, RS, n0 + 7, N, acc7)
+
+
+@triton.jit
+def _gemv_dot_kernel(
+    X, W, S, RS, Y,
+    M, N, KW,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Tensor-core variant: the decoded, scaled tile [BLOCK_N, 8*BLOCK_W] (exact in x.dtype) @
+    x^T [8*BLOCK_W, BLOCK_M]."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = offs_m < M
+    offs_w = tl.arange(0, BLOCK_W)
+    offs_k = tl.arange(0, BLOCK_W * 8)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for w0 in range(0, KW, BLOCK_W):
+        cols = w0 + offs_w
+        mask = nmask[:, None] & (cols < KW)[None, :]
+        words = tl.load(W + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0)
+        scale = _e4m3(tl.load(S + rows[:, None] * stride_sn + (cols // 2)[None, :], mask=mask, other=0))
+        wt = _decode_tile(words, scale * _DOT_SCALE).to(X.dtype.element_ty)
+        ks = w0 * 8 + offs_k
+        xt = tl.load(X + offs_m[None, :] * stride_xm + ks[:, None], mask=mmask[None, :] & (ks < KW * 8)[:, None],
+                     other=0.0)
+        acc = tl.dot(wt, xt, acc, input_precision=DOT_PRECISION)
+    rs = tl.load(RS + offs_n, mask=nmask, other=0.0) * _DOT_UNSCALE
+    y = acc * rs[:, None]
+    tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], y.to(Y.dtype.element_ty),
+             mask=mmask[None, :] & nmask[:, None])
+
+
+@triton.jit
+def _codes(words):
+    """int32 words [BN, BW] -> fp32 codes * 2^-126 [BN, BW, 2, 2, 2]: code p = 4*b2 + 2*b1 + b0 of
+    word w at [., w, b2, b1, b0], so the row-major reshape to [BN, 8*BW] is in K order (column
+    8w + p). Eight shifted decodes interleaved in registers by tl.join (each join appends a minor
+    axis: bit 2 of p first, then bit 1, then bit 0)."""
+    a0 = tl.join(_e2m1_times_2m126(words, 28), _e2m1_times_2m126(words, 12))  # p = 0, 4
+    a1 = tl.join(_e2m1_times_2m126(words, 24), _e2m1_times_2m126(words, 8))  # p = 1, 5
+    a2 = tl.join(_e2m1_times_2m126(words, 20), _e2m1_times_2m126(words, 4))  # p = 2, 6
+    a3 = tl.join(_e2m1_times_2m126(words, 16), _e2m1_times_2m126(words, 0))  # p = 3, 7
+    return tl.join(tl.join(a0, a2), tl.join(a1, a3))
+
+
+@triton.jit
+def _decode_tile(words, scale_w):
+    """int32 words [BN, BW], per-word factors [BN, BW] -> fp32 [BN, 8 * BW] in K order."""
+    codes = _codes(words) * scale_w[:, :, None, None, None]
+    return tl.reshape(codes, [words.shape[0], words.shape[1] * 8])
+
+
+@triton.jit
+def _dequant_kernel(
+    W, S, RS, OUT,
+    N, KW,
+    stride_wn, stride_sn, stride_on,
+    ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """W in OUT's dtype; each program ROWS rows x BLOCK_W words (BLOCK_W = 32 * num_warps: one word
+    per thread, 8 outputs stored as one 16-byte vector)."""
+    pid_w = tl.program_id(1)
+    cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    cmask = cols < KW
+    offs_k = pid_w * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
+    for r in range(0, ROWS):
+        row = tl.program_id(0) * ROWS + r
+        rmask = cmask & (row < N)
+        row64 = row.to(tl.int64)
+        words = tl.load(W + row64 * stride_wn + cols, mask=rmask, other=0)
+        scale = _e4m3(tl.load(S + row64 * stride_sn + cols // 2, mask=rmask, other=0))
+        rs = tl.load(RS + row, mask=row < N, other=0.0) * _DOT_UNSCALE
+        vals = _decode_tile(words[None, :], (scale * _DOT_SCALE)[None, :]) * rs  # as the reference rounds
+        tl.store(OUT + row64 * stride_on + offs_k[None, :], vals.to(OUT.dtype.element_ty),
+                 mask=((offs_k < KW * 8) & (row < N))[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> int32 [N, K/8] view (K % 16 == 0: whole words, 4-byte aligned rows)."""
+    if packed.stride(-1) != 1 or packed.storage_offset() % 4 or packed.stride(0) % 4:
+        packed = packed.contiguous()
+    return packed.view(torch.int32)
+
+
+def _gemv_config(m: int, n: int, k: int) -> dict:
+    """Launch parameters by shape only (CUDA-graph capturable; no autotuning)."""
+    if m == 1:  # H200 sweep: 2 warps x 8 rows for wide N, 4 warps x 4 rows (more programs) for N = 5120
+        if n >= 8192:
+            return dict(kind="fma", BLOCK_M=1, BLOCK_N=8, BLOCK_W=64, num_warps=2)
+        return dict(kind="fma", BLOCK_M=1, BLOCK_N=4, BLOCK_W=128, num_warps=4)
+    return dict(kind="dot", BLOCK_M=16, BLOCK_N=64 if n >= 8192 else 32, BLOCK_W=16, num_warps=4)
+
+
+def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
+               out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (M small, last dim contiguous) -> y [M, N] in x.dtype."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if packed.shape[1] * 2 != k:
+        raise ValueError(f"nvfp4_gemv: x has K={k}, weight has K={packed.shape[1] * 2}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    words = _words(packed)
+    sbytes = scale.view(torch.uint8)
+    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    cfg = dict(config or _gemv_config(m, n, k))
+    kind = cfg.pop("kind")
+    args = (x, words, sbytes, row_scale, y, m, n, k // 8, x.stride(0), words.stride(0), sbytes.stride(0),
+            y.stride(0))
+    if kind == "fma":
+        if m != 1 or cfg["BLOCK_N"] not in (4, 8):
+            raise ValueError("the fma GEMV takes one row of x and 4 or 8 weight rows per program")
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
+        _gemv_fma_kernel[grid](*args, **cfg)
+    else:
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        _gemv_dot_kernel[grid](*args, DOT_PRECISION=precision, **cfg)
+    return y
+
+
+def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
+                     dtype: torch.dtype = torch.bfloat16, rows: int = 8, num_warps: int = 4) -> torch.Tensor:
+    """The weight [N, K] in `dtype` (same values as ninfer.quant.nvfp4.dequantize_nvfp4)."""
+    n = packed.shape[0]
+    words = _words(packed)
+    sbytes = scale.view(torch.uint8)
+    kw = words.shape[1]
+    out = torch.empty(n, kw * 8, dtype=dtype, device=packed.device)
+    block_w = 32 * num_warps
+    grid = (triton.cdiv(n, rows), triton.cdiv(kw, block_w))
+    _dequant_kernel[grid](words, sbytes, row_scale, out, n, kw, words.stride(0), sbytes.stride(0), out.stride(0),
+                          ROWS=rows, BLOCK_W=block_w, num_warps=num_warps)
+    return out
+
+
+def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, W, bias) for x [..., K] with W in NVFP4; output in x.dtype."""
+    n = packed.shape[0]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    # fp16 x takes the GEMV only for one row: the tensor-core tile (code * scale * 2^-26) is below
+    # fp16's range
+    if x2.shape[0] == 1 or (x2.shape[0] <= GEMV_MAX_M and x.dtype != torch.float16):
+        y = nvfp4_gemv(x2, packed, scale, row_scale)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+    else:
+        w = nvfp4_dequantize(packed, scale, row_scale, x.dtype)
+        y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype))
+    return y.view(*lead, n)

@@ -1,0 +1,347 @@
+"""--kv-dtype bf16 | fp8 | int8 (issue 10): quantized KV storage with one fp32 scale per (slot, KV head).
+
+- quantize/dequantize error bounds per storage dtype, and the unquantized path left as it was;
+- the torch reference attention over a quantized cache against the unquantized one (stated tolerance);
+- the Triton decode / prefill kernels and the quantizing write under TRITON_INTERPRET=1 against the
+  reference on the same quantized cache (the same checks `ninfer.kernels.selfcheck_kv` runs on a GPU);
+- every KV move (tail-page copy, host snapshot and restore) carries the scales, and byte counts include them;
+- the engine on the tiny presets: greedy output against the unquantized engine, prefix reuse and
+  pause/restore (snapshot and replay) exact under quantized KV, no leaks;
+- startup accepts fp8/int8 and still names nvfp4/k8v4 as unsupported; the same byte budget holds more tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from engine_helpers import assert_no_leak
+from kernel_markers import needs_interpreter
+
+from ninfer.config import ServerConfig
+from ninfer.engine import transfers
+from ninfer.engine.engine import EngineSettings
+from ninfer.engine.loader import load_engine
+from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams, TokenEvent
+from ninfer.kernels import selfcheck_kv
+from ninfer.kernels.attention import dequantize_kv, paged_attention_ref, quantize_kv, write_kv
+from ninfer.kernels.selfcheck import attention_problem
+from ninfer.models.batch import KV_STORAGE, CacheSpec, ForwardBatch, ModelCache
+from ninfer.server.startup import UnsupportedOptionError, check_implemented, engine_settings
+
+GREEDY = SamplingParams(temperature=0.0)
+QUANTIZED = ["fp8", "int8"]
+
+
+# ---- quantization ---------------------------------------------------------------------------------
+
+
+def _rows(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((64, 4, 128), generator=gen) * torch.logspace(-3, 3, 64)[:, None, None]  # 6 decades of scale
+    x[0, 0] = 0.0  # an all-zero row
+    x[1, 1, 0] = 50.0  # one outlier channel
+    x[2, 2] = 1e-30  # a row far below fp8's range before scaling
+    return x
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_quantize_error_bounds(kv_dtype):
+    """Per element |x - q*s| <= s/2 (int8: s = amax/127) or <= 2^-4 |x| and 2^-10 s (fp8: s = amax/448)."""
+    x = _rows()
+    values, scale = quantize_kv(x, KV_STORAGE[kv_dtype])
+    assert values.dtype == KV_STORAGE[kv_dtype] and scale.dtype == torch.float32 and scale.shape == x.shape[:-1]
+    back = dequantize_kv(values, scale, torch.float32)
+    assert torch.isfinite(back).all() and torch.isfinite(scale).all() and (scale > 0).all()
+    err = (back - x).abs()
+    amax = x.abs().amax(-1, keepdim=True)
+    s = scale[..., None]
+    slack = 1e-6 * amax  # fp32 rounding of x * (1/s) and q * s
+    if kv_dtype == "int8":
+        assert torch.allclose(s, (amax / 127).clamp_min(torch.finfo(torch.float32).tiny), rtol=1e-6, atol=0)
+        assert (err <= s / 2 + slack).all()
+    else:
+        assert (err <= torch.maximum(x.abs() / 16, s / 1024) + slack).all()
+    assert torch.equal(back[0, 0], torch.zeros(128))
+    assert (values.float().abs().amax(-1) == (127 if kv_dtype == "int8" else 448)).sum() >= x.shape[0] * 4 - 1
+
+
+def test_unquantized_write_and_reference_are_unchanged():
+    """bf16 (= the model's dtype) keeps the plain index_copy_ and gather."""
+    cache = ModelCache(CacheSpec(num_attn_layers=2, num_kv_heads=2, head_dim=8), 4, 4, 0, torch.float32)
+    assert cache.k_scale is None and not cache.quantized and type(cache.k) is torch.Tensor
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    slots = torch.tensor([5, 0, 9])
+    write_kv(cache.k[1], cache.v[1], k, v, slots)
+    assert torch.equal(cache.k[1][slots], k) and torch.equal(cache.v[1][slots], v)
+    assert not hasattr(cache.k[1], "kv_scale")
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_write_kv_quantizes_into_the_layer_and_its_scales(kv_dtype):
+    cache = ModelCache(CacheSpec(num_attn_layers=2, num_kv_heads=2, head_dim=8), 4, 4, 0, torch.float32,
+                       kv_dtype=kv_dtype)
+    assert cache.k.dtype == KV_STORAGE[kv_dtype] and cache.k_scale.shape == (2, 16, 2)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    slots = torch.tensor([5, 0, 9])
+    write_kv(cache.k[1], cache.v[1], k, v, slots)
+    for x, vals, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        want_values, want_scale = quantize_kv(x, KV_STORAGE[kv_dtype])
+        assert torch.equal(vals[1][slots].view(torch.uint8), want_values.view(torch.uint8))
+        assert torch.equal(scales[1][slots], want_scale)
+        assert not scales[0].any() and not vals[0].view(torch.uint8).any()  # layer 0 untouched
+    with pytest.raises(ValueError, match="layer view"):
+        write_kv(cache.k[1][:], cache.v[1][:], k, v, slots)  # a view that lost its scales
+
+
+# Max |quantized - unquantized| attention output over the unquantized output's absmax, measured on the
+# selfcheck problems (random N(0,1) q/k/v, head_dim 64-256): fp8 3.0-4.5 %, int8 0.4-0.9 %.
+REF_TOL = {"fp8": 0.08, "int8": 0.015}
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+@pytest.mark.parametrize("case", [dict(cached=[0, 5, 37, 130], new=[33, 1, 64, 7]),
+                                  dict(cached=[3, 100, 300], new=[1, 1, 1], head_dim=128, hq=12)])
+def test_reference_attention_on_a_quantized_cache(kv_dtype, case):
+    hq, head_dim = case.get("hq", 8), case.get("head_dim", 64)
+    q, kc, vc, batch = attention_problem("cpu", torch.float32, hq=hq, hkv=2, head_dim=head_dim, page_size=16,
+                                         cached=case["cached"], new=case["new"])
+    exact = paged_attention_ref(q, kc, vc, batch, 16, head_dim**-0.5)
+    kq, vq = selfcheck_kv.quantized_layer(kc, kv_dtype), selfcheck_kv.quantized_layer(vc, kv_dtype)
+    got = paged_attention_ref(q, kq, vq, batch, 16, head_dim**-0.5)
+    assert (got - exact).abs().max() <= REF_TOL[kv_dtype] * exact.abs().max()
+
+
+# ---- Triton kernels in the interpreter ------------------------------------------------------------------
+
+KERNEL_CASES = [
+    dict(decode=True),
+    dict(decode=True, hq=12, hkv=2, head_dim=256, cached=[3, 100, 300], new=[1, 1, 1]),
+    dict(decode=False),
+    dict(decode=False, hq=4, hkv=2, head_dim=16, page_size=4, cached=[0, 9], new=[20, 3]),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_triton_kernels_on_quantized_caches_in_interpreter(kv_dtype):
+    """fp32 in the interpreter: same stored values as the reference, so only kernel rounding differs."""
+    for case in KERNEL_CASES:
+        r = selfcheck_kv.check_attention_quantized("cpu", torch.float32, kv_dtype, **case)
+        assert max(r["max_abs_diff"].values()) <= 1e-4 * max(1.0, r["ref_absmax"]), (case, r)
+    w = selfcheck_kv.check_write_quantized("cpu", torch.float32, kv_dtype)
+    # the interpreter computes 1/scale exactly like torch: the write is bit-identical to quantize_kv
+    assert w["k_bytes_mismatch_fraction"] == w["v_bytes_mismatch_fraction"] == 0.0, w
+    assert w["k_scale_rel"] == w["v_scale_rel"] == 0.0 and not w["k_untouched_nonzero"], w
+
+
+# ---- KV moves carry the scales ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_page_copies_and_host_snapshots_carry_scales(kv_dtype):
+    spec = CacheSpec(num_attn_layers=2, num_kv_heads=2, head_dim=8)
+    cache = ModelCache(spec, 6, 4, 0, torch.float32, kv_dtype=kv_dtype)
+    for layer in range(2):
+        write_kv(cache.k[layer], cache.v[layer], torch.randn(24, 2, 8), torch.randn(24, 2, 8), torch.arange(24))
+
+    def page(p):
+        sl = slice(4 * p, 4 * p + 4)
+        return [t[:, sl].clone().view(torch.uint8) if t.dtype != torch.float32 else t[:, sl].clone()
+                for t in (cache.k, cache.v, cache.k_scale, cache.v_scale)]
+
+    transfers.copy_pages(cache, [1], [4])  # tail-page copy on reuse
+    assert all(torch.equal(a, b) for a, b in zip(page(1), page(4)))
+    before = [page(0), page(2)]
+    snap = transfers.to_host(cache, [0, 2], None)
+    assert snap.nbytes == transfers.snapshot_bytes(cache, 2, False) == 2 * 4 * spec.kv_bytes_per_token(
+        torch.float32, kv_dtype)
+    for t in (cache.k.view(torch.uint8), cache.v.view(torch.uint8), cache.k_scale, cache.v_scale):
+        t.zero_()
+    transfers.from_host(cache, snap, [3, 5], None)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], page(3)))
+    assert all(torch.equal(a, b) for a, b in zip(before[1], page(5)))
+
+
+def test_same_byte_budget_holds_more_tokens():
+    """Capacity stays in tokens; per token fp8/int8 take ~half of bf16 (values + fp32 scales)."""
+    qwen27b_like = CacheSpec(num_attn_layers=16, num_kv_heads=4, head_dim=256)
+    budget = 40 * 2**30
+    bf16 = qwen27b_like.kv_tokens_for_bytes(budget, torch.bfloat16)
+    for kv_dtype in QUANTIZED:
+        per_token = qwen27b_like.kv_bytes_per_token(torch.bfloat16, kv_dtype)
+        assert per_token == 2 * 16 * 4 * (256 + 4)
+        assert qwen27b_like.kv_tokens_for_bytes(budget, torch.bfloat16, kv_dtype) > 1.95 * bf16
+    tiny = CacheSpec(num_attn_layers=3, num_kv_heads=2, head_dim=16)
+    for kv_dtype in ["bf16", *QUANTIZED]:
+        cache = ModelCache(tiny, 5, 4, 0, torch.bfloat16, kv_dtype=kv_dtype)
+        assert cache.kv_bytes == 20 * cache.kv_bytes_per_token == 20 * tiny.kv_bytes_per_token(torch.bfloat16, kv_dtype)
+        assert transfers.page_bytes(cache) == 4 * cache.kv_bytes_per_token
+
+
+# ---- startup -----------------------------------------------------------------------------------------
+
+
+def test_startup_accepts_fp8_and_int8_and_names_the_unsupported_ones(tmp_path):
+    for kv_dtype in ["bf16", *QUANTIZED]:
+        cfg = ServerConfig(artifact=str(tmp_path / "m.ninfer"), kv_dtype=kv_dtype)
+        check_implemented(cfg)
+        assert engine_settings(cfg).kv_dtype == kv_dtype
+    for kv_dtype in ["nvfp4", "k8v4"]:
+        with pytest.raises(UnsupportedOptionError, match=f"--kv-dtype {kv_dtype}: {kv_dtype} KV storage is unsupported"):
+            check_implemented(ServerConfig(artifact=str(tmp_path / "m.ninfer"), kv_dtype=kv_dtype))
+    with pytest.raises(ValueError, match="nvfp4"):
+        ModelCache(CacheSpec(1, 1, 8), 1, 4, 0, torch.float32, kv_dtype="nvfp4")
+
+
+# ---- engine ---------------------------------------------------------------------------------------------
+
+
+def _ids(events):
+    return [i for e in events if isinstance(e, TokenEvent) for i in e.token_ids]
+
+
+def _prompt(n, salt=0):
+    return [(31 * i + 7 * salt) % 700 + 60 for i in range(n)]
+
+
+def _engine(path, **kw):
+    """On the CPU (fp32 weights, torch reference kernels) even on a GPU host: the thresholds below were
+    measured there; `python -m ninfer.kernels.selfcheck_kv` checks the CUDA path."""
+    settings = dict(max_context=512, max_concurrency=2, prefill_chunk=32, page_size=4)
+    settings.update(kw)
+    engine = load_engine(path, EngineSettings(**settings), device=torch.device("cpu"))
+    engine.settings.eos_ids = set()  # random weights: generate the full length
+    return engine
+
+
+def _run(engine, prompt, rid, max_tokens=8, **kw):
+    events = engine.generate(EngineRequest(rid, prompt, max_tokens=max_tokens, sampling=GREEDY, **kw))
+    assert isinstance(events[-1], FinishEvent)
+    return _ids(events), events[-1]
+
+
+def _greedy(path, kv_dtype, prompts, max_tokens):
+    engine = _engine(path, kv_dtype=kv_dtype, max_concurrency=1)
+    try:
+        return [_run(engine, p, f"g{i}", max_tokens)[0] for i, p in enumerate(prompts)]
+    finally:
+        engine.shutdown()
+
+
+def _first_mismatch(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# Greedy tokens equal to the unquantized (fp32 on CPU) engine's, measured on these prompts:
+# tiny-llama: all 32 of 32 for fp8 and int8 on each prompt. tiny-qwen3.6 (random weights whose
+# top-1/top-2 logit margin has a median of 0.03 against a logit std of 0.16, so near-ties abound):
+# first mismatch at 21 (fp8) / 25 (int8) on the 26-token prompt; other prompts diverge earlier
+# under fp8 (3-12 tokens). The asserted prefixes leave margin below the measurements.
+GREEDY_CASES = [
+    ("tiny_llama_path", [17, 40], 32, {"fp8": 24, "int8": 24}),
+    ("tiny_qwen_path", [26], 18, {"fp8": 16, "int8": 16}),
+]
+
+
+@pytest.mark.parametrize("fixture,lengths,max_tokens,match", GREEDY_CASES, ids=["tiny-llama", "tiny-qwen3.6"])
+def test_greedy_output_matches_the_unquantized_engine(fixture, lengths, max_tokens, match, request):
+    path = request.getfixturevalue(fixture)
+    prompts = [[(7 * i + 13 * j) % 900 + 50 for j in range(n)] for i, n in zip([1, 3], lengths)]
+    want = _greedy(path, "bf16", prompts, max_tokens)
+    for kv_dtype in QUANTIZED:
+        got = _greedy(path, kv_dtype, prompts, max_tokens)
+        assert [_first_mismatch(a, b) >= match[kv_dtype] for a, b in zip(want, got)] == [True] * len(prompts), (
+            kv_dtype, [_first_mismatch(a, b) for a, b in zip(want, got)])
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8"])  # the copy itself is checked for both dtypes above
+def test_prefix_reuse_with_tail_page_copy_is_exact(kv_dtype, tiny_qwen_path):
+    """Hybrid model, endpoint not page-aligned: reuse copies the shared tail page (values and scales)
+    and the continuation equals a cold recomputation under the same KV storage."""
+    first = _prompt(38)
+    cold = _engine(tiny_qwen_path, prefix_reuse=False, kv_dtype=kv_dtype)
+    warm = _engine(tiny_qwen_path, kv_dtype=kv_dtype)
+    try:
+        out1, _ = _run(warm, first, "t1")
+        second = first + out1 + _prompt(9, salt=3)
+        want, _ = _run(cold, second, "c2")
+        got, fin = _run(warm, second, "t2")
+    finally:
+        cold.shutdown()
+        warm.shutdown()
+    assert fin.usage.cached_tokens == len(first) + len(out1) - 1 and fin.prefix_reuse_path == "checkpoint"
+    assert warm.counters.context_transfer_bytes["main_kv_d2d"] == transfers.page_bytes(warm.runner.cache)
+    assert got == want
+    assert_no_leak(warm)
+
+
+def _storm(path, kv_dtype, host_budget):
+    prompts = [_prompt(60, salt=s) for s in range(4)]
+    engine = _engine(path, max_concurrency=4, kv_capacity=160, state_slots=8, prefix_reuse=False,
+                     host_context_bytes=host_budget, kv_dtype=kv_dtype)
+
+    async def main():
+        async def one(i):
+            return [e async for e in engine.stream(EngineRequest(f"s{i}", prompts[i], max_tokens=40,
+                                                                   sampling=GREEDY))]
+        return await asyncio.gather(*(one(i) for i in range(4)))
+    try:
+        outputs = [_ids(r) for r in asyncio.run(main())]
+    finally:
+        engine.shutdown()
+    alone = _engine(path, prefix_reuse=False, kv_dtype=kv_dtype)
+    try:
+        expected = [_run(alone, p, f"a{i}", max_tokens=40)[0] for i, p in enumerate(prompts)]
+    finally:
+        alone.shutdown()
+    return outputs, expected, engine
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+@pytest.mark.parametrize("host_budget", [None, 0], ids=["snapshot", "replay"])
+def test_pause_and_restore_keep_greedy_output(kv_dtype, host_budget, tiny_llama_path):
+    outputs, expected, engine = _storm(tiny_llama_path, kv_dtype, host_budget)
+    assert outputs == expected
+    c = engine.counters
+    assert engine.scheduler.preemptions > 0
+    if host_budget == 0:
+        assert c.replay_restores > 0 and c.snapshot_restores == 0
+    else:
+        assert c.snapshot_restores > 0 and c.transfer_bytes_h2d > 0
+        assert c.transfer_bytes_h2d % transfers.page_bytes(engine.runner.cache) == 0  # whole pages, scales included
+    assert engine.host_used == 0
+    assert_no_leak(engine)
+
+
+def test_engine_cache_follows_the_setting_with_capacity_in_tokens(tiny_llama_path):
+    pools = {}
+    for kv_dtype in ["bf16", *QUANTIZED]:
+        engine = load_engine(tiny_llama_path, EngineSettings(max_context=256, kv_dtype=kv_dtype), start=False,
+                             device=torch.device("cpu"))
+        cache = engine.runner.cache
+        pools[kv_dtype] = (engine.snapshot()["kv_pages_capacity"], cache.kv_bytes)
+        assert cache.kv_dtype == kv_dtype and cache.quantized == (kv_dtype != "bf16")
+    assert pools["fp8"][0] == pools["int8"][0] == pools["bf16"][0] == 16  # 256 tokens either way
+    assert pools["fp8"][1] == pools["int8"][1] < pools["bf16"][1] / 3  # fp32 model on CPU: 1 + 4/16 bytes vs 4
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3.6"])
+def test_teacher_forced_logits_stay_close(preset):
+    """The whole model over one 64-token prefill, quantized KV against unquantized: max |logit diff|
+    over the logits' std. Measured: tiny-llama fp8 0.10, int8 0.022; tiny-qwen3.6 fp8 0.15, int8 0.039."""
+    from ninfer.artifact.presets import instantiate
+
+    model = instantiate(preset, "cpu", torch.float32, seed=0)
+    tokens = [(7 * 3 + 13 * j) % 900 + 50 for j in range(64)]
+    logits = {}
+    for kv_dtype in ["bf16", *QUANTIZED]:
+        cache = ModelCache(model.cache_spec(), 4, 16, 1, torch.float32, kv_dtype=kv_dtype)
+        batch = ForwardBatch.build([tokens], [0], [[0, 1, 2, 3]], 16)
+        batch.logits_indices = torch.arange(64)
+        with torch.inference_mode():
+            logits[kv_dtype] = model.compute_logits(model(batch, cache)).float()
+    std = logits["bf16"].std()
+    for kv_dtype, bound in (("fp8", 0.3), ("int8", 0.08)):
+        assert (logits[kv_dtype] - logits["bf16"]).abs().max() <= bound * std, kv_dtype

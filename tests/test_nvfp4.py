@@ -1,0 +1,380 @@
+"""NVFP4 weights (ninfer.quant.nvfp4, ninfer.kernels.triton_nvfp4): format, quantizer error, module,
+model replacement, artifacts (synthetic and imported ModelOpt / compressed-tensors checkpoints),
+the Triton kernels under TRITON_INTERPRET=1 and, with a GPU, the engine with CUDA graphs.
+
+Stated tolerances (measured values in the comments; the bounds sit above them):
+- quantizer on N(0, 1) weights: relative RMS error 0.096 -> bound 0.11; every element within one
+  block-scale unit (the largest half-gap of E2M1, between 4 and 6) of the original;
+- Triton kernels (interpreter, fp32) vs the torch dequantize + matmul: max abs diff <= 1e-5 * max|ref|
+  (measured ~2e-7 relative); the dequantize kernel is bit-exact;
+- tiny-qwen3.6 logits, NVFP4 vs its fp32 source: relative RMS error 0.16 (0.14-0.16 over three
+  seeds) -> bound 0.3. (Random 8-layer model: NVFP4 noise of ~10% per weight, no outliers for the
+  format to keep; its near-flat logits make top-1 agreement a noisy measure, so none is asserted.)
+- on a GPU (bf16 x, 27B shapes): GEMV vs fp32 reference within bf16 output rounding (measured max
+  0.031 at max|ref| 11.9; bound 1e-2 * max|ref| in the small-shape test), dequantize exact.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from kernel_markers import HAS_TRITON, needs_cuda, needs_interpreter
+from safetensors.torch import save_file
+from torch import nn
+
+from ninfer.artifact.container import Artifact
+from ninfer.models import prepare_for_inference_
+from ninfer.quant import nvfp4
+from ninfer.quant.nvfp4 import (
+    NVFP4Linear,
+    dequantize_nvfp4,
+    e2m1_table,
+    pack_codes,
+    quantize_model_,
+    quantize_nvfp4,
+    unpack_codes,
+)
+
+# ---- format and quantizer ------------------------------------------------------------------------
+
+
+def _representable(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Weights that NVFP4 holds exactly: E2M1 values times E4M3 block scales, a 6 in every block (so
+    the block's amax / 6 is its scale) and a global amax of 6 * 448 times a power of two."""
+    gen = torch.Generator().manual_seed(seed)
+    values = e2m1_table()[torch.randint(0, 16, (n, k // 16, 16), generator=gen)]
+    values[:, :, 5] = 6.0
+    scales = torch.tensor([448.0, 2.0, 0.25, 1.5, 2.0**-9, 96.0])[torch.randint(0, 6, (n, k // 16), generator=gen)]
+    scales[0, 0] = 448.0
+    return (values * scales[..., None]).view(n, k) * 2.0**-7
+
+
+def test_round_trip_is_exact_on_representable_weights():
+    w = _representable(48, 128)
+    q = quantize_nvfp4(w)
+    assert q.packed.dtype == torch.uint8 and q.packed.shape == (48, 64)
+    assert q.scale.dtype == torch.float8_e4m3fn and q.scale.shape == (48, 8)
+    assert q.row_scale.dtype == torch.float32 and q.row_scale.shape == (48,)
+    assert torch.equal(q.row_scale, torch.full((48,), 2.0**-7))
+    assert torch.equal(dequantize_nvfp4(*q), w)
+
+
+def test_error_bounds_on_random_weights():
+    w = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1))
+    q = quantize_nvfp4(w)
+    err = dequantize_nvfp4(*q) - w
+    assert (err.norm() / w.norm()).item() < 0.11  # measured 0.096
+    # per element: at most one unit of its block's scale (half the 4..6 gap), E4M3 rounding included
+    unit = (q.scale.float() * q.row_scale[:, None]).repeat_interleave(16, dim=1)
+    assert (err.abs() <= unit * (1 + 1e-6)).all()
+    # scaling the weight scales the row scale only: codes and block scales are the same
+    q2 = quantize_nvfp4(w * 8.0)
+    assert torch.equal(q2.packed, q.packed) and torch.equal(q2.scale.float(), q.scale.float())
+
+
+def test_rounding_ties_to_even_and_saturates():
+    v = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.1, -0.3, -6.5, 0.26])
+    assert nvfp4._e2m1_codes(v).tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 0, 9, 15, 1]
+
+
+def test_nibble_order_low_nibble_first():
+    codes = torch.tensor([[1, 2, 15, 8, 0, 7]], dtype=torch.uint8)
+    packed = pack_codes(codes)
+    assert packed.tolist() == [[0x21, 0x8F, 0x70]]
+    assert torch.equal(unpack_codes(packed), codes)
+    # end to end: element 0 (= 0.5 * 12) in the low nibble, element 1 (= -6 * 12) in the high one
+    w = torch.zeros(1, 16)
+    w[0, 0], w[0, 1] = 6.0, -72.0
+    q = quantize_nvfp4(w)
+    assert q.packed[0, 0].item() == (0xF << 4) | 0x1 and q.packed[0, 1:].eq(0).all()
+
+
+def test_zero_weight_and_bad_shapes():
+    q = quantize_nvfp4(torch.zeros(4, 32))
+    assert torch.equal(dequantize_nvfp4(*q), torch.zeros(4, 32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_nvfp4(torch.zeros(4, 40))
+
+
+# ---- module ----------------------------------------------------------------------------------
+
+
+def _linear(n: int, k: int, scale: float, seed: int, bias: bool = False) -> nn.Linear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.mul_(scale)
+    return lin
+
+
+def test_linear_matches_its_dequantized_weight():
+    lin = _linear(24, 64, 3.0, 0, bias=True)
+    q = NVFP4Linear.from_linear(lin)
+    x = torch.randn(5, 64)
+    ref = torch.nn.functional.linear(x, q.dequantize(), lin.bias)
+    torch.testing.assert_close(q(x), ref, rtol=0, atol=0)
+    assert q(x.view(5, 1, 64)).shape == (5, 1, 24)
+
+
+def test_concat_stacks_rows_and_keeps_each_global_scale():
+    mods = [NVFP4Linear.from_linear(_linear(n, 64, s, i)) for i, (n, s) in enumerate([(16, 1.0), (8, 50.0), (4, 0.01)])]
+    assert len({m.weight_row_scale[0].item() for m in mods}) == 3
+    merged = NVFP4Linear.concat(mods)
+    assert (merged.in_features, merged.out_features) == (64, 28)
+    x = torch.randn(3, 64)
+    assert torch.equal(merged(x), torch.cat([m(x) for m in mods], dim=-1))
+    with pytest.raises(ValueError, match="input sizes differ"):
+        NVFP4Linear.concat([mods[0], NVFP4Linear.from_linear(_linear(4, 32, 1.0, 9))])
+
+
+def test_quantize_model_replaces_decoder_linears_only():
+    from ninfer.artifact.presets import instantiate
+
+    model = instantiate("tiny-qwen3.6-moe", "cpu", torch.float32, fuse=False)
+    names = quantize_model_(model)
+    layer0 = model.layers[0]
+    assert isinstance(layer0.linear_attn.in_proj_qkv, NVFP4Linear) and isinstance(layer0.linear_attn.out_proj,
+                                                                                   NVFP4Linear)
+    assert type(layer0.linear_attn.in_proj_a) is nn.Linear and type(layer0.linear_attn.in_proj_b) is nn.Linear
+    assert type(layer0.mlp.gate) is nn.Linear and type(layer0.mlp.shared_expert_gate) is nn.Linear
+    assert isinstance(layer0.mlp.shared_expert.down_proj, NVFP4Linear)
+    assert layer0.mlp.experts.gate_up_proj.dtype == torch.float32  # routed experts stay unquantized
+    attn = model.layers[3].self_attn
+    assert all(isinstance(getattr(attn, p), NVFP4Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert type(model.lm_head) is nn.Linear and type(model.embed_tokens) is nn.Embedding
+    assert "layers.3.self_attn.q_proj" in names and not any("gate." in n or n.endswith(".gate") for n in names)
+    prepare_for_inference_(model)  # merged groups: NVFP4 with NVFP4, bf16 with bf16
+    assert isinstance(model.layers[3].self_attn.qkv_proj, NVFP4Linear)
+    assert isinstance(model.layers[0].linear_attn.in_proj_qkvzba, NVFP4Linear)
+    assert not isinstance(model.layers[0].linear_attn.in_proj_qkvzba_1, NVFP4Linear)  # b and a, merged
+    with pytest.raises(ValueError, match="before fuse_projections_"):
+        quantize_model_(model)
+
+
+# ---- Triton kernels (interpreter) ---------------------------------------------------------------
+
+KERNEL_CONFIGS = [  # tiles smaller than the GPU's so the interpreter meets ragged edges quickly
+    dict(kind="fma", BLOCK_M=1, BLOCK_N=8, BLOCK_W=8, num_warps=4),
+    dict(kind="fma", BLOCK_M=1, BLOCK_N=4, BLOCK_W=16, num_warps=4),
+    dict(kind="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_W=4, num_warps=4),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n,k", [(40, 96), (20, 528)])  # K=528: 66 words, not a multiple of any tile
+def test_triton_kernels_match_the_reference(n, k):
+    from ninfer.kernels import triton_nvfp4
+
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w[1] *= 1e-5  # tiny block scales (E4M3 subnormals)
+    w[2, :32] = 0.0
+    q = quantize_nvfp4(w)
+    wf = dequantize_nvfp4(*q)
+    assert torch.equal(triton_nvfp4.nvfp4_dequantize(*q, dtype=torch.float32, rows=3, num_warps=1), wf)
+    for m in (1, 3, 17):
+        x = torch.randn(m, k, generator=gen)
+        ref = x @ wf.T
+        tol = 1e-5 * ref.abs().max().item()
+        configs = [None] if m > 16 else [c for c in KERNEL_CONFIGS if c["kind"] == "dot" or m == 1]
+        for cfg in configs:
+            got = triton_nvfp4.nvfp4_linear(x, *q) if cfg is None else triton_nvfp4.nvfp4_gemv(x, *q, config=cfg)
+            assert (got - ref).abs().max().item() <= tol, (m, cfg)
+
+
+# ---- artifacts -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """tiny-qwen3.6 written unquantized (fp32) and as NVFP4 from the same random weights, by the CLI."""
+    from ninfer.cli import main
+
+    folder = tmp_path_factory.mktemp("nvfp4")
+    paths = {}
+    for weights in ("bf16", "nvfp4"):
+        paths[weights] = folder / f"tiny-{weights}.ninfer"
+        assert main(["convert", "synthetic", "--preset", "tiny-qwen3.6", "--weights", weights,
+                     "-o", str(paths[weights])]) == 0
+    return paths
+
+
+TOKENS = [1, 200, 33, 4, 150, 9, 77, 1000, 5000, 20000, 7, 7, 300, 12]
+
+
+@pytest.fixture(scope="module")
+def nvfp4_logits(tiny_pair):
+    return _logits(tiny_pair["nvfp4"])[0]
+
+
+def _logits(path, tokens=TOKENS):
+    from ninfer.engine.loader import load_model
+    from ninfer.models.batch import ForwardBatch, ModelCache
+
+    model = load_model(Artifact(path), torch.device("cpu"), torch.float32)
+    cache = ModelCache(model.cache_spec(), num_pages=8, page_size=8, num_state_slots=1, dtype=torch.float32)
+    batch = ForwardBatch.build([tokens], [0], [list(range(8))], 8)
+    batch.logits_indices = torch.arange(len(tokens))
+    with torch.no_grad():
+        return model.compute_logits(model(batch, cache)), model
+
+
+def test_synthetic_nvfp4_artifact_layout(tiny_pair):
+    art = Artifact(tiny_pair["nvfp4"])
+    q = art.manifest.quantization
+    assert q["weights"] == "nvfp4" and q["group_size"] == 16 and q["text"] == "float32"
+    assert "layers.0.linear_attn.in_proj_qkv" in q["modules"] and "layers.3.self_attn.o_proj" in q["modules"]
+    assert not any(m.endswith(("in_proj_a", "in_proj_b")) for m in q["modules"])
+    t = art.load()["text"]
+    assert t["layers.0.mlp.down_proj.weight_packed"].dtype == torch.uint8
+    assert t["layers.0.mlp.down_proj.weight_scale"].dtype == torch.float8_e4m3fn
+    assert t["layers.0.mlp.down_proj.weight_row_scale"].dtype == torch.float32
+    assert "layers.0.mlp.down_proj.weight" not in t and "lm_head.weight" in t
+    # the loader keeps fp32 row scales whatever the activation dtype
+    from ninfer.engine.loader import load_model
+
+    model = load_model(art, torch.device("cpu"), torch.bfloat16)
+    assert model.layers[0].mlp.down_proj.weight_row_scale.dtype == torch.float32
+    assert model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+
+
+def test_nvfp4_logits_stay_close_to_the_source(tiny_pair, nvfp4_logits):
+    ours = nvfp4_logits
+    source, model = _logits(tiny_pair["bf16"])
+    rel_rms = ((ours - source).pow(2).mean().sqrt() / source.pow(2).mean().sqrt()).item()
+    assert rel_rms < 0.3, rel_rms  # measured 0.16 (seeds 0, 1, 2: 0.16, 0.15, 0.14)
+
+
+def test_nvfp4_artifact_engine_generates(tiny_pair):
+    from ninfer.engine.engine import EngineSettings
+    from ninfer.engine.loader import load_engine
+    from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams, TokenEvent
+
+    engine = load_engine(tiny_pair["nvfp4"], EngineSettings(max_context=128, max_concurrency=2, prefill_chunk=8))
+    try:
+        events = list(engine.generate(EngineRequest("r0", TOKENS, max_tokens=6,
+                                                    sampling=SamplingParams(temperature=0.0))))
+    finally:
+        engine.shutdown()
+    assert isinstance(events[-1], FinishEvent)
+    assert len([i for e in events if isinstance(e, TokenEvent) for i in e.token_ids]) >= 1
+
+
+# ---- importing NVFP4 checkpoints ---------------------------------------------------------------------
+
+
+def _hf_folder(folder, tensors: dict, quant_config: dict):
+    from ninfer.models.qwen3_5 import QWEN3_6_SHAPES
+
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+              "text_config": dict(QWEN3_6_SHAPES["tiny-qwen3.6"]), "quantization_config": quant_config}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {},
+                                                                                    "merges": []}}))
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    return folder
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_import_nvfp4_checkpoint(tmp_path, tiny_pair, nvfp4_logits, fmt):
+    """A checkpoint quantized by ModelOpt or compressed-tensors (written here from our quantizer, in
+    their tensor names and scale conventions) converts to the same NVFP4 tensors and logits."""
+    from ninfer.artifact.convert_hf import convert_hf
+
+    art = Artifact(tiny_pair["nvfp4"])
+    ours = art.load()["text"]
+    modules = art.manifest.quantization["modules"]
+    tensors = {}
+    for name, t in ours.items():
+        module, _, leaf = name.rpartition(".")
+        if module not in modules:
+            tensors[f"model.language_model.{name}" if name != "lm_head.weight" else name] = t.contiguous()
+            continue
+        key = f"model.language_model.{module}"
+        per_tensor = ours[f"{module}.weight_row_scale"][:1]  # one global scale per tensor
+        if leaf == "weight_packed":
+            tensors[key + (".weight" if fmt == "modelopt" else ".weight_packed")] = t
+        elif leaf == "weight_scale":
+            tensors[key + ".weight_scale"] = t
+        elif fmt == "modelopt":
+            tensors[key + ".weight_scale_2"] = per_tensor.reshape(())
+            tensors[key + ".input_scale"] = torch.tensor(0.5)
+        else:
+            tensors[key + ".weight_global_scale"] = 1.0 / per_tensor
+            tensors[key + ".input_global_scale"] = torch.tensor([3.0])
+    quant = ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16} if fmt == "modelopt" else
+             {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"})
+    folder = _hf_folder(tmp_path / fmt, tensors, quant)
+    out = convert_hf(folder, tmp_path / "imported.ninfer", dtype=torch.float32, progress=False)
+    imported = Artifact(out)
+    assert imported.manifest.quantization["modules"] == modules
+    got = imported.load()["text"]
+    for module in modules[:6]:
+        assert torch.equal(got[f"{module}.weight_packed"], ours[f"{module}.weight_packed"])
+        assert torch.equal(got[f"{module}.weight_scale"].float(), ours[f"{module}.weight_scale"].float())
+        torch.testing.assert_close(got[f"{module}.weight_row_scale"], ours[f"{module}.weight_row_scale"],
+                                   rtol=1e-6, atol=0)
+    assert not any(k.endswith(("input_scale", "input_global_scale", "weight_scale_2", "weight_global_scale"))
+                   for k in got)
+    imported_logits, model = _logits(out)
+    assert isinstance(model.layers[3].self_attn.qkv_proj, NVFP4Linear)  # loaded as NVFP4, then merged
+    torch.testing.assert_close(imported_logits, nvfp4_logits, rtol=0, atol=1e-5)
+    if fmt == "modelopt":  # --weights bf16 dequantizes the checkpoint instead
+        plain = convert_hf(folder, tmp_path / "plain.ninfer", dtype=torch.float32, progress=False, weights="bf16")
+        assert "weights" not in Artifact(plain).manifest.quantization
+        torch.testing.assert_close(_logits(plain)[0], nvfp4_logits, rtol=0, atol=1e-4)
+
+
+def test_convert_hf_quantizes_a_bf16_checkpoint(tmp_path, tiny_pair, nvfp4_logits):
+    from ninfer.artifact.convert_hf import convert_hf
+
+    src = Artifact(tiny_pair["bf16"]).load()["text"]
+    tensors = {(f"model.language_model.{k}" if k != "lm_head.weight" else k): v.contiguous() for k, v in src.items()}
+    folder = _hf_folder(tmp_path / "plain", tensors, {})
+    out = convert_hf(folder, tmp_path / "q.ninfer", dtype=torch.float32, progress=False, weights="nvfp4")
+    assert Artifact(out).manifest.quantization["modules"] == Artifact(tiny_pair["nvfp4"]).manifest.quantization[
+        "modules"]
+    torch.testing.assert_close(_logits(out)[0], nvfp4_logits, rtol=0, atol=1e-5)
+
+
+# ---- GPU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_kernels_on_cuda_bf16():
+    if not HAS_TRITON:
+        pytest.skip("triton is not importable")
+    from ninfer.kernels import selfcheck_nvfp4
+
+    shapes = {"small": (384, 1040), "wide": (4096, 512)}
+    result = selfcheck_nvfp4.check_nvfp4("cuda", torch.bfloat16, shapes=shapes)
+    for key, diff in result["max_abs_diff"].items():
+        bound = 0.0 if key.endswith("dequant") else 1e-2 * result["ref_absmax"]
+        assert diff <= bound, (key, diff, result["ref_absmax"])
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_nvfp4_engine_same_greedy_with_and_without_cuda_graphs():
+    if not HAS_TRITON:
+        pytest.skip("graphs need the Triton backend")
+    from ninfer.artifact.presets import get_preset, instantiate, tokenizer_json_for
+    from ninfer.kernels import selfcheck
+    from ninfer.tokenizer import Tokenizer
+
+    model = instantiate("tiny-qwen3.6", "cuda", torch.bfloat16, seed=0, fuse=False)
+    quantize_model_(model)
+    prepare_for_inference_(model)
+    tok = Tokenizer.from_json_str(tokenizer_json_for(get_preset("tiny-qwen3.6"))[0])
+    prompts = [[(7 * i + 13 * j) % 900 + 50 for j in range(n)] for i, n in enumerate([3, 17, 5, 40, 9, 26, 2, 33])]
+    graphs = selfcheck.engine_greedy(model, tok, "cuda", torch.bfloat16, no_cuda_graph=False, concurrency=8,
+                                     prompts=prompts)
+    eager = selfcheck.engine_greedy(model, tok, "cuda", torch.bfloat16, no_cuda_graph=True, concurrency=8,
+                                    prompts=prompts)
+    assert graphs["graph_status"].startswith("on") and graphs["graph_replays"] > 0, graphs
+    assert graphs["outputs"] == eager["outputs"]
