@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device session's checks and benchmarks, in stages that fit the device tool's 10-minute calls.
+# From the repo root on the H200, with `.whl` (fla-core wheel), `.devcache` (Qwen tokenizer JSON) and
+# optionally `.tcpack/tcache.tgz` (a Triton cache of an earlier run) carried; outputs go to $OUT.
+#   bash bench/h200_session.sh checks          # call 1 (~5 min): every kernel vs its reference, pytest -m cuda
+#   bash bench/h200_session.sh bench27 bench35 # call 2 (~8 min): the issue-10 figures, ninfer beside transformers
+#   bash bench/h200_session.sh profile         # decode + chunked-prefill profile of the 27B shape
+# A stage past DEADLINE seconds (default 540) is skipped with a line saying so.
+set -u
+python3 -m pip install -q --no-index --no-deps --target .site .whl/fla_core-*.whl || exit 1
+export PYTHONPATH=$PWD/.site:$PWD NINFER_QWEN_TOKENIZER_JSON=$PWD/.devcache/qwen3_6-tokenizer.json
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .tcpack/tcache.tgz ] && tar xzf .tcpack/tcache.tgz
+t0=$(date +%s)
+left() { echo $(( ${DEADLINE:-540} - ($(date +%s) - t0) )); }
+for stage in "$@"; do
+  if [ "$(left)" -lt 30 ]; then echo "=== skip $stage (past DEADLINE)"; continue; fi
+  echo "=== $stage at $(( $(date +%s) - t0 )) s"
+  case $stage in
+    checks)
+      timeout 60 python3 -c "import json, torch; from ninfer.kernels.selfcheck_fused import check_fused
+print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $OUT/fused.jsonl 2>&1
+      timeout 90 python3 -m ninfer.kernels.selfcheck_gemv --only check,time > $OUT/gemv.jsonl 2>&1
+      timeout 90 python3 -m ninfer.kernels.selfcheck_nvfp4 --out $OUT/nvfp4.json > $OUT/nvfp4.log 2>&1
+      timeout 60 python3 -m ninfer.kernels.selfcheck_kv > $OUT/kv.jsonl 2>&1
+      timeout 60 python3 -c "from ninfer.kernels import selfcheck_moe as s; s.main()" > $OUT/moe.jsonl 2>&1
+      timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda tests/ -p no:cacheprovider > $OUT/pytest_cuda.log 2>&1 ;;
+    bench27)
+      timeout 330 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights bf16 nvfp4 --deadline 300 \
+        --hf-reserve 80 > $OUT/qwen27b_gpu_decode.log 2>&1 ;;
+    bench35)
+      timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 --no-long \
+        --deadline $(( $(left) - 20 )) --hf-reserve 60 > $OUT/qwen35b_gpu_decode.log 2>&1 ;;
+    profile)
+      timeout 200 python3 bench/gpu_kernels.py --only profile > $OUT/profile_27b.jsonl 2>&1 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  echo "=== $stage rc=$? at $(( $(date +%s) - t0 )) s"
+done
+[ "${PACK:-1}" = 1 ] && tar czf $OUT/tcache.tgz .tcache 2>/dev/null; ls -la $OUT
