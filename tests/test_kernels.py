@@ -58,6 +58,18 @@ def test_gdn_entry_points_on_cpu_update_their_slots():
     assert out.shape == (2, 2, 4) and torch.isfinite(out).all()
 
 
+def test_prefill_metadata_carries_fla_chunk_table_once_per_forward():
+    """A prefill batch's GDNMetadata holds fla's varlen chunk table (sequence, 64-token chunk), built
+    from the host lengths so no GDN layer rebuilds or uploads it; decode batches carry none."""
+    batch = ForwardBatch.build([[1] * 1, [1] * 64, [1] * 65, [1] * 130], [0, 3, 0, 7], [[0]] * 4, 1 << 20,
+                               state_slots=[0, 1, 2, 3])
+    meta = GDNMetadata.from_batch(batch)
+    assert meta.chunk_indices.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [3, 0], [3, 1], [3, 2]]
+    assert meta.cu_seqlens_long.dtype == torch.int64 and meta.cu_seqlens_long.tolist() == [0, 1, 65, 130, 260]
+    decode = GDNMetadata.from_batch(ForwardBatch.build([[1], [2]], [3, 4], [[0], [1]], 16, state_slots=[0, 1]))
+    assert decode.chunk_indices is None and decode.cu_seqlens_long is None
+
+
 def test_runner_keeps_graphs_off_on_cpu():
     from ninfer.artifact.presets import instantiate
     from ninfer.engine.runner import ModelRunner

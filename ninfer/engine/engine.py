@@ -259,6 +259,7 @@ class Engine:
             "kv_pages_used": sched.pages.used_pages,
             "kv_pages_capacity": sched.pages.num_pages,
             "kv_capacity_tokens": self.kv_capacity,
+            "kv_sizing": self.kv_sizing.as_dict() if self.kv_sizing else None,
             "state_slots_used": sched.slots.used_slots if sched.slots else 0,
             "state_slots_capacity": sched.slots.num_slots if sched.slots else 0,
             "preemptions": sched.preemptions,

@@ -201,6 +201,8 @@ def server_start_fields(cfg: ServerConfig, model: ModelIdentity, *, role: str, r
         fields["resources"] = {
             "kv_pages_capacity": engine["kv_pages_capacity"], "state_slots_capacity": engine["state_slots_capacity"],
             "host_context_capacity_bytes": engine["host_context_capacity_bytes"],
+            "kv_capacity_tokens": engine.get("kv_capacity_tokens"),
+            "kv_sizing": engine.get("kv_sizing"),  # the --kv-capacity auto ledger (bytes), else null
         }
     return fields
 
