@@ -17,10 +17,10 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from ninfer.engine import transfers
 from ninfer.engine.context_cache import ContextCache
+from ninfer.engine.context_ops import ContextOps
 from ninfer.engine.counters import Counters, HostWork
-from ninfer.engine.kv_pool import PagePool, PoolExhausted, SlotPool
+from ninfer.engine.kv_pool import PagePool, SlotPool
 from ninfer.engine.kv_sizing import auto_kv_capacity
 from ninfer.engine.output_control import OutputController, ThinkingControl
 from ninfer.engine.runner import ModelRunner
@@ -128,12 +128,10 @@ class Engine:
         self.scheduler = Scheduler(max_concurrency=settings.max_concurrency, prefill_chunk=settings.prefill_chunk,
                                    pages=pages, slots=slots, cache=self.cache)
         self.scheduler.before_pause = self._before_pause
-        state_image = self.state_image_bytes = transfers.state_bytes(self.runner.cache)
-        self.host_budget = (settings.host_context_bytes if settings.host_context_bytes is not None
-                            else 8 * 2**30 + 8 * state_image)
-        self.host_used = 0
         self.thinking = self._thinking_control(tokenizer)
         self.counters = Counters()
+        self.context = ContextOps(self.cache, pages, slots, self.runner.cache, self.counters, page_size=settings.page_size,
+                                  host_budget=settings.host_context_bytes)
         self.work = HostWork()
         self._recovering: set[str] = set()  # restored requests whose next commit completes recovery
         self.healthy = True
@@ -268,8 +266,8 @@ class Engine:
             "prefix_captures": self.cache.captures,
             "prefix_evictions": self.cache.evictions,
             "retained_checkpoints": len(self.cache.entries),
-            "host_context_used_bytes": self.host_used,
-            "host_context_capacity_bytes": self.host_budget,
+            "host_context_used_bytes": self.context.host_used,
+            "host_context_capacity_bytes": self.context.host_budget,
             **{k: v for k, v in vars(c).items() if k not in ("requests", "context_transfer_bytes")},
             "requests": dict(c.requests),
             "context_transfer_bytes": dict(c.context_transfer_bytes),
@@ -371,9 +369,9 @@ class Engine:
                 seq.t_paused = None
                 restored = "snapshot" if seq.snapshot is not None else "replay"
             if seq.snapshot is not None:
-                self._restore_snapshot(seq)
+                self.context.restore_snapshot(seq)
             else:
-                reused = self._reuse_prefix(seq)
+                reused = self.context.reuse_prefix(seq)
                 if seq.t_admit is None:  # initial binding: the request's cached count is fixed here
                     seq.cached_tokens = reused
                     seq.prefix_path = "checkpoint" if reused else "root"
@@ -391,92 +389,6 @@ class Engine:
             if restored:
                 self._scheduling_event(seq, "restored", restored)
 
-    # ---- context cache -------------------------------------------------------------------------
-    def _reuse_prefix(self, seq: Sequence) -> int:
-        """Start `seq` from the longest retained prefix of its tokens; returns the reused length."""
-        match, seq.match = seq.match, None
-        self.cache.record(match)
-        if match is None or match.checkpoint not in self.cache.entries:
-            return 0
-        pool, entry, page_size = self.scheduler.pages, match.checkpoint, self.settings.page_size
-        full = match.length // page_size
-        shared = entry.pages[:full]
-        pool.share(shared)
-        tail: list[int] = []
-        if match.length % page_size:  # a partly filled page: this request writes into it, so copy it
-            try:
-                tail = pool.allocate(1)
-            except PoolExhausted:
-                pool.release(shared)
-                return 0
-            transfers.copy_pages(self.runner.cache, [entry.pages[full]], tail)
-            self._count_transfer("d2d", kv=transfers.page_bytes(self.runner.cache))
-        if entry.state_slot is not None:
-            transfers.copy_state(self.runner.cache, entry.state_slot, seq.state_slot)
-            self._count_transfer("d2d", state=self.state_image_bytes)
-        seq.pages = shared + tail
-        seq.num_computed = match.length
-        return match.length
-
-    def _capture(self, seq: Sequence, end: int, kind: str) -> None:
-        """Retain seq's first `end` tokens: share their pages and copy the recurrent state."""
-        tokens = tuple(seq.tokens(0, end))
-        if self.cache.has_prefix(tokens):
-            return
-        slot = None
-        if self.hybrid:
-            slots = self.scheduler.slots
-            if slots.free_slots == 0 and not self.cache.evict_for_slot():
-                return  # best effort: no slot to hold the state
-            slot = slots.allocate()
-            transfers.copy_state(self.runner.cache, seq.state_slot, slot)
-            self._count_transfer("d2d", state=self.state_image_bytes)
-        pages = seq.pages[: self.scheduler.pages.pages_for(end)]
-        self.scheduler.pages.share(pages)
-        self.cache.add(tokens, pages, slot, kind)
-
-    def _retain_endpoint(self, seq: Sequence) -> None:
-        """Hand a finished request's pages and state slot to the cache (no copy)."""
-        n = seq.num_computed
-        if not (self.cache.enabled and seq.request.retain_endpoint and n > 0 and seq.pages):
-            return
-        keep = self.scheduler.pages.pages_for(n)
-        self.scheduler.pages.release(seq.pages[keep:])
-        pages, slot = seq.pages[:keep], seq.state_slot
-        seq.pages, seq.state_slot = [], None
-        self.cache.add(tuple(seq.tokens(0, n)), pages, slot, "endpoint", session=seq.request.session_key)
-
-    def _snapshot_on_pause(self, seq: Sequence) -> None:
-        seq.t_paused = time.monotonic()
-        n = seq.num_computed
-        if n == 0 or not seq.pages:
-            return
-        pages = seq.pages[: self.scheduler.pages.pages_for(n)]
-        need = transfers.snapshot_bytes(self.runner.cache, len(pages), self.hybrid)
-        if self.host_used + need > self.host_budget:
-            return  # no host room: the request will be rebuilt by replay
-        seq.snapshot = transfers.to_host(self.runner.cache, pages, seq.state_slot)
-        self.host_used += seq.snapshot.nbytes
-        self.counters.transfer_bytes_d2h += seq.snapshot.nbytes
-        self.counters.host_context_peak_bytes = max(self.counters.host_context_peak_bytes, self.host_used)
-        self._count_snapshot_transfer("d2h", seq.snapshot)
-
-    def _restore_snapshot(self, seq: Sequence) -> None:
-        snap = seq.snapshot
-        seq.pages = self.scheduler.pages.allocate(snap.num_pages)
-        transfers.from_host(self.runner.cache, snap, seq.pages, seq.state_slot)
-        self._free_snapshot(seq)
-        self.counters.transfer_bytes_h2d += snap.nbytes
-        self._count_snapshot_transfer("h2d", snap)
-        self.counters.snapshot_restores += 1
-        if seq.output_ids and seq.num_computed >= seq.prefill_target:
-            seq.status = Status.DECODE
-
-    def _free_snapshot(self, seq: Sequence) -> None:
-        if seq.snapshot is not None:
-            self.host_used -= seq.snapshot.nbytes
-            seq.snapshot = None
-
     def _prefill_step(self) -> bool:
         unit = self.scheduler.next_prefill()
         if unit is None:
@@ -490,7 +402,7 @@ class Engine:
         computed = unit.end - unit.start
         seq.num_computed = unit.end
         if unit.end in seq.checkpoints:
-            self._capture(seq, unit.end, "input")
+            self.context.capture(seq, unit.end, "input")
         self.counters.prefill_chunks += 1
         if seq.output_ids:
             self.counters.replayed_tokens += computed
@@ -594,8 +506,8 @@ class Engine:
             if tail:
                 seq.emit(TokenEvent([], seq.controller.channel, tail))
         if reason not in (FinishReason.CANCELLED, FinishReason.ERROR):
-            self._retain_endpoint(seq)
-        self._free_snapshot(seq)
+            self.context.retain_endpoint(seq)
+        self.context.free_snapshot(seq)
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         if seq.preemptions:
@@ -621,7 +533,7 @@ class Engine:
 
     # ---- observability: pause/restore events and transfer accounting --------------------------
     def _before_pause(self, seq: Sequence) -> None:
-        self._snapshot_on_pause(seq)
+        self.context.snapshot_on_pause(seq)
         self._scheduling_event(seq, "paused", "snapshot" if seq.snapshot is not None else "replay", index=1)
 
     def _scheduling_event(self, seq: Sequence, kind: str, route: str | None, index: int = 0) -> None:
@@ -640,16 +552,9 @@ class Engine:
             global_tokens={"prefill": c.prefill_tokens, "decode": c.decode_tokens, "replay": c.replayed_tokens},
             request_tokens={"computed": seq.num_computed, "generated": len(seq.output_ids)}))
 
-    def _count_transfer(self, direction: str, kv: int = 0, state: int = 0) -> None:
-        moved = self.counters.context_transfer_bytes
-        moved[f"main_kv_{direction}"] += kv
-        moved[f"state_{direction}"] += state
-
-    def _count_snapshot_transfer(self, direction: str, snap) -> None:
-        def size(*tensors):
-            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-        self._count_transfer(direction, kv=size(snap.k, snap.v), state=size(snap.conv, snap.ssm))
+    @property
+    def host_used(self) -> int:
+        return self.context.host_used
 
     def _drop(self, seq: Sequence) -> None:
         with self._lock:
