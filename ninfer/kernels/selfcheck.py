@@ -43,14 +43,20 @@ def attention_problem(device, dtype, *, hq: int, hkv: int, head_dim: int, page_s
     return q, k_cache, v_cache, batch
 
 
-def check_attention(device, dtype, *, decode: bool, hq=8, hkv=2, head_dim=64, page_size=16, cached=None, new=None,
-                    seed=0) -> dict:
-    from ninfer.kernels import triton_attention
-
+def default_lengths(decode: bool, cached: list[int] | None, new: list[int] | None) -> tuple[list[int], list[int]]:
+    """The attention checks' default ragged batch: cached tokens and new tokens per sequence."""
     if cached is None:
         cached = [0, 5, 37, 130] if not decode else [0, 16, 77, 200]
     if new is None:
         new = [1] * len(cached) if decode else [33, 1, 64, 7]
+    return cached, new
+
+
+def check_attention(device, dtype, *, decode: bool, hq=8, hkv=2, head_dim=64, page_size=16, cached=None, new=None,
+                    seed=0) -> dict:
+    from ninfer.kernels import triton_attention
+
+    cached, new = default_lengths(decode, cached, new)
     q, kc, vc, batch = attention_problem(device, dtype, hq=hq, hkv=hkv, head_dim=head_dim, page_size=page_size,
                                          cached=cached, new=new, seed=seed)
     scale = head_dim**-0.5

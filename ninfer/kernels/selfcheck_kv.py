@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ninfer.kernels.attention import dequantize_kv, paged_attention_ref, quantize_kv
-from ninfer.kernels.selfcheck import attention_problem
+from ninfer.kernels.selfcheck import attention_problem, default_lengths
 from ninfer.models.batch import KV_STORAGE
 
 
@@ -33,10 +33,7 @@ def check_attention_quantized(device, dtype, kv_dtype: str, *, decode: bool, hq=
                               page_size=16, cached=None, new=None, seed=0) -> dict:
     from ninfer.kernels import triton_attention
 
-    if cached is None:
-        cached = [0, 5, 37, 130] if not decode else [0, 16, 77, 200]
-    if new is None:
-        new = [1] * len(cached) if decode else [33, 1, 64, 7]
+    cached, new = default_lengths(decode, cached, new)
     q, kc, vc, batch = attention_problem(device, dtype, hq=hq, hkv=hkv, head_dim=head_dim, page_size=page_size,
                                          cached=cached, new=new, seed=seed)
     scale = head_dim**-0.5
