@@ -73,9 +73,10 @@ def test_unquantized_write_and_reference_are_unchanged():
     assert cache.k_scale is None and not cache.quantized and type(cache.k) is torch.Tensor
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     slots = torch.tensor([5, 0, 9])
-    write_kv(cache.k[1], cache.v[1], k, v, slots)
+    k_cache, v_cache, k_scale, v_scale = cache.layer(1)
+    assert k_scale is None and v_scale is None
+    write_kv(k_cache, v_cache, k, v, slots)
     assert torch.equal(cache.k[1][slots], k) and torch.equal(cache.v[1][slots], v)
-    assert not hasattr(cache.k[1], "kv_scale")
 
 
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)
@@ -85,14 +86,14 @@ def test_write_kv_quantizes_into_the_layer_and_its_scales(kv_dtype):
     assert cache.k.dtype == KV_STORAGE[kv_dtype] and cache.k_scale.shape == (2, 16, 2)
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     slots = torch.tensor([5, 0, 9])
-    write_kv(cache.k[1], cache.v[1], k, v, slots)
+    write_kv(*cache.layer(1)[:2], k, v, slots, *cache.layer(1)[2:])
     for x, vals, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
         want_values, want_scale = quantize_kv(x, KV_STORAGE[kv_dtype])
         assert torch.equal(vals[1][slots].view(torch.uint8), want_values.view(torch.uint8))
         assert torch.equal(scales[1][slots], want_scale)
         assert not scales[0].any() and not vals[0].view(torch.uint8).any()  # layer 0 untouched
-    with pytest.raises(ValueError, match="layer view"):
-        write_kv(cache.k[1][:], cache.v[1][:], k, v, slots)  # a view that lost its scales
+    with pytest.raises(ValueError, match="scale"):
+        write_kv(cache.k[1], cache.v[1], k, v, slots)  # a quantized layer without its scales
 
 
 # Max |quantized - unquantized| attention output over the unquantized output's absmax, measured on the
@@ -108,8 +109,8 @@ def test_reference_attention_on_a_quantized_cache(kv_dtype, case):
     q, kc, vc, batch = attention_problem("cpu", torch.float32, hq=hq, hkv=2, head_dim=head_dim, page_size=16,
                                          cached=case["cached"], new=case["new"])
     exact = paged_attention_ref(q, kc, vc, batch, 16, head_dim**-0.5)
-    kq, vq = selfcheck_kv.quantized_layer(kc, kv_dtype), selfcheck_kv.quantized_layer(vc, kv_dtype)
-    got = paged_attention_ref(q, kq, vq, batch, 16, head_dim**-0.5)
+    (kq, ks), (vq, vs) = selfcheck_kv.quantized_layer(kc, kv_dtype), selfcheck_kv.quantized_layer(vc, kv_dtype)
+    got = paged_attention_ref(q, kq, vq, batch, 16, head_dim**-0.5, ks, vs)
     assert (got - exact).abs().max() <= REF_TOL[kv_dtype] * exact.abs().max()
 
 
@@ -144,7 +145,8 @@ def test_page_copies_and_host_snapshots_carry_scales(kv_dtype):
     spec = CacheSpec(num_attn_layers=2, num_kv_heads=2, head_dim=8)
     cache = ModelCache(spec, 6, 4, 0, torch.float32, kv_dtype=kv_dtype)
     for layer in range(2):
-        write_kv(cache.k[layer], cache.v[layer], torch.randn(24, 2, 8), torch.randn(24, 2, 8), torch.arange(24))
+        k_cache, v_cache, k_scale, v_scale = cache.layer(layer)
+        write_kv(k_cache, v_cache, torch.randn(24, 2, 8), torch.randn(24, 2, 8), torch.arange(24), k_scale, v_scale)
 
     def page(p):
         sl = slice(4 * p, 4 * p + 4)

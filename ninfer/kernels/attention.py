@@ -4,10 +4,8 @@ The torch reference loops over sequences with host lengths; it is the oracle tha
 are checked against. CUDA tensors take our Triton kernels (`triton_attention`: split-KV decode,
 varlen causal prefill) unless NINFER_KERNELS=reference (see `ninfer.kernels.backend`).
 
-Quantized KV (`--kv-dtype fp8|int8`; storage and scales in `ninfer.models.batch`). The models keep
-calling `write_kv(cache.k[i], cache.v[i], ...)` and `paged_attention(q, cache.k[i], cache.v[i], ...)`:
-a quantized cache's layer view carries its scales (`layer_kv_scale`), and these functions switch on
-it. `write_kv` quantizes each new token per KV head (`quantize_kv`: scale = amax over head_dim /
+Quantized KV (`--kv-dtype fp8|int8`; storage and scales in `ninfer.models.batch`): the models pass
+a layer's scales with its values (`ModelCache.layer(i)`), and these functions switch on them. `write_kv` quantizes each new token per KV head (`quantize_kv`: scale = amax over head_dim /
 448 for float8_e4m3fn, / 127 for symmetric int8; fp8 rounds to nearest even, int8 half away from
 zero); the reference dequantizes the gathered slots (`dequantize_kv`) before SDPA; the Triton
 kernels read the 1-byte values and fold the scales in. Per element the stored value is within
@@ -21,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.kernels.backend import use_triton
-from ninfer.models.batch import ForwardBatch, layer_kv_scale
+from ninfer.models.batch import ForwardBatch
 
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}  # largest stored magnitude per quantized dtype
 _INV_QMAX = {dt: torch.tensor(1.0 / q, dtype=torch.float32).item() for dt, q in QMAX.items()}  # fp32(1/qmax)
@@ -50,16 +48,16 @@ def _gather_dequantized(cache: torch.Tensor, scale: torch.Tensor, slots: torch.T
     return dequantize_kv(values, scale[slots], dtype)
 
 
-def _scales(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    ks, vs = layer_kv_scale(k_cache), layer_kv_scale(v_cache)
-    if ks is None and k_cache.dtype in QMAX:
-        raise ValueError("a quantized KV cache view without its scales: pass the layer view cache.k[i] / cache.v[i]")
-    return ks, vs
+def _check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    if (k_scale is None) != (v_scale is None) or (k_scale is None and k_cache.dtype in QMAX):
+        raise ValueError("a quantized KV cache needs both its scale tensors (see ModelCache.layer)")
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """k_cache/v_cache: [S, Hkv, D] (one layer); k/v: [T, Hkv, D]; slots: [T]. Quantizes for fp8/int8 caches."""
-    k_scale, v_scale = _scales(k_cache, v_cache)
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """k_cache/v_cache: [S, Hkv, D] (one layer); k/v: [T, Hkv, D]; slots: [T]. With the layer's scales
+    ([S, Hkv], fp8/int8 caches) the new tokens are quantized."""
+    _check_scales(k_cache, k_scale, v_scale)
     if k_scale is None:
         k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
@@ -85,14 +83,14 @@ def sequence_slots(batch: ForwardBatch, i: int, page_size: int) -> torch.Tensor:
 
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, page_size: int,
-    scale: float,
+    scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [S, Hkv, D]. Causal: new token j of a sequence sees positions <= its own.
 
     One fused SDPA call per sequence (GQA without repeating K/V); the explicit mask handles a
     chunk that starts after cached tokens, which SDPA's is_causal (top-left aligned) would not.
     """
-    k_scale, v_scale = _scales(k_cache, v_cache)
+    _check_scales(k_cache, k_scale, v_scale)
     out = torch.empty_like(q)
     start = 0
     for i, qlen in enumerate(batch.query_lens_cpu):
@@ -118,17 +116,17 @@ def paged_attention_ref(
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, page_size: int,
-    scale: float,
+    scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton kernels for CUDA tensors (decode: device lengths only, graph-capturable); else the reference."""
     if use_triton(q):
         from ninfer.kernels import triton_attention
 
-        k_scale, v_scale = _scales(k_cache, v_cache)
+        _check_scales(k_cache, k_scale, v_scale)
         if batch.is_decode:
             return triton_attention.paged_decode(q, k_cache, v_cache, batch.page_table, batch.seq_lens, page_size,
                                                  scale, k_scale=k_scale, v_scale=v_scale)
         return triton_attention.paged_prefill(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                                               batch.page_table, page_size, scale, max(batch.query_lens_cpu),
                                               k_scale=k_scale, v_scale=v_scale)
-    return paged_attention_ref(q, k_cache, v_cache, batch, page_size, scale)
+    return paged_attention_ref(q, k_cache, v_cache, batch, page_size, scale, k_scale, v_scale)

@@ -69,19 +69,22 @@ def rope_qk_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention inputs: [per-head zero-centred RMSNorm of q and k (when weights are given)], rotate-half
     RoPE on the first R = cos.shape[-1] channels, k and v written to the caches at slot_mapping.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D] (strided views are fine); cos, sin: [T, R] in the model dtype;
-    caches: [S, Hkv, D]. Returns q [T, Hq, D] contiguous.
+    caches: [S, Hkv, D], with their scales [S, Hkv] when quantized (`write_kv` quantizes).
+    Returns q [T, Hq, D] contiguous.
     """
     if use_triton(q):
         from ninfer.kernels import triton_fused
 
         return triton_fused.rope_qk_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight,
-                                             k_weight, eps)
-    return rope_qk_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps)
+                                             k_weight, eps, k_scale, v_scale)
+    return rope_qk_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps,
+                                k_scale, v_scale)
 
 
 def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -137,7 +140,7 @@ def gdn_gates_ref(b, a, a_log, dt_bias):
 
 
 def rope_qk_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight=None, k_weight=None,
-                         eps=1e-6):
+                         eps=1e-6, k_scale=None, v_scale=None):
     from ninfer.kernels.attention import write_kv
     from ninfer.models.layers import apply_rotary
 
@@ -146,7 +149,7 @@ def rope_qk_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_we
     if k_weight is not None:
         k = rms_norm_ref(k, k_weight, eps, True)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
     return q.contiguous()
 
 

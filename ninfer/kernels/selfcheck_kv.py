@@ -21,12 +21,9 @@ from ninfer.kernels.selfcheck import attention_problem, default_lengths
 from ninfer.models.batch import KV_STORAGE
 
 
-def quantized_layer(cache: torch.Tensor, kv_dtype: str) -> torch.Tensor:
-    """One layer's cache [S, Hkv, D] quantized as write_kv stores it, with its scales attached
-    (what `ModelCache.k[i]` hands the attention functions)."""
-    values, scale = quantize_kv(cache, KV_STORAGE[kv_dtype])
-    values.kv_scale = scale
-    return values
+def quantized_layer(cache: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's cache [S, Hkv, D] quantized as write_kv stores it: (values, scales [S, Hkv])."""
+    return quantize_kv(cache, KV_STORAGE[kv_dtype])
 
 
 def check_attention_quantized(device, dtype, kv_dtype: str, *, decode: bool, hq=8, hkv=2, head_dim=64,
@@ -37,10 +34,10 @@ def check_attention_quantized(device, dtype, kv_dtype: str, *, decode: bool, hq=
     q, kc, vc, batch = attention_problem(device, dtype, hq=hq, hkv=hkv, head_dim=head_dim, page_size=page_size,
                                          cached=cached, new=new, seed=seed)
     scale = head_dim**-0.5
-    kq, vq = quantized_layer(kc, kv_dtype), quantized_layer(vc, kv_dtype)
-    ref = paged_attention_ref(q, kq, vq, batch, page_size, scale).float()
+    (kq, ks), (vq, vs) = quantized_layer(kc, kv_dtype), quantized_layer(vc, kv_dtype)
+    scales = dict(k_scale=ks, v_scale=vs)
+    ref = paged_attention_ref(q, kq, vq, batch, page_size, scale, **scales).float()
     exact = paged_attention_ref(q, kc, vc, batch, page_size, scale).float()
-    scales = dict(k_scale=kq.kv_scale, v_scale=vq.kv_scale)
     if decode:
         got = triton_attention.paged_decode(q, kq, vq, batch.page_table, batch.seq_lens, page_size, scale, **scales)
         diffs = {"out": (got.float() - ref).abs().max().item()}

@@ -255,11 +255,12 @@ def _fused_rope_qk_kernel(
 
 
 def _plain_cache(cache: torch.Tensor) -> bool:
-    """A cache the kernel stores into directly: 16/32-bit floats, no scales (fp8/int8 go through write_kv)."""
-    return cache.is_floating_point() and cache.element_size() >= 2 and getattr(cache, "kv_scale", None) is None
+    """A cache the kernel stores into directly: 16/32-bit floats (fp8/int8 go through write_kv)."""
+    return cache.is_floating_point() and cache.element_size() >= 2
 
 
-def rope_qk_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight=None, k_weight=None, eps=1e-6):
+def rope_qk_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight=None, k_weight=None, eps=1e-6,
+                     k_scale=None, v_scale=None):
     tokens, hq, d = q.shape
     hkv = k.shape[1]
     rdim = cos.shape[-1]
@@ -269,7 +270,7 @@ def rope_qk_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight
     q_out = torch.empty((tokens, hq, d), dtype=q.dtype, device=q.device)
     if tokens == 0:
         return q_out
-    direct = _plain_cache(k_cache) and _plain_cache(v_cache)
+    direct = k_scale is None and _plain_cache(k_cache) and _plain_cache(v_cache)
     if direct:
         assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1
         k_out = q_out  # unused
@@ -289,7 +290,7 @@ def rope_qk_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight
     if not direct:
         from ninfer.kernels.attention import write_kv
 
-        write_kv(k_cache, v_cache, k_out, v, slot_mapping)
+        write_kv(k_cache, v_cache, k_out, v, slot_mapping, k_scale, v_scale)
     return q_out
 
 

@@ -133,27 +133,6 @@ class CacheSpec:
         return self.num_state_layers * (conv + ssm)
 
 
-class _ScaledKV(torch.Tensor):
-    """The K (or V) tensor of a quantized cache. Indexing one layer (`cache.k[i]`, what the models
-    pass to `write_kv` / `paged_attention`) returns a plain view carrying that layer's scales as
-    `.kv_scale` [slots, kv_heads], so the attention functions keep their signatures. Every other
-    operation sees a plain tensor (torch functions are not intercepted)."""
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-    kv_scale: torch.Tensor
-
-    def __getitem__(self, index):
-        out = super().__getitem__(index)
-        if isinstance(index, int):
-            out.kv_scale = self.kv_scale[index]
-        return out
-
-
-def layer_kv_scale(cache: torch.Tensor) -> torch.Tensor | None:
-    """The scales of one layer's K or V view (`cache.k[i]`); None for an unquantized cache."""
-    return getattr(cache, "kv_scale", None)
-
-
 class ModelCache:
     """Paged KV slots for full-attention layers and recurrent-state slots for linear-attention layers.
 
@@ -188,16 +167,19 @@ class ModelCache:
         if kv_dtype in KV_STORAGE:
             self.k_scale = torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device)
             self.v_scale = torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device)
-            self.k = self.k.as_subclass(_ScaledKV)
-            self.k.kv_scale = self.k_scale
-            self.v = self.v.as_subclass(_ScaledKV)
-            self.v.kv_scale = self.v_scale
         n = spec.num_state_layers
         self.conv = torch.zeros((n, num_state_slots, spec.conv_dim, spec.conv_width), dtype=dtype, device=device)
         self.ssm = torch.zeros(
             (n, num_state_slots, spec.ssm_heads, spec.ssm_key_dim, spec.ssm_value_dim),
             dtype=torch.float32, device=device,
         )
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Attention layer i's (k, v, k_scale, v_scale): values [S, Hkv, D] and, for a quantized cache,
+        fp32 scales [S, Hkv] (else None); what `write_kv` and `paged_attention` take."""
+        if self.k_scale is None:
+            return self.k[i], self.v[i], None, None
+        return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
 
     @property
     def quantized(self) -> bool:

@@ -92,12 +92,13 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = project(self, ("q_proj", "k_proj", "v_proj"), x)
-        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        k_cache, v_cache, k_scale, v_scale = cache.layer(self.layer_idx)
         # RoPE on q and k, k and v into the cache: one kernel (views of the merged projection)
         q = fused.rope_qk_write_kv(
             q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
-            v.view(t, self.num_kv_heads, self.head_dim), cos, sin, k_cache, v_cache, batch.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, batch, cache.page_size, self.scale)
+            v.view(t, self.num_kv_heads, self.head_dim), cos, sin, k_cache, v_cache, batch.slot_mapping,
+            k_scale=k_scale, v_scale=v_scale)
+        out = paged_attention(q, k_cache, v_cache, batch, cache.page_size, self.scale, k_scale, v_scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

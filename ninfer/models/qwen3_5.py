@@ -199,13 +199,14 @@ class GatedAttention(nn.Module):
         tokens = x.shape[0]
         qg, k, v = project(self, ("q_proj", "k_proj", "v_proj"), x)
         q, gate = qg.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k_cache, v_cache = cache.k[self.attn_index], cache.v[self.attn_index]
+        k_cache, v_cache, k_scale, v_scale = cache.layer(self.attn_index)
         # q/k norms, partial RoPE, and k, v into the cache: one kernel reading the projection in place
         q = fused.rope_qk_write_kv(
             q, k.view(tokens, self.num_kv_heads, self.head_dim), v.view(tokens, self.num_kv_heads, self.head_dim),
             cos, sin, k_cache, v_cache, batch.slot_mapping, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            k_scale, v_scale,
         )
-        out = paged_attention(q, k_cache, v_cache, batch, cache.page_size, self.scale)
+        out = paged_attention(q, k_cache, v_cache, batch, cache.page_size, self.scale, k_scale, v_scale)
         return self.o_proj(fused.sigmoid_gate_mul(out.reshape(tokens, self.num_heads, self.head_dim), gate))
 
 

@@ -50,7 +50,7 @@ class ScriptedModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
         ids = batch.input_ids.to(torch.float32)[:, None, None]
-        write_kv(cache.k[0], cache.v[0], ids, ids, batch.slot_mapping)
+        write_kv(*cache.layer(0)[:2], ids, ids, batch.slot_mapping)  # unquantized KV only: ids are stored exactly
         hidden = torch.full((batch.input_ids.shape[0], 1), float(self.eos), device=batch.input_ids.device)
         start = 0
         for i, qlen in enumerate(batch.query_lens_cpu):
