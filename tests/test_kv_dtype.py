@@ -1,4 +1,5 @@
-"""--kv-dtype bf16 | fp8 | int8 (issue 10): quantized KV storage with one fp32 scale per (slot, KV head).
+"""--kv-dtype bf16 | fp8 | int8 (issue 10; serving.md, "Server options": `--kv-dtype bf16|int8|fp8|nvfp4|k8v4`,
+KV-cache storage, default bf16): quantized KV storage with one fp32 scale per (slot, KV head).
 
 - quantize/dequantize error bounds per storage dtype, and the unquantized path left as it was;
 - the torch reference attention over a quantized cache against the unquantized one (stated tolerance);
