@@ -175,6 +175,13 @@ def check_fla(device, dtype, *, hk=2, hv=4, dk=64, dv=64, query_lens=(1, 70, 5, 
     o2, h2 = fla_gdn.chunk_gated_delta_rule(*args, None, h0, True, True, cu.long(), list(query_lens), ours)
     out["chunk_o_with_indices"] = (o2.float() - ref_o.float()).abs().max().item()
     out["chunk_state_with_indices"] = (h2.float() - ref_h.float()).abs().max().item()
+    # the direct call into fla's forward must match fla's public entry point bit for bit
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_public
+
+    o3, h3 = fla_public(*args[:3], args[3].float(), args[4], initial_state=h0, output_final_state=True,
+                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
+    out["chunk_o_vs_fla_public"] = (o2.float() - o3.float()).abs().max().item()
+    out["chunk_state_vs_fla_public"] = (h2.float() - h3.float()).abs().max().item()
     b = n  # one token each, dense batch
     q1, k1, v1, g1, beta1 = gdn_problem(device, dtype, b, hk, hv, dk, dv, gen)
     args1 = (q1[:, None], k1[:, None], v1[:, None], g1[:, None], beta1[:, None])
