@@ -5,6 +5,7 @@
 #   bash bench/h200_session.sh checks pytest   # call 1 (~5 min): every kernel vs its reference, the CUDA tests
 #   bash bench/h200_session.sh bench27 bench35 # call 2 (~8 min): the issue-10 figures, ninfer beside transformers
 #   bash bench/h200_session.sh profile         # decode + chunked-prefill profile of the 27B shape
+# Single stages: fused gemv nvfp4 kv moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep).
 # A stage past DEADLINE seconds (default 540) is skipped with a line saying so.
 set -u
 python3 -m pip install -q --no-index --no-deps --target .site .whl/fla_core-*.whl || exit 1
@@ -14,16 +15,22 @@ mkdir -p "$TRITON_CACHE_DIR"
 [ -f .tcpack/tcache.tgz ] && tar xzf .tcpack/tcache.tgz
 t0=$(date +%s)
 left() { echo $(( ${DEADLINE:-540} - ($(date +%s) - t0) )); }
-for stage in "$@"; do
+stages=()  # "checks": every kernel against its reference, the five stages below
+for s in "$@"; do if [ "$s" = checks ]; then stages+=(fused gemv nvfp4 kv moe); else stages+=("$s"); fi; done
+for stage in "${stages[@]}"; do
   if [ "$(left)" -lt 30 ]; then echo "=== skip $stage (past DEADLINE)"; continue; fi
   echo "=== $stage at $(( $(date +%s) - t0 )) s"
   case $stage in
-    checks)
+    fused)
       timeout 60 python3 -c "import json, torch; from ninfer.kernels.selfcheck_fused import check_fused
-print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $OUT/fused.jsonl 2>&1
-      timeout 90 python3 -m ninfer.kernels.selfcheck_gemv --only check,time > $OUT/gemv.jsonl 2>&1
-      timeout 90 python3 -m ninfer.kernels.selfcheck_nvfp4 --out $OUT/nvfp4.json > $OUT/nvfp4.log 2>&1
-      timeout 150 python3 -m ninfer.kernels.selfcheck_kv > $OUT/kv.jsonl 2>&1
+print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $OUT/fused.jsonl 2>&1 ;;
+    gemv)
+      timeout 90 python3 -m ninfer.kernels.selfcheck_gemv --only check,time > $OUT/gemv.jsonl 2>&1 ;;
+    nvfp4)
+      timeout 300 python3 -m ninfer.kernels.selfcheck_nvfp4 ${NVFP4_ARGS:-} --out $OUT/nvfp4.json > $OUT/nvfp4.log 2>&1 ;;
+    kv)
+      timeout 150 python3 -m ninfer.kernels.selfcheck_kv > $OUT/kv.jsonl 2>&1 ;;
+    moe)
       timeout 60 python3 -c "from ninfer.kernels import selfcheck_moe as s; s.main()" > $OUT/moe.jsonl 2>&1 ;;
     pytest)  # only the modules with CUDA tests: the device lacks the server tests' packages (SDKs, uvicorn)
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider \

@@ -50,6 +50,10 @@ def check_nvfp4(device, dtype, *, shapes: dict | None = None, ms=(1, 2, 3, 8, 16
             got = triton_nvfp4.nvfp4_linear(x, *q).float()
             diffs[f"{name}_m{m}"] = (got - ref).abs().max().item()
             absmax = max(absmax, ref.abs().max().item())
+            if m == 1 and x.is_cuda:  # every packed-fp16 GEMV candidate (PTX: CUDA only)
+                for cfg in HFMA_CONFIGS:
+                    got = triton_nvfp4.nvfp4_gemv(x, *q, config=cfg).float()
+                    diffs[f"{name}_m{m}_{_short(cfg)}"] = (got - ref).abs().max().item()
         del w
     return {"max_abs_diff": diffs, "ref_absmax": absmax}
 
@@ -144,27 +148,46 @@ def time_nvfp4_prefill(device="cuda", *, shapes: dict | None = None, m: int = 10
     return out
 
 
+def _short(cfg: dict) -> str:
+    return "_".join(f"{k}{v}" for k, v in cfg.items() if k != "BLOCK_M")
+
+
+HFMA_CONFIGS = [dict(kind="hfma", BLOCK_N=bn, BLOCK_W=32 * w, num_warps=w) for bn in (4, 8) for w in (2, 4, 8)]
+# K = 5184 words are not a multiple of the tiles: the masked paths
+RAGGED = {"ragged": (200, 5184)}
+
+
+
 def default_sweep(m: int) -> list[dict]:
-    """Candidate configs: CUDA-core GEMV for M = 1, tensor cores for M > 1."""
+    """Candidate configs: for M = 1 the packed-fp16 GEMV and the fp32-decode one, for M > 1 the
+    tensor-core kernel."""
     if m == 1:
-        return [dict(kind="fma", BLOCK_M=1, BLOCK_N=bn, BLOCK_W=32 * w, num_warps=w) for bn in (4, 8) for w in (2, 4, 8)]
+        return HFMA_CONFIGS + [dict(kind="fma", BLOCK_M=1, BLOCK_N=bn, BLOCK_W=bw, num_warps=w)
+                               for bn, bw, w in ((4, 128, 4), (8, 64, 2))]
     return [dict(kind="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_W=bw, num_warps=w)
             for bn, bw, w in ((32, 16, 4), (64, 16, 4), (64, 16, 8), (64, 8, 4))]
 
 
-def sweep_gemv_configs(device="cuda", *, shapes: dict | None = None, ms=(1, 4), configs: list[dict] | None = None,
+def sweep_gemv_configs(device="cuda", *, shapes: dict | None = None, ms=(1, 8), configs: list[dict] | None = None,
                        iters: int = 20) -> list[dict]:
-    """GB/s of each candidate launch config per shape and M (for choosing triton_nvfp4._gemv_config)."""
+    """GB/s of each candidate launch config per shape and M (for choosing triton_nvfp4._gemv_config).
+    Candidates are the union of default_sweep(m); each runs at every M it applies to."""
+    if configs is None:
+        configs = []
+        for m in ms:
+            configs += [c for c in default_sweep(m) if c not in configs]
     out = []
-    for m in ms:
-        for cfg in configs if configs is not None else default_sweep(m):
-            try:
-                rows = time_nvfp4_gemv(device, shapes=shapes, ms=(m,), iters=iters, config=cfg, with_bf16=False)
-            except Exception as exc:  # a config the compiler refuses (registers, shared memory)
-                out.append({"m": m, "config": cfg, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                continue
-            out.append({"m": m, "config": cfg, "GBps": {r["shape"]: r["GBps"] for r in rows},
-                        "us": {r["shape"]: r["us"] for r in rows}})
+    for cfg in configs:
+        cms = tuple(m for m in ms if cfg["kind"] == "dot" or m == 1)
+        try:
+            rows = time_nvfp4_gemv(device, shapes=shapes, ms=cms, iters=iters, config=cfg, with_bf16=False)
+        except Exception as exc:  # a config the compiler refuses (registers, shared memory, PTX)
+            out.append({"config": cfg, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            continue
+        for m in cms:
+            mine = [r for r in rows if r["m"] == m]
+            out.append({"m": m, "config": cfg, "GBps": {r["shape"]: r["GBps"] for r in mine},
+                        "us": {r["shape"]: r["us"] for r in mine}, "us_total": round(sum(r["us"] for r in mine), 2)})
     return out
 
 
@@ -219,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode:
         result["decode"] = [decode_tokens_per_s(weights="nvfp4"), decode_tokens_per_s(weights="bf16")]
     else:
-        result.update(check_bf16=check_nvfp4("cuda", torch.bfloat16), gemv=time_nvfp4_gemv("cuda"),
+        result.update(check_bf16=check_nvfp4("cuda", torch.bfloat16, shapes={**SHAPES_27B, **RAGGED}),
+                      gemv=time_nvfp4_gemv("cuda"),
                       prefill=time_nvfp4_prefill("cuda"))
     if args.sweep:
         result["sweep"] = sweep_gemv_configs("cuda")

@@ -4,9 +4,11 @@ scale), for Hopper, which has no FP4 tensor cores: weights are decoded in regist
 
 Regimes (chosen by M, which a CUDA graph fixes, so every launch depends on shapes only; no host
 syncs, no data-dependent allocation):
-- M = 1 (batch-1 decode): `_gemv_fma_kernel`, CUDA cores. Each program owns 4 or 8 weight rows and
-  walks all of K: one int32 word (8 codes) per thread and row per step, the matching 8 x values as
-  one 16-byte load shared by the rows, the next step's loads issued before this step's math.
+- M = 1 (batch-1 decode): `_gemv_hfma_kernel`, CUDA cores with packed fp16 arithmetic (PTX; bf16 x
+  on CUDA), below. Each program owns 4 or 8 weight rows and walks all of K: one int32 word (8
+  codes) per thread and row per step, the word's x values shared by the rows, the next step's
+  loads issued before this step's math. Elsewhere (fp32 x, the CPU interpreter) the same tiles run
+  `_gemv_fma_kernel`, which decodes to fp32.
 - 1 < M <= 16: `_gemv_dot_kernel`, tensor cores: the decoded, scaled tile (exact in bf16) @ x^T.
 - M > 16 (prefill, compute-bound): `_dequant_kernel` writes the weight in x.dtype to a scratch
   tensor, then torch's matmul (cuBLAS). Simpler than an in-kernel dequantizing GEMM; on the H200 the
@@ -23,10 +25,13 @@ exactly scale * 2^-120. Powers of two are folded back by exact multiplies: per w
 (units of 2^-126) times block scale * 2^100, or for tensor cores the code times block scale *
 2^100 (= code * scale * 2^-26: a normal number, exact in bf16), and at the end row scale * 2^26.
 
-Measured on one H200 (selfcheck_nvfp4, CUDA-graph replay, L2 flushed, 27B shapes, bf16 x):
-M = 1 GEMV 1.3-1.8 TB/s (1.3-1.6x faster than bf16 F.linear at ~3.5-4.1 TB/s; the kernel is bound
-by its ~6 instructions per weight, not by HBM); 1 < M <= 16 0.4-0.9 TB/s (0.4-0.8x of bf16: slower
-than bf16, see the report); dequantize 3.2-3.6 TB/s.
+Measured on one H200 (selfcheck_nvfp4, CUDA-graph replay, L2 flushed, 27B shapes, bf16 x; see
+bench/results/2026-11-30-h200-s3): M = 1 packed-fp16 GEMV 1.6-2.5 TB/s, 1.7-2.1x faster than bf16
+F.linear (the fp32-decode GEMV: 1.3-1.8 TB/s). Both are bound by instruction issue, not HBM: their
+loops compile to ~4.9 and ~7.1 SASS instructions per weight (cuobjdump of the sm_90 build).
+1 < M <= 16: 0.4-0.9 TB/s, 0.4-0.8x of bf16 (a packed-decode tensor-core variant was tried and ran
+slower still: its decoded tiles reach the tensor cores through shared memory 16 bits at a time).
+Dequantize 3.2-3.6 TB/s.
 
 Configs: a fixed table by (M, N) (`_gemv_config`), not triton.autotune: autotune times candidates
 on the first call of each shape, which would slow start-up, run inside CUDA-graph capture, and make
@@ -34,6 +39,8 @@ the chosen kernel depend on timing noise.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -48,6 +55,7 @@ _SCALE_UP = tl.constexpr(2.0**120)  # E4M3 bits << 20 read as fp32 = scale * 2^-
 _DOT_SCALE = tl.constexpr(2.0**100)  # dot: code * 2^-126 * scale * 2^100 = code * scale * 2^-26 (exact in bf16)
 _DOT_UNSCALE = tl.constexpr(2.0**26)
 _SIGN_E1E0M = tl.constexpr(-0x7E400000)  # 0x81C00000 as int32: fp32 bits 31 and 24..22
+_F16_UNSCALE = tl.constexpr(2.0**14)  # fp16-decoded codes are code * 2^-14
 
 
 @triton.jit
@@ -259,6 +267,192 @@ def _dequant_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# Packed-fp16 GEMV for one row of x (kind "hfma", M = 1)
+#
+# The fp32 decode above costs ~7 instructions per weight in the loop (SASS of the H200 build):
+# the kernel is bound by instruction issue, not HBM. Here one word's eight codes become four fp16
+# pairs (code p in the low half, code p + 4 in the high half: a word's halves hold codes 0-3 and
+# 4-7, so each pair costs two shifts, an AND and a `lop3`), the sign on bit 15 and the magnitude on
+# bits 11..9, which reads as code * 2^-14 (+-0.5 as fp16 subnormals, which fp16 arithmetic keeps).
+# They meet x as fp16 pairs (x_p, x_p+4) in one HMUL2 and three HFMA2, the two halves are summed
+# in fp32, and the word's block scale is applied in fp32: ~3.5 instructions per weight. Precision:
+# each fp16 product and 4-term sum rounds to 11 bits (finer than bf16's 8); x converts to fp16
+# exactly for |x| in [2^-14, 65504] and saturates beyond; products below fp16's normal range
+# (|x| < 2 with code 0.5) keep an absolute error under 2^-25 * 2^14 * block scale * row scale.
+
+_X_PAIRS = tl.constexpr("""
+{
+.reg .f32 a, b, c, d;
+shl.b32 a, $4, 16; shl.b32 b, $6, 16; cvt.rn.satfinite.f16x2.f32 $0, b, a;
+and.b32 c, $4, 0xFFFF0000; and.b32 d, $6, 0xFFFF0000; cvt.rn.satfinite.f16x2.f32 $1, d, c;
+shl.b32 a, $5, 16; shl.b32 b, $7, 16; cvt.rn.satfinite.f16x2.f32 $2, b, a;
+and.b32 c, $5, 0xFFFF0000; and.b32 d, $7, 0xFFFF0000; cvt.rn.satfinite.f16x2.f32 $3, d, c;
+}
+""")
+
+_WORD_DOT = tl.constexpr("""
+{
+.reg .b32 t, u, s;
+.reg .f16 lo, hi;
+.reg .f32 flo, fhi;
+shl.b32 t, $1, 9; shl.b32 u, $1, 12; and.b32 u, u, 0x80008000; lop3.b32 t, t, 0x0E000E00, u, 0xEA; mul.rn.f16x2 s, t, $2;
+shl.b32 t, $1, 5; shl.b32 u, $1, 8; and.b32 u, u, 0x80008000; lop3.b32 t, t, 0x0E000E00, u, 0xEA; fma.rn.f16x2 s, t, $3, s;
+shl.b32 t, $1, 1; shl.b32 u, $1, 4; and.b32 u, u, 0x80008000; lop3.b32 t, t, 0x0E000E00, u, 0xEA; fma.rn.f16x2 s, t, $4, s;
+shr.b32 t, $1, 3; and.b32 u, $1, 0x80008000; lop3.b32 t, t, 0x0E000E00, u, 0xEA; fma.rn.f16x2 s, t, $5, s;
+mov.b32 {lo, hi}, s;
+cvt.f32.f16 flo, lo; cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}
+""")
+
+
+@triton.jit
+def _x_pairs(x01, x23, x45, x67):
+    """bf16 pairs (x0, x1) .. (x6, x7) of each word's columns, as int32 -> fp16 pairs (x_p, x_p+4),
+    p = 0..3, as int32."""
+    return tl.inline_asm_elementwise(_X_PAIRS, "=r,=r,=r,=r,r,r,r,r", [x01, x23, x45, x67],
+                                     dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _word_dot(words, p0, p1, p2, p3):
+    """Per word: sum over its 8 codes of code * 2^-14 * x (fp32), x as fp16 pairs p0..p3."""
+    return tl.inline_asm_elementwise(_WORD_DOT, "=f,r,r,r,r,r", [words, p0, p1, p2, p3],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _hfma_row(words, sbytes, p0, p1, p2, p3):
+    raw = (sbytes.to(tl.int32) << 20).to(tl.float32, bitcast=True)  # scale * 2^-120 (scales are positive)
+    return _word_dot(words, p0, p1, p2, p3) * (raw * _SCALE_UP)
+
+
+@triton.jit
+def _store_row_f16(Y, RS, n, N, acc):
+    rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
+    tl.store(Y + n, (tl.sum(acc, axis=0) * rs).to(Y.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _hfma_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xi,
+               w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7, BLOCK_N: tl.constexpr):
+    """One K step for all rows: x pairs once, then each row's words."""
+    a, b = tl.split(tl.reshape(xi, [xi.shape[0] // 4, 2, 2]))  # int32 j of a word's 4: columns 2j, 2j+1
+    x01, x45 = tl.split(a)
+    x23, x67 = tl.split(b)
+    p0, p1, p2, p3 = _x_pairs(x01, x23, x45, x67)
+    acc0 += _hfma_row(w0, s0, p0, p1, p2, p3)
+    acc1 += _hfma_row(w1, s1, p0, p1, p2, p3)
+    acc2 += _hfma_row(w2, s2, p0, p1, p2, p3)
+    acc3 += _hfma_row(w3, s3, p0, p1, p2, p3)
+    if BLOCK_N > 4:
+        acc4 += _hfma_row(w4, s4, p0, p1, p2, p3)
+        acc5 += _hfma_row(w5, s5, p0, p1, p2, p3)
+        acc6 += _hfma_row(w6, s6, p0, p1, p2, p3)
+        acc7 += _hfma_row(w7, s7, p0, p1, p2, p3)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _row_ptrs(W, S, n, N, stride_wn, stride_sn):
+    n64 = tl.minimum(n, N - 1).to(tl.int64)  # rows past N read the last row; they are not stored
+    return W + n64 * stride_wn, S + n64 * stride_sn
+
+
+@triton.jit
+def _tile(wp, sp, cols, KW, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(wp + cols), tl.load(sp + cols // 2)
+    ok = cols < KW
+    return tl.load(wp + cols, mask=ok, other=0), tl.load(sp + cols // 2, mask=ok, other=0)
+
+
+@triton.jit
+def _x_tile(X32, ks, KW, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(X32 + ks)
+    return tl.load(X32 + ks, mask=ks < KW * 4, other=0)
+
+
+@triton.jit
+def _gemv_hfma_kernel(
+    X32, W, S, RS, Y,
+    N, KW, stride_wn, stride_sn,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """One program per BLOCK_N (4 or 8) weight rows and all of K, one word per thread and row per
+    step; rows unrolled so each thread's x pairs serve all of them; the next step's words are
+    loaded before this step's math (two steps of loads in flight per thread). X32: x's bf16 pairs
+    as int32. EVEN_K (BLOCK_W divides K's words): no masks, the loads vectorise."""
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_w = tl.arange(0, BLOCK_W)
+    offs_x = tl.arange(0, 4 * BLOCK_W)
+    acc0 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc4 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc5 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc6 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc7 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    wp0, sp0 = _row_ptrs(W, S, n0, N, stride_wn, stride_sn)
+    wp1, sp1 = _row_ptrs(W, S, n0 + 1, N, stride_wn, stride_sn)
+    wp2, sp2 = _row_ptrs(W, S, n0 + 2, N, stride_wn, stride_sn)
+    wp3, sp3 = _row_ptrs(W, S, n0 + 3, N, stride_wn, stride_sn)
+    wp4, sp4 = _row_ptrs(W, S, n0 + 4 * (BLOCK_N > 4), N, stride_wn, stride_sn)
+    wp5, sp5 = _row_ptrs(W, S, n0 + 5 * (BLOCK_N > 4), N, stride_wn, stride_sn)
+    wp6, sp6 = _row_ptrs(W, S, n0 + 6 * (BLOCK_N > 4), N, stride_wn, stride_sn)
+    wp7, sp7 = _row_ptrs(W, S, n0 + 7 * (BLOCK_N > 4), N, stride_wn, stride_sn)
+    xi = _x_tile(X32, offs_x, KW, EVEN_K)
+    w0, s0 = _tile(wp0, sp0, offs_w, KW, EVEN_K)
+    w1, s1 = _tile(wp1, sp1, offs_w, KW, EVEN_K)
+    w2, s2 = _tile(wp2, sp2, offs_w, KW, EVEN_K)
+    w3, s3 = _tile(wp3, sp3, offs_w, KW, EVEN_K)
+    w4, s4 = w0, s0
+    w5, s5 = w0, s0
+    w6, s6 = w0, s0
+    w7, s7 = w0, s0
+    if BLOCK_N > 4:
+        w4, s4 = _tile(wp4, sp4, offs_w, KW, EVEN_K)
+        w5, s5 = _tile(wp5, sp5, offs_w, KW, EVEN_K)
+        w6, s6 = _tile(wp6, sp6, offs_w, KW, EVEN_K)
+        w7, s7 = _tile(wp7, sp7, offs_w, KW, EVEN_K)
+    for t in range(BLOCK_W, KW, BLOCK_W):  # prefetch step t, compute step t - 1
+        cols = t + offs_w
+        xn = _x_tile(X32, t * 4 + offs_x, KW, EVEN_K)
+        w0n, s0n = _tile(wp0, sp0, cols, KW, EVEN_K)
+        w1n, s1n = _tile(wp1, sp1, cols, KW, EVEN_K)
+        w2n, s2n = _tile(wp2, sp2, cols, KW, EVEN_K)
+        w3n, s3n = _tile(wp3, sp3, cols, KW, EVEN_K)
+        w4n, s4n = w0n, s0n
+        w5n, s5n = w0n, s0n
+        w6n, s6n = w0n, s0n
+        w7n, s7n = w0n, s0n
+        if BLOCK_N > 4:
+            w4n, s4n = _tile(wp4, sp4, cols, KW, EVEN_K)
+            w5n, s5n = _tile(wp5, sp5, cols, KW, EVEN_K)
+            w6n, s6n = _tile(wp6, sp6, cols, KW, EVEN_K)
+            w7n, s7n = _tile(wp7, sp7, cols, KW, EVEN_K)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _hfma_rows(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xi,
+            w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7, BLOCK_N)
+        xi, w0, s0, w1, s1, w2, s2, w3, s3 = xn, w0n, s0n, w1n, s1n, w2n, s2n, w3n, s3n
+        w4, s4, w5, s5, w6, s6, w7, s7 = w4n, s4n, w5n, s5n, w6n, s6n, w7n, s7n
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _hfma_rows(
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xi,
+        w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7, BLOCK_N)
+    _store_row_f16(Y, RS, n0, N, acc0)
+    _store_row_f16(Y, RS, n0 + 1, N, acc1)
+    _store_row_f16(Y, RS, n0 + 2, N, acc2)
+    _store_row_f16(Y, RS, n0 + 3, N, acc3)
+    if BLOCK_N > 4:
+        _store_row_f16(Y, RS, n0 + 4, N, acc4)
+        _store_row_f16(Y, RS, n0 + 5, N, acc5)
+        _store_row_f16(Y, RS, n0 + 6, N, acc6)
+        _store_row_f16(Y, RS, n0 + 7, N, acc7)
+
+
+# ---------------------------------------------------------------------------------------------
 # Host side
 
 
@@ -271,10 +465,10 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 
 def _gemv_config(m: int, n: int, k: int) -> dict:
     """Launch parameters by shape only (CUDA-graph capturable; no autotuning)."""
-    if m == 1:  # H200 sweep: 2 warps x 8 rows for wide N, 4 warps x 4 rows (more programs) for N = 5120
+    if m == 1:  # the packed-fp16 GEMV; tiles as the fp32 one's H200 sweep: 8 rows x 2 warps for wide N
         if n >= 8192:
-            return dict(kind="fma", BLOCK_M=1, BLOCK_N=8, BLOCK_W=64, num_warps=2)
-        return dict(kind="fma", BLOCK_M=1, BLOCK_N=4, BLOCK_W=128, num_warps=4)
+            return dict(kind="hfma", BLOCK_N=8, BLOCK_W=64, num_warps=2)
+        return dict(kind="hfma", BLOCK_N=4, BLOCK_W=128, num_warps=4)
     return dict(kind="dot", BLOCK_M=16, BLOCK_N=64 if n >= 8192 else 32, BLOCK_W=16, num_warps=4)
 
 
@@ -294,6 +488,17 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
     kind = cfg.pop("kind")
     args = (x, words, sbytes, row_scale, y, m, n, k // 8, x.stride(0), words.stride(0), sbytes.stride(0),
             y.stride(0))
+    if kind == "hfma" and (x.dtype != torch.bfloat16 or not x.is_cuda or _interpreting()):
+        kind, cfg = "fma", dict(BLOCK_M=1, BLOCK_N=cfg["BLOCK_N"], BLOCK_W=cfg["BLOCK_W"], num_warps=cfg["num_warps"])
+    if kind == "hfma":  # PTX: CUDA bf16 only; elsewhere the fp32-decode GEMV above, same tiles
+        if m != 1 or cfg["BLOCK_N"] not in (4, 8):
+            raise ValueError("the hfma GEMV takes one row of x and 4 or 8 weight rows per program")
+        cfg.pop("BLOCK_M", None)
+        x32 = (x if x.storage_offset() % 2 == 0 else x.clone()).view(torch.int32)  # bf16 pairs, 4-byte aligned
+        even = (k // 8) % cfg["BLOCK_W"] == 0 and words.stride(0) == k // 8
+        _gemv_hfma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](x32, words, sbytes, row_scale, y, n, k // 8,
+                                                             words.stride(0), sbytes.stride(0), EVEN_K=even, **cfg)
+        return y
     if kind == "fma":
         if m != 1 or cfg["BLOCK_N"] not in (4, 8):
             raise ValueError("the fma GEMV takes one row of x and 4 or 8 weight rows per program")
@@ -304,6 +509,10 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _gemv_dot_kernel[grid](*args, DOT_PRECISION=precision, **cfg)
     return y
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
