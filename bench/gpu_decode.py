@@ -18,12 +18,14 @@ In order, in this one process:
    sampled and read back) and prefill tok/s at 1k and 8k prompts (and 8k as one chunk), 32k when the
    --deadline leaves time for it (else a `skipped` line with the reason); peak GPU memory.
 3. transformers: Qwen3_5ForCausalLM (or the MoE class) built on the device in bf16 with random
-   weights from the same HF-style config dict, eager attention, default cache (torch fallbacks for the
-   GDN kernels unless fla-core is importable: then transformers uses fla's chunk / fused recurrent
-   kernels, and hf_setup says which); generate decode tok/s at batch 1 and 8 (greedy, min_new_tokens =
-   max_new_tokens; decode rate = extra tokens over the time beyond a 1-token generate), prefill tok/s
-   of a 1k prompt (forward with logits_to_keep=1). One model at a time: ninfer's is freed first.
-NVFP4 weights are not implemented in ninfer: a `nvfp4` line says so; nothing is measured for it.
+   weights from the same HF-style config dict, sdpa attention (its default), default cache (fla's
+   chunk / fused recurrent GDN kernels when fla-core is importable, else its torch fallbacks;
+   hf_setup says which); generate decode tok/s at batch C = 1, 2, 4, 8 (greedy, min_new_tokens =
+   max_new_tokens; decode rate = extra tokens over the time beyond a 1-token generate), prefill
+   tok/s at every prompt length (one forward with logits_to_keep=1). One model at a time: ninfer's
+   is freed first.
+Weight formats (--weights): bf16 and NVFP4 (the random bf16 weights quantized on the device); the
+summary line puts each beside transformers and the rooflines, and checks the issue's goals.
 """
 
 from __future__ import annotations

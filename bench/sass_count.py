@@ -1,0 +1,83 @@
+"""Count the SASS instructions in a Triton kernel's main loop, compiled for sm_90 on a CPU host.
+
+Triton compiles for a GPU target without a GPU (its bundled ptxas and cuobjdump do the rest), so a
+kernel's cost per weight can be weighed before spending device time. The loop is the longest
+backward branch's body; its instruction count divided by the weights one thread handles per
+iteration is the figure quoted in ninfer/kernels/triton_nvfp4.py.
+
+  python bench/sass_count.py                     # the NVFP4 GEMVs at their table tiles
+  python bench/sass_count.py hfma:8,128,4 fma:4,128,4
+Prints one JSON line per kernel: registers, loop instructions, instructions per weight, top opcodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import triton  # noqa: E402
+import triton.backends.nvidia as nvidia_backend  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+CUOBJDUMP = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
+_ADDR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
+
+
+def loop_profile(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
+    instrs = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines() if (m := _ADDR.match(line))]
+    loop = (0, 0)
+    for addr, op, line in instrs:  # the longest backward branch is the main loop
+        target = re.search(r"BRA\s.*?0x([0-9a-f]+)", line)
+        if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
+            start = int(target.group(1), 16)
+            loop = max(loop, (start, addr), key=lambda span: span[1] - span[0])
+    body = [op.split(".")[0] for addr, op, _ in instrs if loop[0] <= addr <= loop[1]]
+    regs = re.search(r"REG:(\d+)", usage)
+    return {"registers": int(regs.group(1)) if regs else None, "loop_instructions": len(body),
+            "top_ops": Counter(body).most_common(8)}
+
+
+def nvfp4(kind: str, block_n: int, block_w: int, num_warps: int) -> dict:
+    from ninfer.kernels import triton_nvfp4 as t
+
+    common = {"W": "*i32", "S": "*u8", "RS": "*fp32", "Y": "*bf16", "N": "i32", "KW": "i32",
+              "stride_wn": "i32", "stride_sn": "i32", "BLOCK_N": "constexpr", "BLOCK_W": "constexpr"}
+    if kind == "hfma":
+        sig = {"X32": "*i32", **common, "EVEN_K": "constexpr"}
+        out = loop_profile(t._gemv_hfma_kernel, sig, {"BLOCK_N": block_n, "BLOCK_W": block_w, "EVEN_K": True},
+                           num_warps)
+    else:
+        sig = {"X": "*bf16", **common, "M": "i32", "stride_xm": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr"}
+        sig = {k: sig[k] for k in ("X", "W", "S", "RS", "Y", "M", "N", "KW", "stride_xm", "stride_wn", "stride_sn",
+                                   "stride_ym", "BLOCK_M", "BLOCK_N", "BLOCK_W")}
+        out = loop_profile(t._gemv_fma_kernel, sig, {"BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_W": block_w}, num_warps)
+    weights_per_thread = block_n * block_w * 8 / (32 * num_warps)  # one int32 word = 8 weights
+    return {"kernel": f"nvfp4_{kind}", "block_n": block_n, "block_w": block_w, "num_warps": num_warps, **out,
+            "instructions_per_weight": round(out["loop_instructions"] / weights_per_thread, 2)}
+
+
+def main(argv: list[str]) -> None:
+    specs = argv or ["hfma:8,64,2", "hfma:4,128,4", "fma:8,64,2", "fma:4,128,4"]
+    for spec in specs:
+        kind, dims = spec.split(":")
+        print(json.dumps(nvfp4(kind, *(int(v) for v in dims.split(",")))), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
