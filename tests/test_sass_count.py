@@ -1,0 +1,32 @@
+"""bench/sass_count.py: Triton compiles the NVFP4 GEMVs for sm_90 on this CPU host, and the packed
+fp16 loop stays well under the fp32-decode loop in instructions per weight (the reason it exists:
+both kernels are bound by instruction issue on the H200, ninfer/kernels/triton_nvfp4.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kernel_markers import HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
+
+
+def _count(*specs: str) -> list[dict]:
+    # a fresh interpreter: conftest turns on TRITON_INTERPRET, under which nothing compiles
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parent.parent / "bench" / "sass_count.py"
+    out = subprocess.run([sys.executable, str(script), *specs], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_packed_fp16_gemv_needs_fewer_instructions_per_weight():
+    packed, fp32 = _count("hfma:8,64,2", "fma:8,64,2")
+    assert packed["loop_instructions"] > 0 and fp32["loop_instructions"] > 0
+    assert dict(packed["top_ops"]).get("HFMA2", 0) > 0  # the PTX's packed fp16 math made it through
+    assert packed["instructions_per_weight"] < 0.8 * fp32["instructions_per_weight"], (packed, fp32)
