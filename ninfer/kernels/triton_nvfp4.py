@@ -51,6 +51,9 @@ from ninfer.kernels.triton_compat import fix_interpreter
 fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
 
 GEMV_MAX_M = 16
+# Rows of x up to which the packed-fp16 GEMV runs once per row (reading W once per row) rather than
+# the tensor-core kernel reading it once: on the H200 two passes at ~2.1 TB/s beat one at ~0.8.
+HFMA_MAX_M = 2
 _SCALE_UP = tl.constexpr(2.0**120)  # E4M3 bits << 20 read as fp32 = scale * 2^-120
 _DOT_SCALE = tl.constexpr(2.0**100)  # dot: code * 2^-126 * scale * 2^100 = code * scale * 2^-26 (exact in bf16)
 _DOT_UNSCALE = tl.constexpr(2.0**26)
@@ -465,7 +468,7 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 
 def _gemv_config(m: int, n: int, k: int) -> dict:
     """Launch parameters by shape only (CUDA-graph capturable; no autotuning)."""
-    if m == 1:  # the packed-fp16 GEMV; tiles as the fp32 one's H200 sweep: 8 rows x 2 warps for wide N
+    if m <= HFMA_MAX_M:  # the packed-fp16 GEMV; tiles as the fp32 one's H200 sweep: 8 rows x 2 warps for wide N
         if n >= 8192:
             return dict(kind="hfma", BLOCK_N=8, BLOCK_W=64, num_warps=2)
         return dict(kind="hfma", BLOCK_N=4, BLOCK_W=128, num_warps=4)
@@ -489,15 +492,20 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
     args = (x, words, sbytes, row_scale, y, m, n, k // 8, x.stride(0), words.stride(0), sbytes.stride(0),
             y.stride(0))
     if kind == "hfma" and (x.dtype != torch.bfloat16 or not x.is_cuda or _interpreting()):
-        kind, cfg = "fma", dict(BLOCK_M=1, BLOCK_N=cfg["BLOCK_N"], BLOCK_W=cfg["BLOCK_W"], num_warps=cfg["num_warps"])
-    if kind == "hfma":  # PTX: CUDA bf16 only; elsewhere the fp32-decode GEMV above, same tiles
-        if m != 1 or cfg["BLOCK_N"] not in (4, 8):
-            raise ValueError("the hfma GEMV takes one row of x and 4 or 8 weight rows per program")
+        # PTX: CUDA bf16 only; elsewhere the fp32-decode kernels (same tiles for one row)
+        cfg = dict(kind="fma", BLOCK_M=1, BLOCK_N=cfg["BLOCK_N"], BLOCK_W=cfg["BLOCK_W"], num_warps=cfg["num_warps"]) \
+            if m == 1 else _gemv_config(HFMA_MAX_M + 1, n, k)
+        kind = cfg.pop("kind")
+    if kind == "hfma":
+        if m > HFMA_MAX_M or cfg["BLOCK_N"] not in (4, 8):
+            raise ValueError(f"the hfma GEMV takes up to {HFMA_MAX_M} rows of x and 4 or 8 weight rows per program")
         cfg.pop("BLOCK_M", None)
-        x32 = (x if x.storage_offset() % 2 == 0 else x.clone()).view(torch.int32)  # bf16 pairs, 4-byte aligned
         even = (k // 8) % cfg["BLOCK_W"] == 0 and words.stride(0) == k // 8
-        _gemv_hfma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](x32, words, sbytes, row_scale, y, n, k // 8,
-                                                             words.stride(0), sbytes.stride(0), EVEN_K=even, **cfg)
+        for i in range(m):  # one pass over W per row of x (see HFMA_MAX_M)
+            xi = x[i:i + 1]
+            x32 = (xi if xi.storage_offset() % 2 == 0 else xi.clone()).view(torch.int32)  # bf16 pairs, 4-byte aligned
+            _gemv_hfma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](x32, words, sbytes, row_scale, y[i], n, k // 8,
+                                                                 words.stride(0), sbytes.stride(0), EVEN_K=even, **cfg)
         return y
     if kind == "fma":
         if m != 1 or cfg["BLOCK_N"] not in (4, 8):
