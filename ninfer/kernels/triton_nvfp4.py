@@ -4,12 +4,12 @@ scale), for Hopper, which has no FP4 tensor cores: weights are decoded in regist
 
 Regimes (chosen by M, which a CUDA graph fixes, so every launch depends on shapes only; no host
 syncs, no data-dependent allocation):
-- M = 1 (batch-1 decode): `_gemv_hfma_kernel`, CUDA cores with packed fp16 arithmetic (PTX; bf16 x
-  on CUDA), below. Each program owns 4 or 8 weight rows and walks all of K: one int32 word (8
-  codes) per thread and row per step, the word's x values shared by the rows, the next step's
-  loads issued before this step's math. Elsewhere (fp32 x, the CPU interpreter) the same tiles run
-  `_gemv_fma_kernel`, which decodes to fp32.
-- 1 < M <= 16: `_gemv_dot_kernel`, tensor cores: the decoded, scaled tile (exact in bf16) @ x^T.
+- M <= 2 (decode of one or two streams): `_gemv_hfma_kernel`, CUDA cores with packed fp16
+  arithmetic (PTX; bf16 x on CUDA), below, once per row of x. Each program owns 4 or 8 weight rows
+  and walks all of K: one int32 word (8 codes) per thread and row per step, the word's x values
+  shared by the rows, the next step's loads issued before this step's math. Elsewhere (fp32 x, the
+  CPU interpreter) one row runs `_gemv_fma_kernel` with the same tiles, which decodes to fp32.
+- 2 < M <= 16: `_gemv_dot_kernel`, tensor cores: the decoded, scaled tile (exact in bf16) @ x^T.
 - M > 16 (prefill, compute-bound): `_dequant_kernel` writes the weight in x.dtype to a scratch
   tensor, then torch's matmul (cuBLAS). Simpler than an in-kernel dequantizing GEMM; on the H200 the
   27B shapes at M = 1024 run at ~0.78x of bf16 F.linear (dequantize ~3.5 TB/s + cuBLAS).
@@ -27,7 +27,7 @@ exactly scale * 2^-120. Powers of two are folded back by exact multiplies: per w
 
 Measured on one H200 (selfcheck_nvfp4, CUDA-graph replay, L2 flushed, 27B shapes, bf16 x; see
 bench/results/2026-11-30-h200-s3): M = 1 packed-fp16 GEMV 1.6-2.5 TB/s, 1.7-2.1x faster than bf16
-F.linear (the fp32-decode GEMV: 1.3-1.8 TB/s). Both are bound by instruction issue, not HBM: their
+F.linear (the fp32-decode GEMV: 1.3-1.8 TB/s); two rows in two passes beat the tensor-core kernel. Both are bound by instruction issue, not HBM: their
 loops compile to ~4.9 and ~7.1 SASS instructions per weight (cuobjdump of the sm_90 build).
 1 < M <= 16: 0.4-0.9 TB/s, 0.4-0.8x of bf16 (a packed-decode tensor-core variant was tried and ran
 slower still: its decoded tiles reach the tensor cores through shared memory 16 bits at a time).
