@@ -371,6 +371,26 @@ def _tile(wp, sp, cols, KW, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _row_tiles(wp0, sp0, wp1, sp1, wp2, sp2, wp3, sp3, wp4, sp4, wp5, sp5, wp6, sp6, wp7, sp7, cols, KW,
+               EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Words and scale bytes of the 4 or 8 rows at `cols` (rows 4..7 repeat row 0 when BLOCK_N = 4)."""
+    w0, s0 = _tile(wp0, sp0, cols, KW, EVEN_K)
+    w1, s1 = _tile(wp1, sp1, cols, KW, EVEN_K)
+    w2, s2 = _tile(wp2, sp2, cols, KW, EVEN_K)
+    w3, s3 = _tile(wp3, sp3, cols, KW, EVEN_K)
+    w4, s4 = w0, s0
+    w5, s5 = w0, s0
+    w6, s6 = w0, s0
+    w7, s7 = w0, s0
+    if BLOCK_N > 4:
+        w4, s4 = _tile(wp4, sp4, cols, KW, EVEN_K)
+        w5, s5 = _tile(wp5, sp5, cols, KW, EVEN_K)
+        w6, s6 = _tile(wp6, sp6, cols, KW, EVEN_K)
+        w7, s7 = _tile(wp7, sp7, cols, KW, EVEN_K)
+    return w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7
+
+
+@triton.jit
 def _x_tile(X32, ks, KW, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(X32 + ks)
@@ -407,35 +427,13 @@ def _gemv_hfma_kernel(
     wp6, sp6 = _row_ptrs(W, S, n0 + 6 * (BLOCK_N > 4), N, stride_wn, stride_sn)
     wp7, sp7 = _row_ptrs(W, S, n0 + 7 * (BLOCK_N > 4), N, stride_wn, stride_sn)
     xi = _x_tile(X32, offs_x, KW, EVEN_K)
-    w0, s0 = _tile(wp0, sp0, offs_w, KW, EVEN_K)
-    w1, s1 = _tile(wp1, sp1, offs_w, KW, EVEN_K)
-    w2, s2 = _tile(wp2, sp2, offs_w, KW, EVEN_K)
-    w3, s3 = _tile(wp3, sp3, offs_w, KW, EVEN_K)
-    w4, s4 = w0, s0
-    w5, s5 = w0, s0
-    w6, s6 = w0, s0
-    w7, s7 = w0, s0
-    if BLOCK_N > 4:
-        w4, s4 = _tile(wp4, sp4, offs_w, KW, EVEN_K)
-        w5, s5 = _tile(wp5, sp5, offs_w, KW, EVEN_K)
-        w6, s6 = _tile(wp6, sp6, offs_w, KW, EVEN_K)
-        w7, s7 = _tile(wp7, sp7, offs_w, KW, EVEN_K)
+    w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7 = _row_tiles(
+        wp0, sp0, wp1, sp1, wp2, sp2, wp3, sp3, wp4, sp4, wp5, sp5, wp6, sp6, wp7, sp7, offs_w, KW, EVEN_K, BLOCK_N)
     for t in range(BLOCK_W, KW, BLOCK_W):  # prefetch step t, compute step t - 1
         cols = t + offs_w
         xn = _x_tile(X32, t * 4 + offs_x, KW, EVEN_K)
-        w0n, s0n = _tile(wp0, sp0, cols, KW, EVEN_K)
-        w1n, s1n = _tile(wp1, sp1, cols, KW, EVEN_K)
-        w2n, s2n = _tile(wp2, sp2, cols, KW, EVEN_K)
-        w3n, s3n = _tile(wp3, sp3, cols, KW, EVEN_K)
-        w4n, s4n = w0n, s0n
-        w5n, s5n = w0n, s0n
-        w6n, s6n = w0n, s0n
-        w7n, s7n = w0n, s0n
-        if BLOCK_N > 4:
-            w4n, s4n = _tile(wp4, sp4, cols, KW, EVEN_K)
-            w5n, s5n = _tile(wp5, sp5, cols, KW, EVEN_K)
-            w6n, s6n = _tile(wp6, sp6, cols, KW, EVEN_K)
-            w7n, s7n = _tile(wp7, sp7, cols, KW, EVEN_K)
+        w0n, s0n, w1n, s1n, w2n, s2n, w3n, s3n, w4n, s4n, w5n, s5n, w6n, s6n, w7n, s7n = _row_tiles(
+            wp0, sp0, wp1, sp1, wp2, sp2, wp3, sp3, wp4, sp4, wp5, sp5, wp6, sp6, wp7, sp7, cols, KW, EVEN_K, BLOCK_N)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _hfma_rows(
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xi,
             w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7, BLOCK_N)
