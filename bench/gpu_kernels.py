@@ -255,14 +255,15 @@ def copy_bandwidth() -> float:
 
 
 @guarded
-def profile_27b(batches=(1, 8), prompt=128):
+def profile_model(shape: str = "qwen3.6-27b", batches=(1, 8), prompt=128):
     from types import SimpleNamespace
 
     from ninfer.artifact.presets import instantiate
     from ninfer.engine.runner import ModelRunner
 
     bw = copy_bandwidth()
-    model = instantiate("qwen3.6-27b", "cuda", torch.bfloat16, seed=0)
+    model = instantiate(shape, "cuda", torch.bfloat16, seed=0)
+    tag = shape.removeprefix("qwen3.6-").replace("-", "_")  # "27b", "35b_a3b"
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     vocab = model.config["vocab_size"]
     max_b = max(batches)
@@ -272,7 +273,7 @@ def profile_27b(batches=(1, 8), prompt=128):
                          num_lanes=max_b, vocab_size=vocab, device=torch.device("cuda"), dtype=torch.bfloat16,
                          cuda_graphs=True, max_seq_len=pages_per_seq * 16)
     capture_s = time.perf_counter() - t0
-    emit(profile="27b_setup", copy_gbps=bw, weight_bytes=weight_bytes, roofline_tok_s_b1=bw * 1e9 / weight_bytes,
+    emit(profile=f"{tag}_setup", copy_gbps=bw, weight_bytes=weight_bytes, roofline_tok_s_b1=bw * 1e9 / weight_bytes,
          graph_status=runner.graph_status, capture_s=capture_s)
     sampling = SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,
                                frequency_penalty=0.0, seed=0)
@@ -340,12 +341,12 @@ def profile_27b(batches=(1, 8), prompt=128):
                 key = "other (elementwise, norms, copies, sampling)"
             groups[key] += ms
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
-        emit(profile="27b_decode", batch=b, step_ms_graphs=graph_step * 1e3, tok_s_graphs=b / graph_step,
+        emit(profile=f"{tag}_decode", batch=b, step_ms_graphs=graph_step * 1e3, tok_s_graphs=b / graph_step,
              replay_only_ms=replay_ms, step_ms_eager=eager_step * 1e3, tok_s_eager=b / eager_step,
              gpu_kernel_ms_per_step=total, weight_floor_ms=weight_bytes / bw / 1e6,
              groups_ms={k: round(v, 3) for k, v in groups.items()},
              top_kernels_ms=[[n[:90], round(ms, 3)] for n, ms in top])
-    profile_prefill(runner, vocab, first_page=pages_per_seq * max_b)
+    profile_prefill(runner, vocab, first_page=pages_per_seq * max_b, tag=tag)
 
 
 def _kernel_groups(prof, reps: int) -> tuple[float, dict, list]:
@@ -357,7 +358,8 @@ def _kernel_groups(prof, reps: int) -> tuple[float, dict, list]:
     return sum(per_kernel.values()), per_kernel, [[n[:90], round(ms, 3)] for n, ms in top]
 
 
-def profile_prefill(runner, vocab: int, first_page: int, prompt: int = 8192, chunk: int = 1024) -> None:
+def profile_prefill(runner, vocab: int, first_page: int, prompt: int = 8192, chunk: int = 1024,
+                    tag: str = "27b") -> None:
     """One 8k prompt in 1024-token chunks: wall vs GPU-kernel time per chunk, and the host's blocking
     calls (stream/device syncs, pageable copies) inside one chunk's forward: a chunk whose wall time
     exceeds its kernel time is host-bound."""
@@ -365,7 +367,7 @@ def profile_prefill(runner, vocab: int, first_page: int, prompt: int = 8192, chu
 
     need_pages = -(-prompt // 16) + 1
     if runner.cache.num_pages < first_page + need_pages:
-        emit(profile="27b_prefill", skipped=f"cache has {runner.cache.num_pages} pages, needs {first_page + need_pages}")
+        emit(profile=f"{tag}_prefill", skipped=f"cache has {runner.cache.num_pages} pages, needs {first_page + need_pages}")
         return
     seq = SimpleNamespace(num_computed=0, pages=list(range(first_page, first_page + need_pages)), state_slot=0,
                           lane=0, output_ids=[], sampling=None)
@@ -395,7 +397,7 @@ def profile_prefill(runner, vocab: int, first_page: int, prompt: int = 8192, chu
         min((ev.time_range.start for ev in prof.events()), default=0)
     host_ops = sorted(((a.key, a.self_cpu_time_total / 1000, a.count) for a in prof.key_averages()),
                       key=lambda r: -r[1])[:20]
-    emit(profile="27b_prefill", prompt=prompt, chunk=chunk, chunk_wall_ms_unprofiled=walls,
+    emit(profile=f"{tag}_prefill", prompt=prompt, chunk=chunk, chunk_wall_ms_unprofiled=walls,
          host_self_ms_top=[[k[:60], round(ms, 2), n] for k, ms, n in host_ops],
          last_chunk_gpu_kernel_ms=round(total, 3), last_chunk_profiled_wall_ms=round(prof_wall / 1000, 3),
          blocking_host_calls=dict(blocking), top_kernels_ms=top)
@@ -405,6 +407,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", default=["checks", "timings", "engine"],
                     choices=["checks", "timings", "engine", "profile"])
+    ap.add_argument("--shape", default="qwen3.6-27b", choices=["qwen3.6-27b", "qwen3.6-35b-a3b"],
+                    help="the preset the profile part builds")
     args = ap.parse_args()
     import importlib.metadata as md
 
@@ -419,7 +423,8 @@ def main():
     t0 = time.perf_counter()
     for part in args.only:
         start = time.perf_counter()
-        {"checks": checks, "timings": timings, "engine": engine_checks, "profile": profile_27b}[part]()
+        {"checks": checks, "timings": timings, "engine": engine_checks,
+         "profile": lambda: profile_model(args.shape)}[part]()
         emit(section=part, wall_s=time.perf_counter() - start)
     emit(total_wall_s=time.perf_counter() - t0)
 

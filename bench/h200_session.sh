@@ -4,7 +4,7 @@
 # optionally `.tcpack/tcache.tgz` (a Triton cache of an earlier run) carried; outputs go to $OUT.
 #   bash bench/h200_session.sh checks pytest   # call 1 (~5 min): every kernel vs its reference, the CUDA tests
 #   bash bench/h200_session.sh bench27 bench35 # call 2 (~8 min): the issue-10 figures, ninfer beside transformers
-#   bash bench/h200_session.sh profile         # decode + chunked-prefill profile of the 27B shape
+#   bash bench/h200_session.sh profile         # decode + chunked-prefill profile of the 27B shape (profile35: 35B-A3B)
 # Single stages: fused gemv nvfp4 kv moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep).
 # A stage past DEADLINE seconds (default 540) is skipped with a line saying so.
 set -u
@@ -43,6 +43,8 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $OUT/fused.jsonl 2>&1 
         --deadline $(( $(left) - 20 )) --hf-reserve 60 > $OUT/qwen35b_gpu_decode.log 2>&1 ;;
     profile)
       timeout 200 python3 bench/gpu_kernels.py --only profile > $OUT/profile_27b.jsonl 2>&1 ;;
+    profile35)
+      timeout 200 python3 bench/gpu_kernels.py --only profile --shape qwen3.6-35b-a3b > $OUT/profile_35b.jsonl 2>&1 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "=== $stage rc=$? at $(( $(date +%s) - t0 )) s"
