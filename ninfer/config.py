@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 KV_DTYPES = ("bf16", "int8", "fp8", "nvfp4", "k8v4")
+API_KEY_ENV = "NINFER_API_KEY"  # the key from the environment: Ray Serve logs a YAML's `args` in clear
 
 
 class ServerConfig(BaseModel):
@@ -60,6 +62,14 @@ class ServerConfig(BaseModel):
     # ninfer (Python) additions: CPU dtype for the embedded default and the KV page size.
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     page_size: int = Field(16, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _api_key_from_environment(cls, data: Any) -> Any:
+        """--api-key / args.api_key when given, else $NINFER_API_KEY (unset or empty: no auth)."""
+        if isinstance(data, dict) and "api_key" not in data and os.environ.get(API_KEY_ENV):
+            data = {**data, "api_key": os.environ[API_KEY_ENV]}
+        return data
 
     @model_validator(mode="after")
     def _check_spec(self) -> "ServerConfig":

@@ -149,3 +149,18 @@ def test_cli_namespace_round_trip():
     args = argparse.Namespace(artifact="m.ninfer", max_context="1024", cors=True, api_key=None)
     cfg = config_from_args(args)
     assert (cfg.max_context, cfg.cors, cfg.api_key) == (1024, True, None)
+
+
+def test_api_key_from_the_environment_when_no_flag_or_arg(monkeypatch):
+    # Ray Serve logs a YAML application's `args` in clear ("Importing application ... with arguments
+    # {...}"), so a Serve config can leave the key out and set NINFER_API_KEY instead (README: auth).
+    monkeypatch.setenv("NINFER_API_KEY", "from-env")
+    assert parse(["m.ninfer"]).api_key == "from-env"
+    assert parse(["m.ninfer", "--api-key", "from-flag"]).api_key == "from-flag"  # the flag wins
+    assert ServerConfig(artifact="m.ninfer", api_key="from-yaml").api_key == "from-yaml"
+    app_args = {"artifact": "m.ninfer"}
+    assert ServerConfig(**app_args).api_key == "from-env" and "api_key" not in app_args
+    monkeypatch.setenv("NINFER_API_KEY", "")  # empty: no auth, as unset
+    assert parse(["m.ninfer"]).api_key is None
+    monkeypatch.delenv("NINFER_API_KEY")
+    assert parse(["m.ninfer"]).api_key is None

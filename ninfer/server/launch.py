@@ -24,7 +24,8 @@ from ninfer.config import ServerConfig
 FLAG_HELP: dict[str, tuple[str | None, str]] = {
     "host": ("H", "listen address"),
     "port": ("N", "listen port"),
-    "api_key": ("KEY", "require this bearer token or x-api-key value (/health and CORS preflight stay open)"),
+    "api_key": ("KEY", "require this bearer token or x-api-key value (/health and CORS preflight stay open); "
+                       "unset: $NINFER_API_KEY if set"),
     "model_id": ("ID", "public OpenAI model alias (default: the artifact's name, else its architecture)"),
     "max_context": ("N", "logical context ceiling of each sequence, in tokens"),
     "kv_capacity": ("N|auto", "shared KV pool in tokens (default: follows --max-context)"),
