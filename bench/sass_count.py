@@ -6,7 +6,7 @@ backward branch's body; its instruction count divided by the weights one thread 
 iteration is the figure quoted in ninfer/kernels/triton_nvfp4.py.
 
   python bench/sass_count.py                     # the NVFP4 GEMVs at their table tiles
-  python bench/sass_count.py hfma:8,128,4 fma:4,128,4
+  python bench/sass_count.py hfma:8,128,4 hfma:4,128,4,2 fma:4,128,4   # [kind:block_n,block_w,warps(,x rows)]
 Prints one JSON line per kernel: registers, loop instructions, instructions per weight, top opcodes.
 """
 
@@ -53,27 +53,30 @@ def loop_profile(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
             "top_ops": Counter(body).most_common(8)}
 
 
-def nvfp4(kind: str, block_n: int, block_w: int, num_warps: int) -> dict:
+def nvfp4(kind: str, block_n: int, block_w: int, num_warps: int, x_rows: int = 1) -> dict:
     from ninfer.kernels import triton_nvfp4 as t
 
     common = {"W": "*i32", "S": "*u8", "RS": "*fp32", "Y": "*bf16", "N": "i32", "KW": "i32",
               "stride_wn": "i32", "stride_sn": "i32", "BLOCK_N": "constexpr", "BLOCK_W": "constexpr"}
     if kind == "hfma":
-        sig = {"X32": "*i32", **common, "EVEN_K": "constexpr"}
-        out = loop_profile(t._gemv_hfma_kernel, sig, {"BLOCK_N": block_n, "BLOCK_W": block_w, "EVEN_K": True},
-                           num_warps)
+        sig = {"X32": "*i32", **common, "stride_x32": "i32", "stride_ym": "i32", "EVEN_K": "constexpr",
+               "X_ROWS": "constexpr", "XR": "constexpr"}
+        const = {"BLOCK_N": block_n, "BLOCK_W": block_w, "EVEN_K": True, "X_ROWS": x_rows,
+                 "XR": 1 << (x_rows - 1).bit_length()}
+        out = loop_profile(t._gemv_hfma_kernel, sig, const, num_warps)
     else:
         sig = {"X": "*bf16", **common, "M": "i32", "stride_xm": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr"}
         sig = {k: sig[k] for k in ("X", "W", "S", "RS", "Y", "M", "N", "KW", "stride_xm", "stride_wn", "stride_sn",
                                    "stride_ym", "BLOCK_M", "BLOCK_N", "BLOCK_W")}
         out = loop_profile(t._gemv_fma_kernel, sig, {"BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_W": block_w}, num_warps)
     weights_per_thread = block_n * block_w * 8 / (32 * num_warps)  # one int32 word = 8 weights
-    return {"kernel": f"nvfp4_{kind}", "block_n": block_n, "block_w": block_w, "num_warps": num_warps, **out,
+    return {"kernel": f"nvfp4_{kind}", "block_n": block_n, "block_w": block_w, "num_warps": num_warps,
+            "x_rows": x_rows, **out,
             "instructions_per_weight": round(out["loop_instructions"] / weights_per_thread, 2)}
 
 
 def main(argv: list[str]) -> None:
-    specs = argv or ["hfma:8,64,2", "hfma:4,128,4", "fma:8,64,2", "fma:4,128,4"]
+    specs = argv or ["hfma:8,64,2", "hfma:4,128,4", "hfma:4,128,4,2", "hfma:4,128,4,4", "fma:8,64,2", "fma:4,128,4"]
     for spec in specs:
         kind, dims = spec.split(":")
         print(json.dumps(nvfp4(kind, *(int(v) for v in dims.split(",")))), flush=True)

@@ -33,7 +33,7 @@ def _problem(n: int, k: int, m: int, device, dtype, seed: int = 0):
     return q, x
 
 
-def check_nvfp4(device, dtype, *, shapes: dict | None = None, ms=(1, 2, 3, 8, 16, 17, 64), seed: int = 0) -> dict:
+def check_nvfp4(device, dtype, *, shapes: dict | None = None, ms=(1, 2, 3, 4, 5, 8, 16, 17, 64), seed: int = 0) -> dict:
     """Kernel (nvfp4_linear: GEMV for M <= 16, dequantize + matmul above) vs x @ dequantize(W)^T in
     fp32. Returns {"max_abs_diff": {shape_mM: diff}, "ref_absmax": max |ref|}; also the
     dequantize kernel vs the torch dequantizer (exact in fp32)."""
@@ -97,7 +97,7 @@ def _rotating(fn, items: list):
     return call
 
 
-def time_nvfp4_gemv(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8), iters: int = 20,
+def time_nvfp4_gemv(device="cuda", *, shapes: dict | None = None, ms=(1, 2, 3, 4, 8), iters: int = 20,
                     config: dict | None = None, with_bf16: bool = True) -> list[dict]:
     """Per shape and M: microseconds and GB/s of the NVFP4 GEMV (bytes read = packed + scales +
     row scales + x, written = y) and of torch's bf16 F.linear on the same shape (bytes = 2NK + x + y).

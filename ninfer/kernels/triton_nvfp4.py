@@ -4,12 +4,13 @@ scale), for Hopper, which has no FP4 tensor cores: weights are decoded in regist
 
 Regimes (chosen by M, which a CUDA graph fixes, so every launch depends on shapes only; no host
 syncs, no data-dependent allocation):
-- M <= 2 (decode of one or two streams): `_gemv_hfma_kernel`, CUDA cores with packed fp16
-  arithmetic (PTX; bf16 x on CUDA), below, once per row of x. Each program owns 4 or 8 weight rows
-  and walks all of K: one int32 word (8 codes) per thread and row per step, the word's x values
-  shared by the rows, the next step's loads issued before this step's math. Elsewhere (fp32 x, the
-  CPU interpreter) one row runs `_gemv_fma_kernel` with the same tiles, which decodes to fp32.
-- 2 < M <= 16: `_gemv_dot_kernel`, tensor cores: the decoded, scaled tile (exact in bf16) @ x^T.
+- M <= 4 (decode of up to four streams): `_gemv_hfma_kernel`, CUDA cores with packed fp16
+  arithmetic (PTX; bf16 x on CUDA), below. Each program owns 4 or 8 weight rows and walks all of
+  K: one int32 word (8 codes) per thread and row per step, decoded once for every row of x, the
+  x values shared by the weight rows, the next step's loads issued before this step's math.
+  Elsewhere (fp32 x, the CPU interpreter) one row runs `_gemv_fma_kernel` with the same tiles,
+  which decodes to fp32, and more rows the tensor-core kernel.
+- 4 < M <= 16: `_gemv_dot_kernel`, tensor cores: the decoded, scaled tile (exact in bf16) @ x^T.
 - M > 16 (prefill, compute-bound): `_dequant_kernel` writes the weight in x.dtype to a scratch
   tensor, then torch's matmul (cuBLAS). Simpler than an in-kernel dequantizing GEMM; on the H200 the
   27B shapes at M = 1024 run at ~0.78x of bf16 F.linear (dequantize ~3.5 TB/s + cuBLAS).
@@ -27,7 +28,9 @@ exactly scale * 2^-120. Powers of two are folded back by exact multiplies: per w
 
 Measured on one H200 (selfcheck_nvfp4, CUDA-graph replay, L2 flushed, 27B shapes, bf16 x; see
 bench/results/2026-11-30-h200-s3): M = 1 packed-fp16 GEMV 1.6-2.5 TB/s, 1.7-2.1x faster than bf16
-F.linear (the fp32-decode GEMV: 1.3-1.8 TB/s); two rows in two passes beat the tensor-core kernel. Both are bound by instruction issue, not HBM: their
+F.linear (the fp32-decode GEMV: 1.3-1.8 TB/s). With 2-4 rows of x the decode is shared: ~6.3 SASS
+instructions per weight for two rows, ~8.9 for four (8 x 64 tiles), against ~9.3-17 for the
+tensor-core kernel. Both are bound by instruction issue, not HBM: their
 loops compile to ~4.9 and ~7.1 SASS instructions per weight (cuobjdump of the sm_90 build).
 1 < M <= 16: 0.4-0.9 TB/s, 0.4-0.8x of bf16 (a packed-decode tensor-core variant was tried and ran
 slower still: its decoded tiles reach the tensor cores through shared memory 16 bits at a time).
@@ -51,9 +54,9 @@ from ninfer.kernels.triton_compat import fix_interpreter
 fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
 
 GEMV_MAX_M = 16
-# Rows of x up to which the packed-fp16 GEMV runs once per row (reading W once per row) rather than
-# the tensor-core kernel reading it once: on the H200 two passes at ~2.1 TB/s beat one at ~0.8.
-HFMA_MAX_M = 2
+# Rows of x up to which the packed-fp16 GEMV (each word decoded once, then multiplied with every row)
+# runs rather than the tensor-core kernel.
+HFMA_MAX_M = 4
 _SCALE_UP = tl.constexpr(2.0**120)  # E4M3 bits << 20 read as fp32 = scale * 2^-120
 _DOT_SCALE = tl.constexpr(2.0**100)  # dot: code * 2^-126 * scale * 2^100 = code * scale * 2^-26 (exact in bf16)
 _DOT_UNSCALE = tl.constexpr(2.0**26)
@@ -270,7 +273,7 @@ def _dequant_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Packed-fp16 GEMV for one row of x (kind "hfma", M = 1)
+# Packed-fp16 GEMV for up to four rows of x (kind "hfma", M <= HFMA_MAX_M)
 #
 # The fp32 decode above costs ~7 instructions per weight in the loop (SASS of the H200 build):
 # the kernel is bound by instruction issue, not HBM. Here one word's eight codes become four fp16
@@ -293,20 +296,29 @@ and.b32 c, $5, 0xFFFF0000; and.b32 d, $7, 0xFFFF0000; cvt.rn.satfinite.f16x2.f32
 }
 """)
 
-_WORD_DOT = tl.constexpr("""
-{
-.reg .b32 t, u, s;
-.reg .f16 lo, hi;
-.reg .f32 flo, fhi;
-shl.b32 t, $1, 9; shl.b32 u, $1, 12; and.b32 u, u, 0x80008000; lop3.b32 t, t, 0x0E000E00, u, 0xEA; mul.rn.f16x2 s, t, $2;
-shl.b32 t, $1, 5; shl.b32 u, $1, 8; and.b32 u, u, 0x80008000; lop3.b32 t, t, 0x0E000E00, u, 0xEA; fma.rn.f16x2 s, t, $3, s;
-shl.b32 t, $1, 1; shl.b32 u, $1, 4; and.b32 u, u, 0x80008000; lop3.b32 t, t, 0x0E000E00, u, 0xEA; fma.rn.f16x2 s, t, $4, s;
-shr.b32 t, $1, 3; and.b32 u, $1, 0x80008000; lop3.b32 t, t, 0x0E000E00, u, 0xEA; fma.rn.f16x2 s, t, $5, s;
-mov.b32 {lo, hi}, s;
-cvt.f32.f16 flo, lo; cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
-}
-""")
+def _word_dot_asm(rows: int) -> str:
+    """PTX for one word against `rows` rows of x: decode the 4 code pairs once, then per row one
+    HMUL2 + three HFMA2 and the fp32 sum of the halves. Operands: outputs $0..$rows-1 (fp32), the
+    word, then row r's pairs (x_p, x_p+4) for p = 0..3."""
+    word = f"${rows}"
+    lines = ["{", ".reg .b32 t0, t1, t2, t3, u, s;", ".reg .f16 lo, hi;", ".reg .f32 flo, fhi;"]
+    for t, (mag, sign) in enumerate(((9, 12), (5, 8), (1, 4))):  # codes p (low half), p + 4 (high half)
+        lines.append(f"shl.b32 t{t}, {word}, {mag}; shl.b32 u, {word}, {sign}; and.b32 u, u, 0x80008000; "
+                     f"lop3.b32 t{t}, t{t}, 0x0E000E00, u, 0xEA;")
+    lines.append(f"shr.b32 t3, {word}, 3; and.b32 u, {word}, 0x80008000; lop3.b32 t3, t3, 0x0E000E00, u, 0xEA;")
+    for r in range(rows):
+        p = [f"${rows + 1 + 4 * r + j}" for j in range(4)]
+        lines.append(f"mul.rn.f16x2 s, t0, {p[0]}; fma.rn.f16x2 s, t1, {p[1]}, s; fma.rn.f16x2 s, t2, {p[2]}, s; "
+                     f"fma.rn.f16x2 s, t3, {p[3]}, s;")
+        lines.append(f"mov.b32 {{lo, hi}}, s; cvt.f32.f16 flo, lo; cvt.f32.f16 fhi, hi; add.f32 ${r}, flo, fhi;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_WORD_DOT1 = tl.constexpr(_word_dot_asm(1))
+_WORD_DOT2 = tl.constexpr(_word_dot_asm(2))
+_WORD_DOT3 = tl.constexpr(_word_dot_asm(3))
+_WORD_DOT4 = tl.constexpr(_word_dot_asm(4))
 
 
 @triton.jit
@@ -318,41 +330,89 @@ def _x_pairs(x01, x23, x45, x67):
 
 
 @triton.jit
-def _word_dot(words, p0, p1, p2, p3):
-    """Per word: sum over its 8 codes of code * 2^-14 * x (fp32), x as fp16 pairs p0..p3."""
-    return tl.inline_asm_elementwise(_WORD_DOT, "=f,r,r,r,r,r", [words, p0, p1, p2, p3],
-                                     dtype=tl.float32, is_pure=True, pack=1)
+def _word_dot(words, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS: tl.constexpr):
+    """Per word and row of x (a.., b.., c.., d..: rows 0..3 as fp16 pairs): sum over the word's 8
+    codes of code * 2^-14 * x, fp32. Rows past X_ROWS come back as row 0's sums (not stored)."""
+    if X_ROWS == 1:
+        o0 = tl.inline_asm_elementwise(_WORD_DOT1, "=f,r,r,r,r,r", [words, a0, a1, a2, a3],
+                                       dtype=tl.float32, is_pure=True, pack=1)
+        return o0, o0, o0, o0
+    elif X_ROWS == 2:
+        o0, o1 = tl.inline_asm_elementwise(_WORD_DOT2, "=f,=f" + ",r" * 9, [words, a0, a1, a2, a3, b0, b1, b2, b3],
+                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        return o0, o1, o0, o0
+    elif X_ROWS == 3:
+        o0, o1, o2 = tl.inline_asm_elementwise(
+            _WORD_DOT3, "=f,=f,=f" + ",r" * 13, [words, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3],
+            dtype=(tl.float32,) * 3, is_pure=True, pack=1)
+        return o0, o1, o2, o0
+    else:
+        return tl.inline_asm_elementwise(
+            _WORD_DOT4, "=f,=f,=f,=f" + ",r" * 17,
+            [words, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3],
+            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
 
 
 @triton.jit
-def _hfma_row(words, sbytes, p0, p1, p2, p3):
-    raw = (sbytes.to(tl.int32) << 20).to(tl.float32, bitcast=True)  # scale * 2^-120 (scales are positive)
-    return _word_dot(words, p0, p1, p2, p3) * (raw * _SCALE_UP)
-
-
-@triton.jit
-def _store_row_f16(Y, RS, n, N, acc):
-    rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
-    tl.store(Y + n, (tl.sum(acc, axis=0) * rs).to(Y.dtype.element_ty), mask=n < N)
-
-
-@triton.jit
-def _hfma_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xi,
-               w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7, BLOCK_N: tl.constexpr):
-    """One K step for all rows: x pairs once, then each row's words."""
+def _x_pair_tile(xi):
+    """x's bf16 pairs of a word tile (int32 [4 * BW]) -> fp16 pairs (x_p, x_p+4), p = 0..3, [BW] each."""
     a, b = tl.split(tl.reshape(xi, [xi.shape[0] // 4, 2, 2]))  # int32 j of a word's 4: columns 2j, 2j+1
     x01, x45 = tl.split(a)
     x23, x67 = tl.split(b)
-    p0, p1, p2, p3 = _x_pairs(x01, x23, x45, x67)
-    acc0 += _hfma_row(w0, s0, p0, p1, p2, p3)
-    acc1 += _hfma_row(w1, s1, p0, p1, p2, p3)
-    acc2 += _hfma_row(w2, s2, p0, p1, p2, p3)
-    acc3 += _hfma_row(w3, s3, p0, p1, p2, p3)
+    return _x_pairs(x01, x23, x45, x67)
+
+
+@triton.jit
+def _stack(o0, o1, o2, o3, XR: tl.constexpr):
+    """[BW] x XR -> [BW, XR] (XR = 1, 2 or 4; joins append a minor axis: no data movement)."""
+    if XR == 1:
+        return o0[:, None]
+    elif XR == 2:
+        return tl.join(o0, o1)
+    else:
+        return tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [o0.shape[0], 4])
+
+
+@triton.jit
+def _hfma_row(words, sbytes, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+              X_ROWS: tl.constexpr, XR: tl.constexpr):
+    """[BW, XR]: per word and row of x, the word's dot times its block scale (units of 2^-14)."""
+    raw = (sbytes.to(tl.int32) << 20).to(tl.float32, bitcast=True)  # scale * 2^-120 (scales are positive)
+    o0, o1, o2, o3 = _word_dot(words, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS)
+    return _stack(o0, o1, o2, o3, XR) * (raw * _SCALE_UP)[:, None]
+
+
+@triton.jit
+def _store_row_f16(Y, RS, n, N, acc, stride_ym, X_ROWS: tl.constexpr, XR: tl.constexpr):
+    rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
+    m = tl.arange(0, XR)
+    tl.store(Y + m * stride_ym + n, (tl.sum(acc, axis=0) * rs).to(Y.dtype.element_ty), mask=(m < X_ROWS) & (n < N))
+
+
+@triton.jit
+def _hfma_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xa, xb, xc, xd,
+               w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7,
+               BLOCK_N: tl.constexpr, X_ROWS: tl.constexpr, XR: tl.constexpr):
+    """One K step for all weight rows: each row of x's pairs once, then each weight row's words."""
+    a0, a1, a2, a3 = _x_pair_tile(xa)
+    b0, b1, b2, b3 = a0, a1, a2, a3
+    c0, c1, c2, c3 = a0, a1, a2, a3
+    d0, d1, d2, d3 = a0, a1, a2, a3
+    if X_ROWS > 1:
+        b0, b1, b2, b3 = _x_pair_tile(xb)
+    if X_ROWS > 2:
+        c0, c1, c2, c3 = _x_pair_tile(xc)
+    if X_ROWS > 3:
+        d0, d1, d2, d3 = _x_pair_tile(xd)
+    acc0 += _hfma_row(w0, s0, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
+    acc1 += _hfma_row(w1, s1, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
+    acc2 += _hfma_row(w2, s2, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
+    acc3 += _hfma_row(w3, s3, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
     if BLOCK_N > 4:
-        acc4 += _hfma_row(w4, s4, p0, p1, p2, p3)
-        acc5 += _hfma_row(w5, s5, p0, p1, p2, p3)
-        acc6 += _hfma_row(w6, s6, p0, p1, p2, p3)
-        acc7 += _hfma_row(w7, s7, p0, p1, p2, p3)
+        acc4 += _hfma_row(w4, s4, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
+        acc5 += _hfma_row(w5, s5, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
+        acc6 += _hfma_row(w6, s6, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
+        acc7 += _hfma_row(w7, s7, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
@@ -398,26 +458,41 @@ def _x_tile(X32, ks, KW, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _x_tiles(X32, ks, KW, stride_x32, EVEN_K: tl.constexpr, X_ROWS: tl.constexpr):
+    """The word tile's x for each row of x (rows past X_ROWS: row 0's again, unused)."""
+    xa = _x_tile(X32, ks, KW, EVEN_K)
+    xb, xc, xd = xa, xa, xa
+    if X_ROWS > 1:
+        xb = _x_tile(X32 + stride_x32, ks, KW, EVEN_K)
+    if X_ROWS > 2:
+        xc = _x_tile(X32 + 2 * stride_x32, ks, KW, EVEN_K)
+    if X_ROWS > 3:
+        xd = _x_tile(X32 + 3 * stride_x32, ks, KW, EVEN_K)
+    return xa, xb, xc, xd
+
+
+@triton.jit
 def _gemv_hfma_kernel(
     X32, W, S, RS, Y,
-    N, KW, stride_wn, stride_sn,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr,
+    N, KW, stride_wn, stride_sn, stride_x32, stride_ym,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr, X_ROWS: tl.constexpr, XR: tl.constexpr,
 ):
     """One program per BLOCK_N (4 or 8) weight rows and all of K, one word per thread and row per
-    step; rows unrolled so each thread's x pairs serve all of them; the next step's words are
-    loaded before this step's math (two steps of loads in flight per thread). X32: x's bf16 pairs
-    as int32. EVEN_K (BLOCK_W divides K's words): no masks, the loads vectorise."""
+    step; weight rows unrolled so each thread's x pairs serve all of them, and each word decoded
+    once for all X_ROWS (1..4; XR = X_ROWS rounded up to a power of two) rows of x; the next step's
+    words are loaded before this step's math (two steps of loads in flight per thread). X32: x's
+    bf16 pairs as int32, rows stride_x32 apart. EVEN_K (BLOCK_W divides K's words): no masks."""
     n0 = tl.program_id(0) * BLOCK_N
     offs_w = tl.arange(0, BLOCK_W)
     offs_x = tl.arange(0, 4 * BLOCK_W)
-    acc0 = tl.zeros([BLOCK_W], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_W], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_W], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_W], dtype=tl.float32)
-    acc4 = tl.zeros([BLOCK_W], dtype=tl.float32)
-    acc5 = tl.zeros([BLOCK_W], dtype=tl.float32)
-    acc6 = tl.zeros([BLOCK_W], dtype=tl.float32)
-    acc7 = tl.zeros([BLOCK_W], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
+    acc4 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
+    acc5 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
+    acc6 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
+    acc7 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
     wp0, sp0 = _row_ptrs(W, S, n0, N, stride_wn, stride_sn)
     wp1, sp1 = _row_ptrs(W, S, n0 + 1, N, stride_wn, stride_sn)
     wp2, sp2 = _row_ptrs(W, S, n0 + 2, N, stride_wn, stride_sn)
@@ -426,31 +501,32 @@ def _gemv_hfma_kernel(
     wp5, sp5 = _row_ptrs(W, S, n0 + 5 * (BLOCK_N > 4), N, stride_wn, stride_sn)
     wp6, sp6 = _row_ptrs(W, S, n0 + 6 * (BLOCK_N > 4), N, stride_wn, stride_sn)
     wp7, sp7 = _row_ptrs(W, S, n0 + 7 * (BLOCK_N > 4), N, stride_wn, stride_sn)
-    xi = _x_tile(X32, offs_x, KW, EVEN_K)
+    xa, xb, xc, xd = _x_tiles(X32, offs_x, KW, stride_x32, EVEN_K, X_ROWS)
     w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7 = _row_tiles(
         wp0, sp0, wp1, sp1, wp2, sp2, wp3, sp3, wp4, sp4, wp5, sp5, wp6, sp6, wp7, sp7, offs_w, KW, EVEN_K, BLOCK_N)
     for t in range(BLOCK_W, KW, BLOCK_W):  # prefetch step t, compute step t - 1
         cols = t + offs_w
-        xn = _x_tile(X32, t * 4 + offs_x, KW, EVEN_K)
+        xan, xbn, xcn, xdn = _x_tiles(X32, t * 4 + offs_x, KW, stride_x32, EVEN_K, X_ROWS)
         w0n, s0n, w1n, s1n, w2n, s2n, w3n, s3n, w4n, s4n, w5n, s5n, w6n, s6n, w7n, s7n = _row_tiles(
             wp0, sp0, wp1, sp1, wp2, sp2, wp3, sp3, wp4, sp4, wp5, sp5, wp6, sp6, wp7, sp7, cols, KW, EVEN_K, BLOCK_N)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _hfma_rows(
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xi,
-            w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7, BLOCK_N)
-        xi, w0, s0, w1, s1, w2, s2, w3, s3 = xn, w0n, s0n, w1n, s1n, w2n, s2n, w3n, s3n
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xa, xb, xc, xd,
+            w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7, BLOCK_N, X_ROWS, XR)
+        xa, xb, xc, xd = xan, xbn, xcn, xdn
+        w0, s0, w1, s1, w2, s2, w3, s3 = w0n, s0n, w1n, s1n, w2n, s2n, w3n, s3n
         w4, s4, w5, s5, w6, s6, w7, s7 = w4n, s4n, w5n, s5n, w6n, s6n, w7n, s7n
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _hfma_rows(
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xi,
-        w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7, BLOCK_N)
-    _store_row_f16(Y, RS, n0, N, acc0)
-    _store_row_f16(Y, RS, n0 + 1, N, acc1)
-    _store_row_f16(Y, RS, n0 + 2, N, acc2)
-    _store_row_f16(Y, RS, n0 + 3, N, acc3)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xa, xb, xc, xd,
+        w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7, BLOCK_N, X_ROWS, XR)
+    _store_row_f16(Y, RS, n0, N, acc0, stride_ym, X_ROWS, XR)
+    _store_row_f16(Y, RS, n0 + 1, N, acc1, stride_ym, X_ROWS, XR)
+    _store_row_f16(Y, RS, n0 + 2, N, acc2, stride_ym, X_ROWS, XR)
+    _store_row_f16(Y, RS, n0 + 3, N, acc3, stride_ym, X_ROWS, XR)
     if BLOCK_N > 4:
-        _store_row_f16(Y, RS, n0 + 4, N, acc4)
-        _store_row_f16(Y, RS, n0 + 5, N, acc5)
-        _store_row_f16(Y, RS, n0 + 6, N, acc6)
-        _store_row_f16(Y, RS, n0 + 7, N, acc7)
+        _store_row_f16(Y, RS, n0 + 4, N, acc4, stride_ym, X_ROWS, XR)
+        _store_row_f16(Y, RS, n0 + 5, N, acc5, stride_ym, X_ROWS, XR)
+        _store_row_f16(Y, RS, n0 + 6, N, acc6, stride_ym, X_ROWS, XR)
+        _store_row_f16(Y, RS, n0 + 7, N, acc7, stride_ym, X_ROWS, XR)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,8 +542,9 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 
 def _gemv_config(m: int, n: int, k: int) -> dict:
     """Launch parameters by shape only (CUDA-graph capturable; no autotuning)."""
-    if m <= HFMA_MAX_M:  # the packed-fp16 GEMV; tiles as the fp32 one's H200 sweep: 8 rows x 2 warps for wide N
-        if n >= 8192:
+    if m <= HFMA_MAX_M:  # the packed-fp16 GEMV. One row: the H200 sweep's tiles (8 x 64 words, 2 warps for
+        # wide N, else 4 x 128, 4 warps); more rows: 8 x 64, fewest SASS instructions per weight
+        if n >= 8192 or m > 1:
             return dict(kind="hfma", BLOCK_N=8, BLOCK_W=64, num_warps=2)
         return dict(kind="hfma", BLOCK_N=4, BLOCK_W=128, num_warps=4)
     return dict(kind="dot", BLOCK_M=16, BLOCK_N=64 if n >= 8192 else 32, BLOCK_W=16, num_warps=4)
@@ -499,11 +576,11 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
             raise ValueError(f"the hfma GEMV takes up to {HFMA_MAX_M} rows of x and 4 or 8 weight rows per program")
         cfg.pop("BLOCK_M", None)
         even = (k // 8) % cfg["BLOCK_W"] == 0 and words.stride(0) == k // 8
-        for i in range(m):  # one pass over W per row of x (see HFMA_MAX_M)
-            xi = x[i:i + 1]
-            x32 = (xi if xi.storage_offset() % 2 == 0 else xi.clone()).view(torch.int32)  # bf16 pairs, 4-byte aligned
-            _gemv_hfma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](x32, words, sbytes, row_scale, y[i], n, k // 8,
-                                                                 words.stride(0), sbytes.stride(0), EVEN_K=even, **cfg)
+        aligned = x.storage_offset() % 2 == 0 and x.stride(0) % 2 == 0  # int32 view: 4-byte aligned rows
+        x32 = (x if aligned else x.clone()).view(torch.int32)
+        _gemv_hfma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+            x32, words, sbytes, row_scale, y, n, k // 8, words.stride(0), sbytes.stride(0), x32.stride(0), y.stride(0),
+            EVEN_K=even, X_ROWS=m, XR=triton.next_power_of_2(m), **cfg)
         return y
     if kind == "fma":
         if m != 1 or cfg["BLOCK_N"] not in (4, 8):
