@@ -360,9 +360,9 @@ def _kernel_groups(prof, reps: int) -> tuple[float, dict, list]:
 
 def profile_prefill(runner, vocab: int, first_page: int, prompt: int = 8192, chunk: int = 1024,
                     tag: str = "27b") -> None:
-    """One 8k prompt in 1024-token chunks: wall vs GPU-kernel time per chunk, and the host's blocking
-    calls (stream/device syncs, pageable copies) inside one chunk's forward: a chunk whose wall time
-    exceeds its kernel time is host-bound."""
+    """One 8k prompt in 1024-token chunks: wall vs GPU-kernel time per chunk, and inside one chunk's
+    forward the host's synchronising calls, its memcpy calls (which block only for pageable host
+    memory) and its kernel launches: a chunk whose wall time exceeds its kernel time is host-bound."""
     from types import SimpleNamespace
 
     need_pages = -(-prompt // 16) + 1
@@ -387,12 +387,17 @@ def profile_prefill(runner, vocab: int, first_page: int, prompt: int = 8192, chu
             walls.append(round((time.perf_counter() - t) * 1e3, 2))
         seq.num_computed += chunk
     total, _, top = _kernel_groups(prof, 1)
-    blocking = defaultdict(int)
+    syncs, copies, launches = defaultdict(int), defaultdict(int), 0
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CPU and any(
-                k in ev.name for k in ("Synchronize", "cudaMemcpy", "aten::item", "aten::_local_scalar_dense",
-                                       "cudaHostAlloc", "aten::nonzero")):
-            blocking[ev.name] += 1
+        if ev.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if any(k in ev.name for k in ("Synchronize", "aten::item", "aten::_local_scalar_dense", "cudaHostAlloc",
+                                      "aten::nonzero")):
+            syncs[ev.name] += 1
+        elif "cudaMemcpy" in ev.name:  # device-to-device copies too, which do not block the host
+            copies[ev.name] += 1
+        elif ev.name.startswith(("cudaLaunchKernel", "cuLaunchKernel")):
+            launches += 1
     prof_wall = max((ev.time_range.end for ev in prof.events()), default=0) - \
         min((ev.time_range.start for ev in prof.events()), default=0)
     host_ops = sorted(((a.key, a.self_cpu_time_total / 1000, a.count) for a in prof.key_averages()),
@@ -400,7 +405,7 @@ def profile_prefill(runner, vocab: int, first_page: int, prompt: int = 8192, chu
     emit(profile=f"{tag}_prefill", prompt=prompt, chunk=chunk, chunk_wall_ms_unprofiled=walls,
          host_self_ms_top=[[k[:60], round(ms, 2), n] for k, ms, n in host_ops],
          last_chunk_gpu_kernel_ms=round(total, 3), last_chunk_profiled_wall_ms=round(prof_wall / 1000, 3),
-         blocking_host_calls=dict(blocking), top_kernels_ms=top)
+         host_syncs=dict(syncs), memcpy_calls=dict(copies), kernel_launches=launches, top_kernels_ms=top)
 
 
 def main():
