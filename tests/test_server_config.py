@@ -152,8 +152,9 @@ def test_cli_namespace_round_trip():
 
 
 def test_api_key_from_the_environment_when_no_flag_or_arg(monkeypatch):
-    # Ray Serve logs a YAML application's `args` in clear ("Importing application ... with arguments
-    # {...}"), so a Serve config can leave the key out and set NINFER_API_KEY instead (README: auth).
+    # serving.md "Authentication and CORS": --api-key sets the required key. Ray Serve logs a YAML
+    # application's `args` in clear ("Importing application ... with arguments {...}"), so a Serve
+    # config can leave the key out and set NINFER_API_KEY instead (README, --api-key row).
     monkeypatch.setenv("NINFER_API_KEY", "from-env")
     assert parse(["m.ninfer"]).api_key == "from-env"
     assert parse(["m.ninfer", "--api-key", "from-flag"]).api_key == "from-flag"  # the flag wins

@@ -15,8 +15,13 @@ from __future__ import annotations
 import os
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET set on)."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "on")
+
+
 def fix_interpreter() -> None:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "on"):
+    if not interpreting():
         return
     try:
         from triton.runtime import interpreter

@@ -28,13 +28,13 @@ exactly scale * 2^-120. Powers of two are folded back by exact multiplies: per w
 
 Measured on one H200 (selfcheck_nvfp4, CUDA-graph replay, L2 flushed, 27B shapes, bf16 x; see
 bench/results/2026-11-30-h200-s3): M = 1 packed-fp16 GEMV 1.6-2.5 TB/s, 1.7-2.1x faster than bf16
-F.linear (the fp32-decode GEMV: 1.3-1.8 TB/s). With 2-4 rows of x the decode is shared: ~6.3 SASS
-instructions per weight for two rows, ~8.9 for four (8 x 64 tiles), against ~9.3-17 for the
-tensor-core kernel. Both are bound by instruction issue, not HBM: their
-loops compile to ~4.9 and ~7.1 SASS instructions per weight (cuobjdump of the sm_90 build).
-1 < M <= 16: 0.4-0.9 TB/s, 0.4-0.8x of bf16 (a packed-decode tensor-core variant was tried and ran
-slower still: its decoded tiles reach the tensor cores through shared memory 16 bits at a time).
-Dequantize 3.2-3.6 TB/s.
+F.linear; the fp32-decode GEMV 1.3-1.8 TB/s. Both are bound by instruction issue, not HBM: their
+loops compile to ~4.9 and ~7.1 SASS instructions per weight (bench/sass_count.py). With 2-4 rows
+of x the packed kernel decodes once for all rows: ~6.3 instructions per weight for two rows, ~8.9
+for four, against ~9.3-17 for the tensor-core kernel, which runs at 0.4-0.9 TB/s (0.4-0.8x of
+bf16) for 4 < M <= 16. A packed-decode tensor-core variant was tried and ran slower still: its
+decoded tiles reach the tensor cores through shared memory 16 bits at a time. Dequantize 3.2-3.6
+TB/s.
 
 Configs: a fixed table by (M, N) (`_gemv_config`), not triton.autotune: autotune times candidates
 on the first call of each shape, which would slow start-up, run inside CUDA-graph capture, and make
@@ -43,13 +43,11 @@ the chosen kernel depend on timing noise.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.triton_compat import fix_interpreter
+from ninfer.kernels.triton_compat import fix_interpreter, interpreting
 
 fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
 
@@ -72,10 +70,13 @@ def _e2m1_times_2m126(words, shift):
 
 
 @triton.jit
-def _e4m3(sbytes):
-    """uint8 E4M3 scales (sign bit unused) -> their fp32 values."""
-    raw = ((sbytes.to(tl.int32) & 0x7F) << 20).to(tl.float32, bitcast=True)
-    return raw * _SCALE_UP
+def _e4m3(sbytes, SIGN_CLEAR: tl.constexpr = False):
+    """uint8 E4M3 scales (sign bit unused) -> their fp32 values. SIGN_CLEAR: the caller knows bit 7
+    is 0 (the quantizer's and importers' scales are positive), so the mask is skipped."""
+    bits = sbytes.to(tl.int32)
+    if not SIGN_CLEAR:
+        bits = bits & 0x7F
+    return (bits << 20).to(tl.float32, bitcast=True) * _SCALE_UP
 
 
 @triton.jit
@@ -377,9 +378,8 @@ def _stack(o0, o1, o2, o3, XR: tl.constexpr):
 def _hfma_row(words, sbytes, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
               X_ROWS: tl.constexpr, XR: tl.constexpr):
     """[BW, XR]: per word and row of x, the word's dot times its block scale (units of 2^-14)."""
-    raw = (sbytes.to(tl.int32) << 20).to(tl.float32, bitcast=True)  # scale * 2^-120 (scales are positive)
     o0, o1, o2, o3 = _word_dot(words, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS)
-    return _stack(o0, o1, o2, o3, XR) * (raw * _SCALE_UP)[:, None]
+    return _stack(o0, o1, o2, o3, XR) * _e4m3(sbytes, True)[:, None]
 
 
 @triton.jit
@@ -566,7 +566,7 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
     kind = cfg.pop("kind")
     args = (x, words, sbytes, row_scale, y, m, n, k // 8, x.stride(0), words.stride(0), sbytes.stride(0),
             y.stride(0))
-    if kind == "hfma" and (x.dtype != torch.bfloat16 or not x.is_cuda or _interpreting()):
+    if kind == "hfma" and (x.dtype != torch.bfloat16 or not x.is_cuda or interpreting()):
         # PTX: CUDA bf16 only; elsewhere the fp32-decode kernels (same tiles for one row)
         cfg = dict(kind="fma", BLOCK_M=1, BLOCK_N=cfg["BLOCK_N"], BLOCK_W=cfg["BLOCK_W"], num_warps=cfg["num_warps"]) \
             if m == 1 else _gemv_config(HFMA_MAX_M + 1, n, k)
@@ -592,10 +592,6 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _gemv_dot_kernel[grid](*args, DOT_PRECISION=precision, **cfg)
     return y
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
