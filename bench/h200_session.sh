@@ -5,7 +5,8 @@
 #   bash bench/h200_session.sh checks pytest   # call 1 (~5 min): every kernel vs its reference, the CUDA tests
 #   bash bench/h200_session.sh bench27 bench35 # call 2 (~8 min): the issue-10 figures, ninfer beside transformers
 #   bash bench/h200_session.sh profile         # decode + chunked-prefill profile of the 27B shape (profile35: 35B-A3B)
-# Single stages: fused gemv nvfp4 kv moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep).
+# Single stages: fused gemv nvfp4 kv moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
+# (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), pytest_nvfp4.
 # A stage past DEADLINE seconds (default 540) is skipped with a line saying so.
 set -u
 python3 -m pip install -q --no-index --no-deps --target .site .whl/fla_core-*.whl || exit 1
@@ -27,7 +28,7 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $OUT/fused.jsonl 2>&1 
     gemv)
       timeout 90 python3 -m ninfer.kernels.selfcheck_gemv --only check,time > $OUT/gemv.jsonl 2>&1 ;;
     nvfp4)
-      timeout 300 python3 -m ninfer.kernels.selfcheck_nvfp4 ${NVFP4_ARGS:-} --out $OUT/nvfp4.json > $OUT/nvfp4.log 2>&1 ;;
+      timeout $(( $(left) - 10 )) python3 -m ninfer.kernels.selfcheck_nvfp4 ${NVFP4_ARGS:-} --out $OUT/nvfp4.json > $OUT/nvfp4.log 2>&1 ;;
     kv)
       timeout 150 python3 -m ninfer.kernels.selfcheck_kv > $OUT/kv.jsonl 2>&1 ;;
     moe)
@@ -35,12 +36,18 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $OUT/fused.jsonl 2>&1 
     pytest)  # only the modules with CUDA tests: the device lacks the server tests' packages (SDKs, uvicorn)
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider \
         $(grep -l "needs_cuda\|mark.cuda" tests/test_*.py) > $OUT/pytest_cuda.log 2>&1 ;;
+    pytest_nvfp4)  # the NVFP4 CUDA tests only (kernel check, engine greedy with and without graphs)
+      timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py \
+        > $OUT/pytest_nvfp4.log 2>&1 ;;
     bench27)
       timeout 330 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights bf16 nvfp4 --deadline 300 \
         --hf-reserve 80 > $OUT/qwen27b_gpu_decode.log 2>&1 ;;
     bench35)
       timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 --no-long \
         --deadline $(( $(left) - 20 )) --hf-reserve 60 > $OUT/qwen35b_gpu_decode.log 2>&1 ;;
+    decode27)  # decode only, NVFP4 and bf16, no transformers: the quick check of a GEMV change
+      timeout 300 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights nvfp4 bf16 --decode-only \
+        --concurrency 1 2 3 4 8 --skip-transformers > $OUT/qwen27b_decode.log 2>&1 ;;
     profile)
       timeout 200 python3 bench/gpu_kernels.py --only profile > $OUT/profile_27b.jsonl 2>&1 ;;
     profile35)

@@ -50,7 +50,7 @@ def check_nvfp4(device, dtype, *, shapes: dict | None = None, ms=(1, 2, 3, 4, 5,
             got = triton_nvfp4.nvfp4_linear(x, *q).float()
             diffs[f"{name}_m{m}"] = (got - ref).abs().max().item()
             absmax = max(absmax, ref.abs().max().item())
-            if m == 1 and x.is_cuda:  # every packed-fp16 GEMV candidate (PTX: CUDA only)
+            if m == 1 and x.is_cuda:  # every packed-fp16 GEMV candidate
                 for cfg in HFMA_CONFIGS:
                     got = triton_nvfp4.nvfp4_gemv(x, *q, config=cfg).float()
                     diffs[f"{name}_m{m}_{_short(cfg)}"] = (got - ref).abs().max().item()
@@ -152,23 +152,29 @@ def _short(cfg: dict) -> str:
     return "_".join(f"{k}{v}" for k, v in cfg.items() if k != "BLOCK_M")
 
 
-HFMA_CONFIGS = [dict(kind="hfma", BLOCK_N=bn, BLOCK_W=32 * w, num_warps=w) for bn in (4, 8) for w in (2, 4, 8)]
+# BLOCK_W: words per step, two (one 16-weight scale block) per thread and weight row
+HFMA_CONFIGS = [dict(kind="hfma", BLOCK_N=bn, BLOCK_W=64 * w, num_warps=w)
+                for bn, w in ((8, 1), (16, 1), (8, 2), (16, 2), (8, 4), (4, 2))]
 # K = 5184 words are not a multiple of the tiles: the masked paths
 RAGGED = {"ragged": (200, 5184)}
 
 
 
 def default_sweep(m: int) -> list[dict]:
-    """Candidate configs: for M = 1 the packed-fp16 GEMV and the fp32-decode one, for M > 1 the
-    tensor-core kernel."""
+    """Candidate configs: for M = 1 the packed-fp16 GEMV and the fp32-decode one, for M <= 4 the
+    packed-fp16 GEMV, above the tensor-core kernel."""
+    from ninfer.kernels.triton_nvfp4 import HFMA_MAX_M
+
     if m == 1:
         return HFMA_CONFIGS + [dict(kind="fma", BLOCK_M=1, BLOCK_N=bn, BLOCK_W=bw, num_warps=w)
                                for bn, bw, w in ((4, 128, 4), (8, 64, 2))]
+    if m <= HFMA_MAX_M:
+        return HFMA_CONFIGS
     return [dict(kind="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_W=bw, num_warps=w)
             for bn, bw, w in ((32, 16, 4), (64, 16, 4), (64, 16, 8), (64, 8, 4))]
 
 
-def sweep_gemv_configs(device="cuda", *, shapes: dict | None = None, ms=(1, 8), configs: list[dict] | None = None,
+def sweep_gemv_configs(device="cuda", *, shapes: dict | None = None, ms=(1, 2, 4, 8), configs: list[dict] | None = None,
                        iters: int = 20) -> list[dict]:
     """GB/s of each candidate launch config per shape and M (for choosing triton_nvfp4._gemv_config).
     Candidates are the union of default_sweep(m); each runs at every M it applies to."""
@@ -178,7 +184,7 @@ def sweep_gemv_configs(device="cuda", *, shapes: dict | None = None, ms=(1, 8), 
             configs += [c for c in default_sweep(m) if c not in configs]
     out = []
     for cfg in configs:
-        cms = tuple(m for m in ms if cfg["kind"] == "dot" or m == 1)
+        cms = tuple(m for m in ms if cfg in default_sweep(m))
         try:
             rows = time_nvfp4_gemv(device, shapes=shapes, ms=cms, iters=iters, config=cfg, with_bf16=False)
         except Exception as exc:  # a config the compiler refuses (registers, shared memory, PTX)

@@ -27,6 +27,9 @@ def fix_interpreter() -> None:
         from triton.runtime import interpreter
     except Exception:  # no interpreter in this triton build: nothing to fix
         return
+    from ninfer.kernels.ptx_emulator import install_interpreter_inline_asm
+
+    install_interpreter_inline_asm()  # inline PTX (the packed-fp16 NVFP4 GEMV) through the CPU emulator
     original = getattr(interpreter, "_patch_lang_tensor", None)
     if original is None or getattr(original, "_ninfer_index_fix", False):
         return

@@ -55,6 +55,8 @@ GEMV_MAX_M = 16
 # Rows of x up to which the packed-fp16 GEMV (each word decoded once, then multiplied with every row)
 # runs rather than the tensor-core kernel.
 HFMA_MAX_M = 4
+# Its K loop unrolled twice: the prefetched registers swap roles instead of being copied each step.
+HFMA_UNROLL = tl.constexpr(2)
 _SCALE_UP = tl.constexpr(2.0**120)  # E4M3 bits << 20 read as fp32 = scale * 2^-120
 _DOT_SCALE = tl.constexpr(2.0**100)  # dot: code * 2^-126 * scale * 2^100 = code * scale * 2^-26 (exact in bf16)
 _DOT_UNSCALE = tl.constexpr(2.0**26)
@@ -277,256 +279,194 @@ def _dequant_kernel(
 # Packed-fp16 GEMV for up to four rows of x (kind "hfma", M <= HFMA_MAX_M)
 #
 # The fp32 decode above costs ~7 instructions per weight in the loop (SASS of the H200 build):
-# the kernel is bound by instruction issue, not HBM. Here one word's eight codes become four fp16
-# pairs (code p in the low half, code p + 4 in the high half: a word's halves hold codes 0-3 and
-# 4-7, so each pair costs two shifts, an AND and a `lop3`), the sign on bit 15 and the magnitude on
-# bits 11..9, which reads as code * 2^-14 (+-0.5 as fp16 subnormals, which fp16 arithmetic keeps).
-# They meet x as fp16 pairs (x_p, x_p+4) in one HMUL2 and three HFMA2, the two halves are summed
-# in fp32, and the word's block scale is applied in fp32: ~3.5 instructions per weight. Precision:
-# each fp16 product and 4-term sum rounds to 11 bits (finer than bf16's 8); x converts to fp16
-# exactly for |x| in [2^-14, 65504] and saturates beyond; products below fp16's normal range
-# (|x| < 2 with code 0.5) keep an absolute error under 2^-25 * 2^14 * block scale * row scale.
+# the kernel is bound by instruction issue, not HBM. Here each thread takes whole 16-weight scale
+# blocks: per weight row and step, one block's two int32 words (one 8-byte load) and its scale
+# byte. A word's eight codes become four fp16 pairs (code p in the low half, code p + 4 in the high
+# half: a word's halves hold codes 0-3 and 4-7, so each pair costs two shifts, an AND and a
+# `lop3`), the sign on bit 15 and the magnitude on bits 11..9, which reads as code * 2^-14 (+-0.5
+# as fp16 subnormals, which fp16 arithmetic keeps). The block's eight pairs meet x as fp16 pairs
+# (x_p, x_p+4) in one HMUL2 and seven HFMA2 per row of x, the two halves are summed in fp32 and the
+# block scale is applied in one fp32 FMA: the decode is shared by every row of x, the scale, the
+# fp32 sum and the address arithmetic by 16 weights. Precision: each fp16 product and 8-term sum
+# rounds to 11 bits (finer than bf16's 8); x converts to fp16 exactly for |x| in [2^-14, 65504]
+# and saturates beyond; products below fp16's normal range (|x| < 2 with code 0.5) keep an
+# absolute error under 2^-25 * 2^14 * block scale * row scale.
 
 _X_PAIRS = tl.constexpr("""
 {
 .reg .f32 a, b, c, d;
-shl.b32 a, $4, 16; shl.b32 b, $6, 16; cvt.rn.satfinite.f16x2.f32 $0, b, a;
-and.b32 c, $4, 0xFFFF0000; and.b32 d, $6, 0xFFFF0000; cvt.rn.satfinite.f16x2.f32 $1, d, c;
-shl.b32 a, $5, 16; shl.b32 b, $7, 16; cvt.rn.satfinite.f16x2.f32 $2, b, a;
-and.b32 c, $5, 0xFFFF0000; and.b32 d, $7, 0xFFFF0000; cvt.rn.satfinite.f16x2.f32 $3, d, c;
+shl.b32 a, $4, 16; shl.b32 b, $5, 16; cvt.rn.satfinite.f16x2.f32 $0, b, a;
+shl.b32 c, $6, 16; shl.b32 d, $7, 16; cvt.rn.satfinite.f16x2.f32 $1, d, c;
+and.b32 a, $4, 0xFFFF0000; and.b32 b, $5, 0xFFFF0000; cvt.rn.satfinite.f16x2.f32 $2, b, a;
+and.b32 c, $6, 0xFFFF0000; and.b32 d, $7, 0xFFFF0000; cvt.rn.satfinite.f16x2.f32 $3, d, c;
 }
 """)
 
-def _word_dot_asm(rows: int) -> str:
-    """PTX for one word against `rows` rows of x: decode the 4 code pairs once, then per row one
-    HMUL2 + three HFMA2 and the fp32 sum of the halves. Operands: outputs $0..$rows-1 (fp32), the
-    word, then row r's pairs (x_p, x_p+4) for p = 0..3."""
-    word = f"${rows}"
-    lines = ["{", ".reg .b32 t0, t1, t2, t3, u, s;", ".reg .f16 lo, hi;", ".reg .f32 flo, fhi;"]
-    for t, (mag, sign) in enumerate(((9, 12), (5, 8), (1, 4))):  # codes p (low half), p + 4 (high half)
-        lines.append(f"shl.b32 t{t}, {word}, {mag}; shl.b32 u, {word}, {sign}; and.b32 u, u, 0x80008000; "
-                     f"lop3.b32 t{t}, t{t}, 0x0E000E00, u, 0xEA;")
-    lines.append(f"shr.b32 t3, {word}, 3; and.b32 u, {word}, 0x80008000; lop3.b32 t3, t3, 0x0E000E00, u, 0xEA;")
+
+def _block_dot_asm(rows: int) -> str:
+    """PTX for one 16-weight block (two words) against `rows` rows of x: the block's 8 code pairs
+    decoded once, then per row one HMUL2 + seven HFMA2 and the fp32 sum of the two halves.
+    Operands: outputs $0..$rows-1 (fp32), the two words, then row r's 8 x pairs in _X_PAIRS' order
+    (x0, x2), (x4, x6), (x1, x3), (x5, x7): the first word's columns, then the second's."""
+    lines = ["{", ".reg .b32 t<8>, e, o, u, z;", ".reg .f16 lo, hi;", "mov.b32 z, 0;"]
+    for w in range(2):
+        word = f"${rows + w}"
+        # e: the even codes (0, 2, 4, 6: each byte's low nibble) as bytes sign << 7 | magnitude << 1,
+        # o: the odd codes likewise; each byte is the high byte of an fp16 worth code * 2^-14
+        lines.append(f"shl.b32 e, {word}, 1; shl.b32 u, {word}, 4; and.b32 u, u, 0x80808080; "
+                     f"lop3.b32 e, e, 0x0E0E0E0E, u, 0xEA;")
+        lines.append(f"shr.b32 o, {word}, 3; and.b32 u, {word}, 0x80808080; lop3.b32 o, o, 0x0E0E0E0E, u, 0xEA;")
+        # bytes to fp16 pairs (zero low bytes from z): (c0, c2), (c4, c6), (c1, c3), (c5, c7)
+        t = [f"t{4 * w + i}" for i in range(4)]
+        lines.append(f"prmt.b32 {t[0]}, e, z, 0x1404; prmt.b32 {t[1]}, e, z, 0x3424; "
+                     f"prmt.b32 {t[2]}, o, z, 0x1404; prmt.b32 {t[3]}, o, z, 0x3424;")
     for r in range(rows):
-        p = [f"${rows + 1 + 4 * r + j}" for j in range(4)]
-        lines.append(f"mul.rn.f16x2 s, t0, {p[0]}; fma.rn.f16x2 s, t1, {p[1]}, s; fma.rn.f16x2 s, t2, {p[2]}, s; "
-                     f"fma.rn.f16x2 s, t3, {p[3]}, s;")
-        lines.append(f"mov.b32 {{lo, hi}}, s; cvt.f32.f16 flo, lo; cvt.f32.f16 fhi, hi; add.f32 ${r}, flo, fhi;")
+        x = [f"${rows + 2 + 8 * r + j}" for j in range(8)]
+        lines.append(" ".join([f"mul.rn.f16x2 u, t0, {x[0]};"] + [f"fma.rn.f16x2 u, t{j}, {x[j]}, u;" for j in range(1, 8)]))
+        lines.append(f"mov.b32 {{lo, hi}}, u; add.rn.f16 lo, lo, hi; cvt.f32.f16 ${r}, lo;")
     lines.append("}")
     return "\n".join(lines)
 
 
-_WORD_DOT1 = tl.constexpr(_word_dot_asm(1))
-_WORD_DOT2 = tl.constexpr(_word_dot_asm(2))
-_WORD_DOT3 = tl.constexpr(_word_dot_asm(3))
-_WORD_DOT4 = tl.constexpr(_word_dot_asm(4))
+_BLOCK_DOT1 = tl.constexpr(_block_dot_asm(1))
+_BLOCK_DOT2 = tl.constexpr(_block_dot_asm(2))
+_BLOCK_DOT3 = tl.constexpr(_block_dot_asm(3))
+_BLOCK_DOT4 = tl.constexpr(_block_dot_asm(4))
 
 
 @triton.jit
 def _x_pairs(x01, x23, x45, x67):
-    """bf16 pairs (x0, x1) .. (x6, x7) of each word's columns, as int32 -> fp16 pairs (x_p, x_p+4),
-    p = 0..3, as int32."""
-    return tl.inline_asm_elementwise(_X_PAIRS, "=r,=r,=r,=r,r,r,r,r", [x01, x23, x45, x67],
-                                     dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    """bf16 pairs (x0, x1) .. (x6, x7) of 8 columns, as int32 -> fp16 pairs (x_p, x_p+4), p = 0..3."""
+    p02, p46, p13, p57 = tl.inline_asm_elementwise(_X_PAIRS, "=r,=r,=r,=r,r,r,r,r", [x01, x23, x45, x67],
+                                                   dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    return p02, p46, p13, p57  # a plain tuple, which the interpreter can concatenate
 
 
 @triton.jit
-def _word_dot(words, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS: tl.constexpr):
-    """Per word and row of x (a.., b.., c.., d..: rows 0..3 as fp16 pairs): sum over the word's 8
-    codes of code * 2^-14 * x, fp32. Rows past X_ROWS come back as row 0's sums (not stored)."""
-    if X_ROWS == 1:
-        o0 = tl.inline_asm_elementwise(_WORD_DOT1, "=f,r,r,r,r,r", [words, a0, a1, a2, a3],
-                                       dtype=tl.float32, is_pure=True, pack=1)
-        return o0, o0, o0, o0
-    elif X_ROWS == 2:
-        o0, o1 = tl.inline_asm_elementwise(_WORD_DOT2, "=f,=f" + ",r" * 9, [words, a0, a1, a2, a3, b0, b1, b2, b3],
-                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-        return o0, o1, o0, o0
-    elif X_ROWS == 3:
-        o0, o1, o2 = tl.inline_asm_elementwise(
-            _WORD_DOT3, "=f,=f,=f" + ",r" * 13, [words, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3],
-            dtype=(tl.float32,) * 3, is_pure=True, pack=1)
-        return o0, o1, o2, o0
-    else:
-        return tl.inline_asm_elementwise(
-            _WORD_DOT4, "=f,=f,=f,=f" + ",r" * 17,
-            [words, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3],
-            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+def _ld(ptr, ok, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(ptr)
+    return tl.load(ptr, mask=ok, other=0)
 
 
 @triton.jit
-def _x_pair_tile(xi):
-    """x's bf16 pairs of a word tile (int32 [4 * BW]) -> fp16 pairs (x_p, x_p+4), p = 0..3, [BW] each."""
-    a, b = tl.split(tl.reshape(xi, [xi.shape[0] // 4, 2, 2]))  # int32 j of a word's 4: columns 2j, 2j+1
+def _x_block(X32, blocks, KB, EVEN_K: tl.constexpr):
+    """One row of x at the block tile: each block's 16 columns as 8 fp16 pairs (a tuple of [BB])."""
+    j = tl.arange(0, 4)[None, :]
+    ptr = X32 + blocks[:, None] * 8 + j
+    ok = (blocks < KB)[:, None]
+    lo = _ld(ptr, ok, EVEN_K)
+    hi = _ld(ptr + 4, ok, EVEN_K)
+    a, b = tl.split(tl.reshape(lo, [lo.shape[0], 2, 2]))
     x01, x45 = tl.split(a)
     x23, x67 = tl.split(b)
-    return _x_pairs(x01, x23, x45, x67)
+    c, d = tl.split(tl.reshape(hi, [hi.shape[0], 2, 2]))
+    y01, y45 = tl.split(c)
+    y23, y67 = tl.split(d)
+    return _x_pairs(x01, x23, x45, x67) + _x_pairs(y01, y23, y45, y67)
 
 
 @triton.jit
-def _stack(o0, o1, o2, o3, XR: tl.constexpr):
-    """[BW] x XR -> [BW, XR] (XR = 1, 2 or 4; joins append a minor axis: no data movement)."""
-    if XR == 1:
-        return o0[:, None]
-    elif XR == 2:
+def _x_blocks(X32, blocks, KB, stride_x32, EVEN_K: tl.constexpr, X_ROWS: tl.constexpr):
+    """Every row of x's pairs at the block tile, flat: row 0's 8 pairs, then row 1's, ... (the block
+    dot's operand order)."""
+    xs = ()
+    for r in tl.static_range(X_ROWS):
+        xs = xs + _x_block(X32 + r * stride_x32, blocks, KB, EVEN_K)
+    return xs
+
+
+@triton.jit
+def _w_blocks(wps, sps, blocks, KB, EVEN_K: tl.constexpr):
+    """Every weight row's two words per block and the blocks' scale bytes, flat: (wa, wb, s) per row."""
+    ws = ()
+    ok = blocks < KB
+    for i in tl.static_range(len(wps)):
+        wa, wb = tl.split(_ld(wps[i] + blocks[:, None] * 2 + tl.arange(0, 2)[None, :], ok[:, None], EVEN_K))
+        ws = ws + (wa, wb, _ld(sps[i] + blocks, ok, EVEN_K))
+    return ws
+
+
+@triton.jit
+def _block_dot(wa, wb, xs, X_ROWS: tl.constexpr):
+    """Per block and row of x: sum over the block's 16 codes of code * 2^-14 * x, fp32 [BB, XR]
+    (columns past X_ROWS repeat row 0; they are not stored). xs: _x_blocks' pairs."""
+    if X_ROWS == 1:
+        o = tl.inline_asm_elementwise(_BLOCK_DOT1, "=f" + ",r" * 10, (wa, wb) + xs,
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        return o[:, None]
+    elif X_ROWS == 2:
+        o0, o1 = tl.inline_asm_elementwise(_BLOCK_DOT2, "=f,=f" + ",r" * 18, (wa, wb) + xs,
+                                           dtype=(tl.float32,) * 2, is_pure=True, pack=1)
         return tl.join(o0, o1)
-    else:
+    elif X_ROWS == 3:
+        o0, o1, o2 = tl.inline_asm_elementwise(_BLOCK_DOT3, "=f,=f,=f" + ",r" * 26, (wa, wb) + xs,
+                                               dtype=(tl.float32,) * 3, is_pure=True, pack=1)
+        return tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o0)), [o0.shape[0], 4])
+    else:  # joins append a minor axis: [BB, 2, 2] -> [BB, 4] in row order 0..3, no data movement
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(_BLOCK_DOT4, "=f,=f,=f,=f" + ",r" * 34, (wa, wb) + xs,
+                                                   dtype=(tl.float32,) * 4, is_pure=True, pack=1)
         return tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [o0.shape[0], 4])
 
 
 @triton.jit
-def _hfma_row(words, sbytes, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
-              X_ROWS: tl.constexpr, XR: tl.constexpr):
-    """[BW, XR]: per word and row of x, the word's dot times its block scale (units of 2^-14)."""
-    o0, o1, o2, o3 = _word_dot(words, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS)
-    return _stack(o0, o1, o2, o3, XR) * _e4m3(sbytes, True)[:, None]
-
-
-@triton.jit
-def _store_row_f16(Y, RS, n, N, acc, stride_ym, X_ROWS: tl.constexpr, XR: tl.constexpr):
-    rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
-    m = tl.arange(0, XR)
-    tl.store(Y + m * stride_ym + n, (tl.sum(acc, axis=0) * rs).to(Y.dtype.element_ty), mask=(m < X_ROWS) & (n < N))
-
-
-@triton.jit
-def _hfma_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xa, xb, xc, xd,
-               w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7,
-               BLOCK_N: tl.constexpr, X_ROWS: tl.constexpr, XR: tl.constexpr):
-    """One K step for all weight rows: each row of x's pairs once, then each weight row's words."""
-    a0, a1, a2, a3 = _x_pair_tile(xa)
-    b0, b1, b2, b3 = a0, a1, a2, a3
-    c0, c1, c2, c3 = a0, a1, a2, a3
-    d0, d1, d2, d3 = a0, a1, a2, a3
-    if X_ROWS > 1:
-        b0, b1, b2, b3 = _x_pair_tile(xb)
-    if X_ROWS > 2:
-        c0, c1, c2, c3 = _x_pair_tile(xc)
-    if X_ROWS > 3:
-        d0, d1, d2, d3 = _x_pair_tile(xd)
-    acc0 += _hfma_row(w0, s0, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
-    acc1 += _hfma_row(w1, s1, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
-    acc2 += _hfma_row(w2, s2, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
-    acc3 += _hfma_row(w3, s3, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
-    if BLOCK_N > 4:
-        acc4 += _hfma_row(w4, s4, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
-        acc5 += _hfma_row(w5, s5, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
-        acc6 += _hfma_row(w6, s6, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
-        acc7 += _hfma_row(w7, s7, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, X_ROWS, XR)
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
-
-
-@triton.jit
-def _row_ptrs(W, S, n, N, stride_wn, stride_sn):
-    n64 = tl.minimum(n, N - 1).to(tl.int64)  # rows past N read the last row; they are not stored
-    return W + n64 * stride_wn, S + n64 * stride_sn
-
-
-@triton.jit
-def _tile(wp, sp, cols, KW, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        return tl.load(wp + cols), tl.load(sp + cols // 2)
-    ok = cols < KW
-    return tl.load(wp + cols, mask=ok, other=0), tl.load(sp + cols // 2, mask=ok, other=0)
-
-
-@triton.jit
-def _row_tiles(wp0, sp0, wp1, sp1, wp2, sp2, wp3, sp3, wp4, sp4, wp5, sp5, wp6, sp6, wp7, sp7, cols, KW,
-               EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Words and scale bytes of the 4 or 8 rows at `cols` (rows 4..7 repeat row 0 when BLOCK_N = 4)."""
-    w0, s0 = _tile(wp0, sp0, cols, KW, EVEN_K)
-    w1, s1 = _tile(wp1, sp1, cols, KW, EVEN_K)
-    w2, s2 = _tile(wp2, sp2, cols, KW, EVEN_K)
-    w3, s3 = _tile(wp3, sp3, cols, KW, EVEN_K)
-    w4, s4 = w0, s0
-    w5, s5 = w0, s0
-    w6, s6 = w0, s0
-    w7, s7 = w0, s0
-    if BLOCK_N > 4:
-        w4, s4 = _tile(wp4, sp4, cols, KW, EVEN_K)
-        w5, s5 = _tile(wp5, sp5, cols, KW, EVEN_K)
-        w6, s6 = _tile(wp6, sp6, cols, KW, EVEN_K)
-        w7, s7 = _tile(wp7, sp7, cols, KW, EVEN_K)
-    return w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7
-
-
-@triton.jit
-def _x_tile(X32, ks, KW, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        return tl.load(X32 + ks)
-    return tl.load(X32 + ks, mask=ks < KW * 4, other=0)
-
-
-@triton.jit
-def _x_tiles(X32, ks, KW, stride_x32, EVEN_K: tl.constexpr, X_ROWS: tl.constexpr):
-    """The word tile's x for each row of x (rows past X_ROWS: row 0's again, unused)."""
-    xa = _x_tile(X32, ks, KW, EVEN_K)
-    xb, xc, xd = xa, xa, xa
-    if X_ROWS > 1:
-        xb = _x_tile(X32 + stride_x32, ks, KW, EVEN_K)
-    if X_ROWS > 2:
-        xc = _x_tile(X32 + 2 * stride_x32, ks, KW, EVEN_K)
-    if X_ROWS > 3:
-        xd = _x_tile(X32 + 3 * stride_x32, ks, KW, EVEN_K)
-    return xa, xb, xc, xd
+def _hfma_step(accs, ws, xs, X_ROWS: tl.constexpr):
+    """One K step for every weight row: acc += block dot * block scale * 2^-120 (the E4M3 bits
+    moved up by 20; 2^120 goes back at the end. Products below fp32's normal range stay exact
+    enough: Triton's fp32 FMAs keep denormals)."""
+    out = ()
+    for i in tl.static_range(len(accs)):
+        dot = _block_dot(ws[3 * i], ws[3 * i + 1], xs, X_ROWS)
+        scale = (ws[3 * i + 2].to(tl.int32) << 20).to(tl.float32, bitcast=True)  # bit 7 is 0: see _e4m3
+        out = out + (accs[i] + dot * scale[:, None],)
+    return out
 
 
 @triton.jit
 def _gemv_hfma_kernel(
     X32, W, S, RS, Y,
-    N, KW, stride_wn, stride_sn, stride_x32, stride_ym,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr, X_ROWS: tl.constexpr, XR: tl.constexpr,
+    N, stride_x32, stride_ym,
+    KW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_N: tl.constexpr, X_ROWS: tl.constexpr,
+    XR: tl.constexpr,
 ):
-    """One program per BLOCK_N (4 or 8) weight rows and all of K, one word per thread and row per
-    step; weight rows unrolled so each thread's x pairs serve all of them, and each word decoded
-    once for all X_ROWS (1..4; XR = X_ROWS rounded up to a power of two) rows of x; the next step's
-    words are loaded before this step's math (two steps of loads in flight per thread). X32: x's
-    bf16 pairs as int32, rows stride_x32 apart. EVEN_K (BLOCK_W divides K's words): no masks."""
+    """One program per BLOCK_N weight rows and all of K; per step BLOCK_W words (BLOCK_W / 2 scale
+    blocks, one per thread and row). Weight rows unrolled so each thread's x pairs serve all of
+    them; each block decoded once for all X_ROWS (1..4; XR = X_ROWS rounded up to a power of two)
+    rows of x; the next step's loads issued before this step's math (two steps in flight per
+    thread). X32: x's bf16 pairs as int32, rows stride_x32 apart. W, S: contiguous rows of KW words
+    and KW / 2 scale bytes. KW is a compile-time constant so that the rows' addresses are one
+    pointer plus constant offsets (EVEN_N: BLOCK_N divides N, no clamping), one add per step for
+    all rows; EVEN_K (BLOCK_W divides KW): no masks."""
+    BB: tl.constexpr = BLOCK_W // 2
+    KB: tl.constexpr = KW // 2
+    EVEN_K: tl.constexpr = KW % BLOCK_W == 0
     n0 = tl.program_id(0) * BLOCK_N
-    offs_w = tl.arange(0, BLOCK_W)
-    offs_x = tl.arange(0, 4 * BLOCK_W)
-    acc0 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
-    acc4 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
-    acc5 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
-    acc6 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
-    acc7 = tl.zeros([BLOCK_W, XR], dtype=tl.float32)
-    wp0, sp0 = _row_ptrs(W, S, n0, N, stride_wn, stride_sn)
-    wp1, sp1 = _row_ptrs(W, S, n0 + 1, N, stride_wn, stride_sn)
-    wp2, sp2 = _row_ptrs(W, S, n0 + 2, N, stride_wn, stride_sn)
-    wp3, sp3 = _row_ptrs(W, S, n0 + 3, N, stride_wn, stride_sn)
-    wp4, sp4 = _row_ptrs(W, S, n0 + 4 * (BLOCK_N > 4), N, stride_wn, stride_sn)
-    wp5, sp5 = _row_ptrs(W, S, n0 + 5 * (BLOCK_N > 4), N, stride_wn, stride_sn)
-    wp6, sp6 = _row_ptrs(W, S, n0 + 6 * (BLOCK_N > 4), N, stride_wn, stride_sn)
-    wp7, sp7 = _row_ptrs(W, S, n0 + 7 * (BLOCK_N > 4), N, stride_wn, stride_sn)
-    xa, xb, xc, xd = _x_tiles(X32, offs_x, KW, stride_x32, EVEN_K, X_ROWS)
-    w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7 = _row_tiles(
-        wp0, sp0, wp1, sp1, wp2, sp2, wp3, sp3, wp4, sp4, wp5, sp5, wp6, sp6, wp7, sp7, offs_w, KW, EVEN_K, BLOCK_N)
-    for t in range(BLOCK_W, KW, BLOCK_W):  # prefetch step t, compute step t - 1
-        cols = t + offs_w
-        xan, xbn, xcn, xdn = _x_tiles(X32, t * 4 + offs_x, KW, stride_x32, EVEN_K, X_ROWS)
-        w0n, s0n, w1n, s1n, w2n, s2n, w3n, s3n, w4n, s4n, w5n, s5n, w6n, s6n, w7n, s7n = _row_tiles(
-            wp0, sp0, wp1, sp1, wp2, sp2, wp3, sp3, wp4, sp4, wp5, sp5, wp6, sp6, wp7, sp7, cols, KW, EVEN_K, BLOCK_N)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _hfma_rows(
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xa, xb, xc, xd,
-            w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7, BLOCK_N, X_ROWS, XR)
-        xa, xb, xc, xd = xan, xbn, xcn, xdn
-        w0, s0, w1, s1, w2, s2, w3, s3 = w0n, s0n, w1n, s1n, w2n, s2n, w3n, s3n
-        w4, s4, w5, s5, w6, s6, w7, s7 = w4n, s4n, w5n, s5n, w6n, s6n, w7n, s7n
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _hfma_rows(
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xa, xb, xc, xd,
-        w0, s0, w1, s1, w2, s2, w3, s3, w4, s4, w5, s5, w6, s6, w7, s7, BLOCK_N, X_ROWS, XR)
-    _store_row_f16(Y, RS, n0, N, acc0, stride_ym, X_ROWS, XR)
-    _store_row_f16(Y, RS, n0 + 1, N, acc1, stride_ym, X_ROWS, XR)
-    _store_row_f16(Y, RS, n0 + 2, N, acc2, stride_ym, X_ROWS, XR)
-    _store_row_f16(Y, RS, n0 + 3, N, acc3, stride_ym, X_ROWS, XR)
-    if BLOCK_N > 4:
-        _store_row_f16(Y, RS, n0 + 4, N, acc4, stride_ym, X_ROWS, XR)
-        _store_row_f16(Y, RS, n0 + 5, N, acc5, stride_ym, X_ROWS, XR)
-        _store_row_f16(Y, RS, n0 + 6, N, acc6, stride_ym, X_ROWS, XR)
-        _store_row_f16(Y, RS, n0 + 7, N, acc7, stride_ym, X_ROWS, XR)
+    blocks = tl.arange(0, BB)
+    wps = ()
+    sps = ()
+    accs = ()
+    for i in tl.static_range(BLOCK_N):
+        n = n0 + i
+        if not EVEN_N:
+            n = tl.minimum(n, N - 1)  # rows past N read the last row; they are not stored
+        wps = wps + (W + n.to(tl.int64) * KW,)
+        sps = sps + (S + n.to(tl.int64) * KB,)
+        accs = accs + (tl.zeros([BB, XR], dtype=tl.float32),)
+    xs = _x_blocks(X32, blocks, KB, stride_x32, EVEN_K, X_ROWS)
+    ws = _w_blocks(wps, sps, blocks, KB, EVEN_K)
+    for t in tl.range(BB, KB, BB, loop_unroll_factor=HFMA_UNROLL):  # prefetch step t, compute step t - 1
+        xs_next = _x_blocks(X32, t + blocks, KB, stride_x32, EVEN_K, X_ROWS)
+        ws_next = _w_blocks(wps, sps, t + blocks, KB, EVEN_K)
+        accs = _hfma_step(accs, ws, xs, X_ROWS)
+        xs = xs_next
+        ws = ws_next
+    accs = _hfma_step(accs, ws, xs, X_ROWS)
+    m = tl.arange(0, XR)
+    for i in tl.static_range(BLOCK_N):
+        n = n0 + i
+        rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
+        tl.store(Y + m * stride_ym + n, (tl.sum(accs[i], axis=0) * _SCALE_UP * rs).to(Y.dtype.element_ty),
+                 mask=(m < X_ROWS) & (n < N))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,11 +482,10 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 
 def _gemv_config(m: int, n: int, k: int) -> dict:
     """Launch parameters by shape only (CUDA-graph capturable; no autotuning)."""
-    if m <= HFMA_MAX_M:  # the packed-fp16 GEMV. One row: the H200 sweep's tiles (8 x 64 words, 2 warps for
-        # wide N, else 4 x 128, 4 warps); more rows: 8 x 64, fewest SASS instructions per weight
+    if m <= HFMA_MAX_M:  # the packed-fp16 GEMV; BLOCK_W words per step = two per thread and weight row
         if n >= 8192 or m > 1:
-            return dict(kind="hfma", BLOCK_N=8, BLOCK_W=64, num_warps=2)
-        return dict(kind="hfma", BLOCK_N=4, BLOCK_W=128, num_warps=4)
+            return dict(kind="hfma", BLOCK_N=8, BLOCK_W=64, num_warps=1)
+        return dict(kind="hfma", BLOCK_N=8, BLOCK_W=256, num_warps=4)
     return dict(kind="dot", BLOCK_M=16, BLOCK_N=64 if n >= 8192 else 32, BLOCK_W=16, num_warps=4)
 
 
@@ -566,21 +505,21 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
     kind = cfg.pop("kind")
     args = (x, words, sbytes, row_scale, y, m, n, k // 8, x.stride(0), words.stride(0), sbytes.stride(0),
             y.stride(0))
-    if kind == "hfma" and (x.dtype != torch.bfloat16 or not x.is_cuda or interpreting()):
-        # PTX: CUDA bf16 only; elsewhere the fp32-decode kernels (same tiles for one row)
-        cfg = dict(kind="fma", BLOCK_M=1, BLOCK_N=cfg["BLOCK_N"], BLOCK_W=cfg["BLOCK_W"], num_warps=cfg["num_warps"]) \
-            if m == 1 else _gemv_config(HFMA_MAX_M + 1, n, k)
+    if kind == "hfma" and (x.dtype != torch.bfloat16 or not (x.is_cuda or interpreting())):
+        # PTX: bf16 x, on CUDA or in the interpreter (ptx_emulator); otherwise the fp32-decode kernels
+        # (same rows and warps for one row)
+        cfg = dict(kind="fma", BLOCK_M=1, BLOCK_N=cfg["BLOCK_N"], BLOCK_W=32 * cfg["num_warps"],
+                   num_warps=cfg["num_warps"]) if m == 1 else _gemv_config(HFMA_MAX_M + 1, n, k)
         kind = cfg.pop("kind")
     if kind == "hfma":
-        if m > HFMA_MAX_M or cfg["BLOCK_N"] not in (4, 8):
-            raise ValueError(f"the hfma GEMV takes up to {HFMA_MAX_M} rows of x and 4 or 8 weight rows per program")
+        if m > HFMA_MAX_M or cfg["BLOCK_W"] != 64 * cfg["num_warps"]:
+            raise ValueError(f"the hfma GEMV takes up to {HFMA_MAX_M} rows of x and BLOCK_W = 64 * num_warps")
         cfg.pop("BLOCK_M", None)
-        even = (k // 8) % cfg["BLOCK_W"] == 0 and words.stride(0) == k // 8
         aligned = x.storage_offset() % 2 == 0 and x.stride(0) % 2 == 0  # int32 view: 4-byte aligned rows
         x32 = (x if aligned else x.clone()).view(torch.int32)
         _gemv_hfma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x32, words, sbytes, row_scale, y, n, k // 8, words.stride(0), sbytes.stride(0), x32.stride(0), y.stride(0),
-            EVEN_K=even, X_ROWS=m, XR=triton.next_power_of_2(m), **cfg)
+            x32, words.contiguous(), sbytes.contiguous(), row_scale, y, n, x32.stride(0), y.stride(0),
+            KW=k // 8, EVEN_N=n % cfg["BLOCK_N"] == 0, X_ROWS=m, XR=triton.next_power_of_2(m), **cfg)
         return y
     if kind == "fma":
         if m != 1 or cfg["BLOCK_N"] not in (4, 8):
