@@ -161,15 +161,17 @@ RAGGED = {"ragged": (200, 5184)}
 
 
 def default_sweep(m: int) -> list[dict]:
-    """Candidate configs: for M = 1 the packed-fp16 GEMV and the fp32-decode one, for M <= 4 the
-    packed-fp16 GEMV, above the tensor-core kernel."""
+    """Candidate configs: for M = 1 the packed-fp16 GEMV and the fp32-decode one, for M <= HFMA_MAX_M
+    the packed-fp16 GEMV and the tensor-core kernel, above the tensor-core kernel."""
     from ninfer.kernels.triton_nvfp4 import HFMA_MAX_M
 
     if m == 1:
         return HFMA_CONFIGS + [dict(kind="fma", BLOCK_M=1, BLOCK_N=bn, BLOCK_W=bw, num_warps=w)
                                for bn, bw, w in ((4, 128, 4), (8, 64, 2))]
+    dot = [dict(kind="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_W=bw, num_warps=w)
+           for bn, bw, w in ((32, 16, 4), (64, 16, 4))]
     if m <= HFMA_MAX_M:
-        return HFMA_CONFIGS
+        return HFMA_CONFIGS + (dot if m > 4 else [])
     return [dict(kind="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_W=bw, num_warps=w)
             for bn, bw, w in ((32, 16, 4), (64, 16, 4), (64, 16, 8), (64, 8, 4))]
 

@@ -54,7 +54,10 @@ fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
 GEMV_MAX_M = 16
 # Rows of x up to which the packed-fp16 GEMV (each word decoded once, then multiplied with every row)
 # runs rather than the tensor-core kernel.
-HFMA_MAX_M = 4
+HFMA_MAX_M = 8
+# Rows of x per packed-fp16 pass: M = 5..8 runs two passes over the weight (rows 0-3, then the
+# rest), which on the H200 still beats the tensor-core kernel.
+HFMA_ROWS_PER_PASS = 4
 # Its K loop unrolled twice: the prefetched registers swap roles instead of being copied each step.
 HFMA_UNROLL = tl.constexpr(2)
 _SCALE_UP = tl.constexpr(2.0**120)  # E4M3 bits << 20 read as fp32 = scale * 2^-120
@@ -276,7 +279,7 @@ def _dequant_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Packed-fp16 GEMV for up to four rows of x (kind "hfma", M <= HFMA_MAX_M)
+# Packed-fp16 GEMV for up to four rows of x per pass (kind "hfma", M <= HFMA_MAX_M)
 #
 # The fp32 decode above costs ~7 instructions per weight in the loop (SASS of the H200 build):
 # the kernel is bound by instruction issue, not HBM. Here each thread takes whole 16-weight scale
@@ -481,11 +484,14 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _gemv_config(m: int, n: int, k: int) -> dict:
-    """Launch parameters by shape only (CUDA-graph capturable; no autotuning)."""
+    """Launch parameters by shape only (CUDA-graph capturable; no autotuning): the H200 sweep's
+    fastest tiles (bench/results/2026-11-30-h200-s4)."""
     if m <= HFMA_MAX_M:  # the packed-fp16 GEMV; BLOCK_W words per step = two per thread and weight row
-        if n >= 8192 or m > 1:
-            return dict(kind="hfma", BLOCK_N=8, BLOCK_W=64, num_warps=1)
-        return dict(kind="hfma", BLOCK_N=8, BLOCK_W=256, num_warps=4)
+        if m == 1 and n < 8192:  # few rows (N = 5120): wide steps keep enough warps in flight
+            return dict(kind="hfma", BLOCK_N=8, BLOCK_W=256, num_warps=4)
+        if m == 2:
+            return dict(kind="hfma", BLOCK_N=4, BLOCK_W=128, num_warps=2)
+        return dict(kind="hfma", BLOCK_N=8, BLOCK_W=128, num_warps=2)
     return dict(kind="dot", BLOCK_M=16, BLOCK_N=64 if n >= 8192 else 32, BLOCK_W=16, num_warps=4)
 
 
@@ -517,9 +523,12 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
         cfg.pop("BLOCK_M", None)
         aligned = x.storage_offset() % 2 == 0 and x.stride(0) % 2 == 0  # int32 view: 4-byte aligned rows
         x32 = (x if aligned else x.clone()).view(torch.int32)
-        _gemv_hfma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x32, words.contiguous(), sbytes.contiguous(), row_scale, y, n, x32.stride(0), y.stride(0),
-            KW=k // 8, EVEN_N=n % cfg["BLOCK_N"] == 0, X_ROWS=m, XR=triton.next_power_of_2(m), **cfg)
+        words, sbytes = words.contiguous(), sbytes.contiguous()
+        for r0 in range(0, m, HFMA_ROWS_PER_PASS):
+            rows = min(HFMA_ROWS_PER_PASS, m - r0)
+            _gemv_hfma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+                x32[r0:], words, sbytes, row_scale, y[r0:], n, x32.stride(0), y.stride(0),
+                KW=k // 8, EVEN_N=n % cfg["BLOCK_N"] == 0, X_ROWS=rows, XR=triton.next_power_of_2(rows), **cfg)
         return y
     if kind == "fma":
         if m != 1 or cfg["BLOCK_N"] not in (4, 8):
