@@ -43,7 +43,7 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $OUT/fused.jsonl 2>&1 
       timeout 330 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights bf16 nvfp4 --deadline 300 \
         --hf-reserve 80 > $OUT/qwen27b_gpu_decode.log 2>&1 ;;
     bench35)
-      timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 --no-long \
+      timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 nvfp4 --no-long \
         --deadline $(( $(left) - 20 )) --hf-reserve 60 > $OUT/qwen35b_gpu_decode.log 2>&1 ;;
     decode27)  # decode only, NVFP4 and bf16, no transformers: the quick check of a GEMV change
       timeout 300 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights nvfp4 bf16 --decode-only \

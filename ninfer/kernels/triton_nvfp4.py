@@ -4,16 +4,16 @@ scale), for Hopper, which has no FP4 tensor cores: weights are decoded in regist
 
 Regimes (chosen by M, which a CUDA graph fixes, so every launch depends on shapes only; no host
 syncs, no data-dependent allocation):
-- M <= 4 (decode of up to four streams): `_gemv_hfma_kernel`, CUDA cores with packed fp16
-  arithmetic (PTX; bf16 x on CUDA), below. Each program owns 4 or 8 weight rows and walks all of
-  K: one int32 word (8 codes) per thread and row per step, decoded once for every row of x, the
-  x values shared by the weight rows, the next step's loads issued before this step's math.
-  Elsewhere (fp32 x, the CPU interpreter) one row runs `_gemv_fma_kernel` with the same tiles,
-  which decodes to fp32, and more rows the tensor-core kernel.
-- 4 < M <= 16: `_gemv_dot_kernel`, tensor cores: the decoded, scaled tile (exact in bf16) @ x^T.
+- M <= 8 (decode of up to eight streams): `_gemv_hfma_kernel`, CUDA cores with packed fp16
+  arithmetic (inline PTX; bf16 x), below. Each program owns 4-16 weight rows and walks all of K,
+  one 16-weight scale block per thread and row per step, decoded once for up to four rows of x;
+  M = 5..8 takes two passes. Elsewhere (fp32 x, or no GPU and no interpreter) one row runs
+  `_gemv_fma_kernel`, which decodes to fp32, and more rows the tensor-core kernel. Under Triton's
+  CPU interpreter the PTX runs through ninfer.kernels.ptx_emulator.
+- 8 < M <= 16: `_gemv_dot_kernel`, tensor cores: the decoded, scaled tile (exact in bf16) @ x^T.
 - M > 16 (prefill, compute-bound): `_dequant_kernel` writes the weight in x.dtype to a scratch
   tensor, then torch's matmul (cuBLAS). Simpler than an in-kernel dequantizing GEMM; on the H200 the
-  27B shapes at M = 1024 run at ~0.78x of bf16 F.linear (dequantize ~3.5 TB/s + cuBLAS).
+  27B shapes at M = 1024 run at ~0.78x of bf16 F.linear (dequantize ~3.4 TB/s + cuBLAS).
 
 Decoding. Words are read as int32 (8 codes; code p at bits 4p..4p+3 is element 8w + p, which is the
 low-nibble-first byte order on a little-endian machine). For code p, one left shift puts its sign
@@ -26,15 +26,15 @@ exactly scale * 2^-120. Powers of two are folded back by exact multiplies: per w
 (units of 2^-126) times block scale * 2^100, or for tensor cores the code times block scale *
 2^100 (= code * scale * 2^-26: a normal number, exact in bf16), and at the end row scale * 2^26.
 
-Measured on one H200 (selfcheck_nvfp4, CUDA-graph replay, L2 flushed, 27B shapes, bf16 x; see
-bench/results/2026-11-30-h200-s3): M = 1 packed-fp16 GEMV 1.6-2.5 TB/s, 1.7-2.1x faster than bf16
-F.linear; the fp32-decode GEMV 1.3-1.8 TB/s. Both are bound by instruction issue, not HBM: their
-loops compile to ~4.9 and ~7.1 SASS instructions per weight (bench/sass_count.py). With 2-4 rows
-of x the packed kernel decodes once for all rows: ~6.3 instructions per weight for two rows, ~8.9
-for four, against ~9.3-17 for the tensor-core kernel, which runs at 0.4-0.9 TB/s (0.4-0.8x of
-bf16) for 4 < M <= 16. A packed-decode tensor-core variant was tried and ran slower still: its
-decoded tiles reach the tensor cores through shared memory 16 bits at a time. Dequantize 3.2-3.6
-TB/s.
+Measured on one H200 (selfcheck_nvfp4, CUDA-graph replay, L2 flushed, 27B shapes, bf16 x;
+bench/results/2026-11-30-h200-s4): the packed-fp16 GEMV streams 2.7-3.1 TB/s at M = 1 on the
+wide shapes (1.9 TB/s on the 5120 x 6144 o_proj), 1.9-2.7x faster than bf16 F.linear; at M = 2
+it is 1.8-2.3x faster, at M = 4 1.1-1.5x, at M = 8 (two passes) 0.6-0.75x. The loop is bound by
+instruction issue more than by HBM: ~2.6 SASS instructions per weight for one row of x, ~3.5 for
+two, ~5.3 for four (bench/sass_count.py; the earlier one-word-per-thread version took 4.9, and the
+fp32-decode GEMV ~6.3). The tensor-core kernel runs at 0.4-0.9 TB/s. A packed-decode tensor-core
+variant was tried and ran slower still: its decoded tiles reach the tensor cores through shared
+memory 16 bits at a time.
 
 Configs: a fixed table by (M, N) (`_gemv_config`), not triton.autotune: autotune times candidates
 on the first call of each shape, which would slow start-up, run inside CUDA-graph capture, and make
@@ -281,19 +281,23 @@ def _dequant_kernel(
 # ---------------------------------------------------------------------------------------------
 # Packed-fp16 GEMV for up to four rows of x per pass (kind "hfma", M <= HFMA_MAX_M)
 #
-# The fp32 decode above costs ~7 instructions per weight in the loop (SASS of the H200 build):
+# The fp32 decode above costs ~6-7 instructions per weight in the loop (SASS of the H200 build):
 # the kernel is bound by instruction issue, not HBM. Here each thread takes whole 16-weight scale
 # blocks: per weight row and step, one block's two int32 words (one 8-byte load) and its scale
-# byte. A word's eight codes become four fp16 pairs (code p in the low half, code p + 4 in the high
-# half: a word's halves hold codes 0-3 and 4-7, so each pair costs two shifts, an AND and a
-# `lop3`), the sign on bit 15 and the magnitude on bits 11..9, which reads as code * 2^-14 (+-0.5
-# as fp16 subnormals, which fp16 arithmetic keeps). The block's eight pairs meet x as fp16 pairs
-# (x_p, x_p+4) in one HMUL2 and seven HFMA2 per row of x, the two halves are summed in fp32 and the
-# block scale is applied in one fp32 FMA: the decode is shared by every row of x, the scale, the
-# fp32 sum and the address arithmetic by 16 weights. Precision: each fp16 product and 8-term sum
-# rounds to 11 bits (finer than bf16's 8); x converts to fp16 exactly for |x| in [2^-14, 65504]
-# and saturates beyond; products below fp16's normal range (|x| < 2 with code 0.5) keep an
-# absolute error under 2^-25 * 2^14 * block scale * row scale.
+# byte. A word's codes become bytes sign << 7 | magnitude << 1 (the even codes, each byte's low
+# nibble, by two shifts, an AND and a `lop3`; the odd ones by a shift, an AND and a `lop3`), and
+# one `prmt` per pair of bytes places two of them as the high bytes of an fp16 pair with zero low
+# bytes: eleven instructions per word. Such an fp16 reads as code * 2^-14 (the magnitude bits
+# e1 e0 m land on exponent bits 11..10 and mantissa bit 9; +-0.5 become fp16 subnormals, which fp16
+# arithmetic keeps). The block's eight pairs meet x as fp16 pairs ((x0, x2), (x4, x6), (x1, x3),
+# (x5, x7) per word) in one HMUL2 and seven HFMA2 per row of x; the two halves are added in fp16,
+# converted, and the block scale applied in one fp32 FMA. So the decode is shared by every row of
+# x, and the scale, the conversion and the address arithmetic by 16 weights; K is a compile-time
+# constant, so every weight row's address is one pointer plus a constant offset. Precision: each
+# fp16 product, 8-term sum and the sum of the halves rounds to 11 bits (finer than bf16's 8); x
+# converts to fp16 exactly for |x| in [2^-14, 65504] and saturates beyond; products below fp16's
+# normal range (|x| < 2 with code 0.5) keep an absolute error under 2^-25 * 2^14 * block scale *
+# row scale.
 
 _X_PAIRS = tl.constexpr("""
 {
@@ -526,9 +530,12 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
         words, sbytes = words.contiguous(), sbytes.contiguous()
         for r0 in range(0, m, HFMA_ROWS_PER_PASS):
             rows = min(HFMA_ROWS_PER_PASS, m - r0)
-            _gemv_hfma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+            # each pass takes its own row count's tiles: the same compiled variants as M = 1..4
+            tiles = cfg if config is not None or m <= HFMA_ROWS_PER_PASS else _gemv_config(rows, n, k)
+            tiles = {key: v for key, v in tiles.items() if key not in ("kind", "BLOCK_M")}
+            _gemv_hfma_kernel[(triton.cdiv(n, tiles["BLOCK_N"]),)](
                 x32[r0:], words, sbytes, row_scale, y[r0:], n, x32.stride(0), y.stride(0),
-                KW=k // 8, EVEN_N=n % cfg["BLOCK_N"] == 0, X_ROWS=rows, XR=triton.next_power_of_2(rows), **cfg)
+                KW=k // 8, EVEN_N=n % tiles["BLOCK_N"] == 0, X_ROWS=rows, XR=triton.next_power_of_2(rows), **tiles)
         return y
     if kind == "fma":
         if m != 1 or cfg["BLOCK_N"] not in (4, 8):
