@@ -255,15 +255,23 @@ def copy_bandwidth() -> float:
 
 
 @guarded
-def profile_model(shape: str = "qwen3.6-27b", batches=(1, 8), prompt=128):
+def profile_model(shape: str = "qwen3.6-27b", batches=(1, 8), prompt=128, weights: str = "bf16"):
     from types import SimpleNamespace
 
     from ninfer.artifact.presets import instantiate
     from ninfer.engine.runner import ModelRunner
+    from ninfer.models import prepare_for_inference_
 
     bw = copy_bandwidth()
-    model = instantiate(shape, "cuda", torch.bfloat16, seed=0)
+    model = instantiate(shape, "cuda", torch.bfloat16, seed=0, fuse=False)
+    if weights == "nvfp4":  # as bench/gpu_decode.py builds it: quantize, then merge the projections
+        from ninfer.quant.nvfp4 import quantize_model_
+
+        quantize_model_(model)
+        torch.cuda.empty_cache()
+    prepare_for_inference_(model)
     tag = shape.removeprefix("qwen3.6-").replace("-", "_")  # "27b", "35b_a3b"
+    tag += "_nvfp4" if weights == "nvfp4" else ""
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     vocab = model.config["vocab_size"]
     max_b = max(batches)
@@ -414,6 +422,7 @@ def main():
                     choices=["checks", "timings", "engine", "profile"])
     ap.add_argument("--shape", default="qwen3.6-27b", choices=["qwen3.6-27b", "qwen3.6-35b-a3b"],
                     help="the preset the profile part builds")
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "nvfp4"], help="the profile part's weight format")
     args = ap.parse_args()
     import importlib.metadata as md
 
@@ -429,7 +438,7 @@ def main():
     for part in args.only:
         start = time.perf_counter()
         {"checks": checks, "timings": timings, "engine": engine_checks,
-         "profile": lambda: profile_model(args.shape)}[part]()
+         "profile": lambda: profile_model(args.shape, weights=args.weights)}[part]()
         emit(section=part, wall_s=time.perf_counter() - start)
     emit(total_wall_s=time.perf_counter() - t0)
 

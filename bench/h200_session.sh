@@ -4,7 +4,8 @@
 # optionally `.tcpack/tcache.tgz` (a Triton cache of an earlier run) carried; outputs go to $OUT.
 #   bash bench/h200_session.sh checks pytest   # call 1 (~5 min): every kernel vs its reference, the CUDA tests
 #   bash bench/h200_session.sh bench27 bench35 # call 2 (~8 min): the issue-10 figures, ninfer beside transformers
-#   bash bench/h200_session.sh profile         # decode + chunked-prefill profile of the 27B shape (profile35: 35B-A3B)
+#   bash bench/h200_session.sh profile         # decode + chunked-prefill profile of the 27B shape (profile35: 35B-A3B,
+#                                              # profile_nvfp4: 27B with NVFP4 weights)
 # Single stages: fused gemv nvfp4 kv moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
 # (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), pytest_nvfp4.
 # A stage past DEADLINE seconds (default 540) is skipped with a line saying so.
@@ -50,6 +51,8 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $OUT/fused.jsonl 2>&1 
         --concurrency 1 2 3 4 8 --skip-transformers > $OUT/qwen27b_decode.log 2>&1 ;;
     profile)
       timeout 200 python3 bench/gpu_kernels.py --only profile > $OUT/profile_27b.jsonl 2>&1 ;;
+    profile_nvfp4)  # the 27B decode + prefill profile with NVFP4 weights
+      timeout 240 python3 bench/gpu_kernels.py --only profile --weights nvfp4 > $OUT/profile_27b_nvfp4.jsonl 2>&1 ;;
     profile35)
       timeout 200 python3 bench/gpu_kernels.py --only profile --shape qwen3.6-35b-a3b > $OUT/profile_35b.jsonl 2>&1 ;;
     *) echo "unknown stage $stage" ;;

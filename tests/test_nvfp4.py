@@ -91,6 +91,22 @@ def test_nibble_order_low_nibble_first():
     assert q.packed[0, 0].item() == (0xF << 4) | 0x1 and q.packed[0, 1:].eq(0).all()
 
 
+def test_negative_block_scales_become_code_signs():
+    """Imported checkpoints may carry negative E4M3 block scales; the GPU kernels read scales with
+    bit 7 clear, so the importer moves each negative block's sign onto its 16 codes (exact)."""
+    from ninfer.quant.nvfp4 import positive_block_scales
+
+    q = quantize_nvfp4(torch.randn(6, 64, generator=torch.Generator().manual_seed(3)))
+    negative = torch.tensor([[True, False, True, False]] * 3 + [[False, True, False, True]] * 3)
+    scale = (q.scale.view(torch.uint8) | negative.to(torch.uint8) * 0x80).view(torch.float8_e4m3fn)
+    packed = q.packed ^ (negative.repeat_interleave(8, dim=-1).to(torch.uint8) * 0x88)
+    torch.testing.assert_close(dequantize_nvfp4(packed, scale, q.row_scale), dequantize_nvfp4(*q), rtol=0, atol=0)
+    got_packed, got_scale = positive_block_scales(packed, scale)
+    assert not bool((got_scale.view(torch.uint8) & 0x80).any())
+    assert torch.equal(got_packed, q.packed) and torch.equal(got_scale.view(torch.uint8), q.scale.view(torch.uint8))
+    assert positive_block_scales(q.packed, q.scale)[0] is q.packed  # nothing to do: no copy
+
+
 def test_zero_weight_and_bad_shapes():
     q = quantize_nvfp4(torch.zeros(4, 32))
     assert torch.equal(dequantize_nvfp4(*q), torch.zeros(4, 32))

@@ -113,7 +113,13 @@ def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: st
                    dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Checkpoint NVFP4 modules -> ninfer's NVFP4 tensors (or dequantized weights), and with
     weights="nvfp4" the quantizable bf16 linears quantized. Returns the tensors and the NVFP4 modules."""
-    from ninfer.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4, quantizable, quantize_nvfp4
+    from ninfer.quant.nvfp4 import (
+        GROUP_SIZE,
+        dequantize_nvfp4,
+        positive_block_scales,
+        quantizable,
+        quantize_nvfp4,
+    )
 
     out = dict(tensors)
     kept = []
@@ -133,6 +139,7 @@ def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: st
         n, half = packed.shape
         if tuple(scale.shape) != (n, half * 2 // GROUP_SIZE):
             raise ValueError(f"{module}: NVFP4 block scales {tuple(scale.shape)} do not fit weight [{n}, {half * 2}]")
+        packed, scale = positive_block_scales(packed, scale)
         per_tensor = 1.0 / global_scale.float() if global_scale is not None else multiplier.float()
         row_scale = per_tensor.reshape(-1).expand(n).clone() if per_tensor.numel() == 1 else per_tensor.reshape(n)
         if weights != "bf16" and component == "text" and _nvfp4_target(module):

@@ -75,13 +75,16 @@ def _e2m1_times_2m126(words, shift):
 
 
 @triton.jit
-def _e4m3(sbytes, SIGN_CLEAR: tl.constexpr = False):
-    """uint8 E4M3 scales (sign bit unused) -> their fp32 values. SIGN_CLEAR: the caller knows bit 7
-    is 0 (the quantizer's and importers' scales are positive), so the mask is skipped."""
-    bits = sbytes.to(tl.int32)
-    if not SIGN_CLEAR:
-        bits = bits & 0x7F
-    return (bits << 20).to(tl.float32, bitcast=True) * _SCALE_UP
+def _e4m3_times_2m120(sbytes):
+    """uint8 E4M3 scales with bit 7 clear (the quantizer writes no negative scales; the importer
+    moves a negative block's sign onto its codes) -> fp32 scale * 2^-120, exact."""
+    return (sbytes.to(tl.int32) << 20).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3(sbytes):
+    """uint8 E4M3 scales -> their fp32 values (the sign bit masked off: a scale's magnitude)."""
+    return _e4m3_times_2m120(sbytes & 0x7F) * _SCALE_UP
 
 
 @triton.jit
@@ -418,14 +421,13 @@ def _block_dot(wa, wb, xs, X_ROWS: tl.constexpr):
 
 @triton.jit
 def _hfma_step(accs, ws, xs, X_ROWS: tl.constexpr):
-    """One K step for every weight row: acc += block dot * block scale * 2^-120 (the E4M3 bits
-    moved up by 20; 2^120 goes back at the end. Products below fp32's normal range stay exact
-    enough: Triton's fp32 FMAs keep denormals)."""
+    """One K step for every weight row: acc += block dot * block scale * 2^-120 (2^120 goes back at
+    the end; products below fp32's normal range stay exact enough: Triton's fp32 FMAs keep
+    denormals)."""
     out = ()
     for i in tl.static_range(len(accs)):
         dot = _block_dot(ws[3 * i], ws[3 * i + 1], xs, X_ROWS)
-        scale = (ws[3 * i + 2].to(tl.int32) << 20).to(tl.float32, bitcast=True)  # bit 7 is 0: see _e4m3
-        out = out + (accs[i] + dot * scale[:, None],)
+        out = out + (accs[i] + dot * _e4m3_times_2m120(ws[3 * i + 2])[:, None],)
     return out
 
 

@@ -107,6 +107,18 @@ def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor | float | No
     return NVFP4Weight(packed, scale, row_scale)
 
 
+def positive_block_scales(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same weight with every block scale's sign bit clear: a negative block's 16 codes change
+    sign instead (exact). Our quantizer never writes negative scales and the GPU kernels rely on
+    it; imported checkpoints are brought to this form."""
+    sbits = scale.view(torch.uint8)
+    negative = (sbits & 0x80) != 0
+    if not bool(negative.any()):
+        return packed, scale
+    flip = negative.repeat_interleave(GROUP_SIZE // 2, dim=-1).to(torch.uint8) * 0x88  # both nibbles' sign bits
+    return packed ^ flip, (sbits & 0x7F).view(torch.float8_e4m3fn)
+
+
 def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:
     """The 16 E2M1 code values as fp32 (index = code)."""
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
