@@ -3,7 +3,8 @@
 Triton compiles for a GPU target without a GPU (its bundled ptxas and cuobjdump do the rest), so a
 kernel's cost per weight can be weighed before spending device time. The loop is the longest
 backward branch's body; its instruction count divided by the weights one thread handles per
-iteration is the figure quoted in ninfer/kernels/triton_nvfp4.py.
+iteration (for the packed-fp16 kernel, whose K loop is unrolled, both unrolled steps) is the figure
+quoted in ninfer/kernels/triton_nvfp4.py.
 
   python bench/sass_count.py                     # the NVFP4 GEMVs at their table tiles
   python bench/sass_count.py hfma:8,128,2 hfma:4,256,4,2 fma:4,128,4   # [kind:block_n,block_w,warps(,x rows)]
