@@ -114,15 +114,16 @@ def weight_stats(model: torch.nn.Module, cfg: dict) -> dict:
     total = routed = 0
     matmul_params = 0.0  # multiply-accumulates per token in the linears (no embedding; lm_head last token only)
     top_k, experts = cfg.get("num_experts_per_tok", 0), cfg.get("num_experts", 0)
-    # NVFP4 linears hold buffers: weight_packed (two weights a byte), weight_scale, weight_row_scale
-    quant = [(n, b) for n, b in model.named_buffers() if n.endswith(("weight_packed", "weight_scale", "weight_row_scale"))]
+    # NVFP4 linears and experts hold buffers: *_packed (two weights a byte), *_scale, *_row_scale
+    quant = [(n, b) for n, b in model.named_buffers() if n.endswith(("_packed", "_scale"))]
     for name, p in [*model.named_parameters(), *quant]:
         nbytes = p.numel() * p.element_size()
         total += nbytes
         is_routed = ".experts." in name or name.endswith(("experts.gate_up_proj", "experts.down_proj"))
         if is_routed:
             routed += nbytes
-            matmul_params += p.numel() * top_k / experts
+            if not name.endswith("_scale"):
+                matmul_params += p.numel() * (2 if name.endswith("_packed") else 1) * top_k / experts
         elif name.endswith("weight_packed"):
             matmul_params += 2 * p.numel()
         elif p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name and "conv1d" not in name \

@@ -37,8 +37,8 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $OUT/fused.jsonl 2>&1 
     pytest)  # only the modules with CUDA tests: the device lacks the server tests' packages (SDKs, uvicorn)
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider \
         $(grep -l "needs_cuda\|mark.cuda" tests/test_*.py) > $OUT/pytest_cuda.log 2>&1 ;;
-    pytest_nvfp4)  # the NVFP4 CUDA tests only (kernel check, engine greedy with and without graphs)
-      timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py \
+    pytest_nvfp4)  # the NVFP4 CUDA tests only (kernel checks, MoE experts, engine greedy with and without graphs)
+      timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py tests/test_nvfp4_moe.py \
         > $OUT/pytest_nvfp4.log 2>&1 ;;
     bench27)
       timeout 330 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights bf16 nvfp4 --deadline 300 \

@@ -28,6 +28,7 @@ from ninfer.artifact.container import Artifact
 from ninfer.models import prepare_for_inference_
 from ninfer.quant import nvfp4
 from ninfer.quant.nvfp4 import (
+    NVFP4Experts,
     NVFP4Linear,
     dequantize_nvfp4,
     e2m1_table,
@@ -156,7 +157,7 @@ def test_quantize_model_replaces_decoder_linears_only():
     assert type(layer0.linear_attn.in_proj_a) is nn.Linear and type(layer0.linear_attn.in_proj_b) is nn.Linear
     assert type(layer0.mlp.gate) is nn.Linear and type(layer0.mlp.shared_expert_gate) is nn.Linear
     assert isinstance(layer0.mlp.shared_expert.down_proj, NVFP4Linear)
-    assert layer0.mlp.experts.gate_up_proj.dtype == torch.float32  # routed experts stay unquantized
+    assert isinstance(layer0.mlp.experts, NVFP4Experts) and "layers.0.mlp.experts" in names  # routed experts
     attn = model.layers[3].self_attn
     assert all(isinstance(getattr(attn, p), NVFP4Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
     assert type(model.lm_head) is nn.Linear and type(model.embed_tokens) is nn.Embedding

@@ -68,6 +68,27 @@ def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _quantize_experts(tensors: dict[str, torch.Tensor], keep: set[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """weights="nvfp4": the fused routed experts ([E, 2I, H] gate_up_proj, [E, H, I] down_proj) of a
+    bf16 source -> NVFP4Experts tensors. Experts in `keep` (an NVFP4 checkpoint's, which arrive
+    dequantized) stay bf16: re-quantizing their fused gate/up would re-round them."""
+    from ninfer.quant.nvfp4 import quantizable_experts, quantize_nvfp4_stack
+
+    out, kept = dict(tensors), []
+    for name, tensor in tensors.items():
+        if not name.endswith(".mlp.experts.gate_up_proj") or tensor.dim() != 3:
+            continue
+        module = name[: -len(".gate_up_proj")]
+        if module in keep or not quantizable_experts(module, tensor.shape):
+            continue
+        for proj in ("gate_up", "down"):
+            q = quantize_nvfp4_stack(out.pop(f"{module}.{proj}_proj"))
+            out[f"{module}.{proj}_packed"], out[f"{module}.{proj}_scale"] = q.packed, q.scale
+            out[f"{module}.{proj}_row_scale"] = q.row_scale.float()
+        kept.append(module)
+    return out, kept
+
+
 def _chat_template(folder: Path) -> str:
     jinja = folder / "chat_template.jinja"
     if jinja.exists():
@@ -110,9 +131,10 @@ def _nvfp4_target(module: str) -> bool:
 
 
 def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: str,
-                   dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str]]:
+                   dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str], set[str]]:
     """Checkpoint NVFP4 modules -> ninfer's NVFP4 tensors (or dequantized weights), and with
-    weights="nvfp4" the quantizable bf16 linears quantized. Returns the tensors and the NVFP4 modules."""
+    weights="nvfp4" the quantizable bf16 linears quantized. Returns the tensors, the NVFP4 modules
+    and the routed experts ("layers.N.mlp.experts") that arrived as NVFP4 and were dequantized."""
     from ninfer.quant.nvfp4 import (
         GROUP_SIZE,
         dequantize_nvfp4,
@@ -123,6 +145,7 @@ def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: st
 
     out = dict(tensors)
     kept = []
+    dequantized_experts: set[str] = set()
     quantized = sorted(n[: -len(".weight_scale")] for n, t in tensors.items()
                        if n.endswith(".weight_scale") and t.dtype == torch.float8_e4m3fn)
     for module in quantized:
@@ -148,16 +171,19 @@ def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: st
             kept.append(module)
         else:
             out[f"{module}.weight"] = dequantize_nvfp4(packed, scale, row_scale, dtype)
+            if ".mlp.experts." in module:  # keep it bf16 (see _quantize_experts)
+                dequantized_experts.add(module.split(".mlp.experts.")[0] + ".mlp.experts")
     if weights == "nvfp4" and component == "text":
         for name, tensor in list(out.items()):
             module = name[: -len(".weight")]
             if (name.endswith(".weight") and tensor.dim() == 2 and tensor.is_floating_point()
+                    and ".mlp.experts." not in module  # per-expert: fused first, then _quantize_experts
                     and quantizable(module, tensor.shape[0], tensor.shape[1])):
                 q = quantize_nvfp4(out.pop(name))
                 out[f"{module}.weight_packed"], out[f"{module}.weight_scale"] = q.packed, q.scale
                 out[f"{module}.weight_row_scale"] = q.row_scale
                 kept.append(module)
-    return out, kept
+    return out, kept, dequantized_experts
 
 
 def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
@@ -219,10 +245,14 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
     tensors = {}
     nvfp4_modules = []
     for component, group in by_component.items():
-        group, kept = _convert_nvfp4(group, component, weights, dtype)
+        group, kept, dequantized_experts = _convert_nvfp4(group, component, weights, dtype)
+        group = _fuse_experts(group)
+        if weights == "nvfp4" and component == "text":
+            group, experts = _quantize_experts(group, dequantized_experts)
+            kept += experts
         if component == "text":
             nvfp4_modules = kept
-        for inner, tensor in _fuse_experts(group).items():
+        for inner, tensor in group.items():
             tensors[f"{component}.{inner}"] = tensor
     quantization: dict[str, Any] = {c: str(dtype).removeprefix("torch.") for c in components}
     if nvfp4_modules:

@@ -38,7 +38,7 @@ def _nvfp4_modules(artifact: Artifact) -> list[str]:
 
 def _cast_floating(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Artifact.load's dtype cast, except for NVFP4 row scales (fp32 by format)."""
-    if tensor.is_floating_point() and tensor.element_size() >= 2 and not name.endswith(".weight_row_scale"):
+    if tensor.is_floating_point() and tensor.element_size() >= 2 and not name.endswith("row_scale"):
         return tensor.to(dtype)
     return tensor
 

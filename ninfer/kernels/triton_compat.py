@@ -1,4 +1,5 @@
-"""Run our Triton kernels under Triton's CPU interpreter (`TRITON_INTERPRET=1`) with NumPy >= 2.4.
+"""Run our Triton kernels under Triton's CPU interpreter (`TRITON_INTERPRET=1`) with NumPy >= 2.4,
+with inline PTX emulated and bf16 rounding as on the GPU (see the functions below).
 
 The interpreter keeps every scalar as a 1-element NumPy array and converts it to a Python int
 with `int(array)` when a runtime value bounds a loop (`for blk in range(lo, hi)`). NumPy 2.4 made
@@ -30,6 +31,7 @@ def fix_interpreter() -> None:
     from ninfer.kernels.ptx_emulator import install_interpreter_inline_asm
 
     install_interpreter_inline_asm()  # inline PTX (the packed-fp16 NVFP4 GEMV) through the CPU emulator
+    _round_bf16_to_nearest_even(interpreter)
     original = getattr(interpreter, "_patch_lang_tensor", None)
     if original is None or getattr(original, "_ninfer_index_fix", False):
         return
@@ -43,3 +45,26 @@ def fix_interpreter() -> None:
 
     patch_lang_tensor._ninfer_index_fix = True
     interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def _round_bf16_to_nearest_even(interpreter) -> None:
+    """The interpreter's fp32 -> bf16 `.to()` truncates the mantissa, where compiled Triton (and
+    torch) round to nearest even: kernels that round intermediates to bf16 then drift from their
+    references by a bias of ~2^-9 per rounding. Round like the GPU does."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.cast_impl
+    if getattr(original, "_ninfer_rtne", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            values = torch.from_numpy(np.ascontiguousarray(src.data).view(np.float32))
+            return interpreter.TensorHandle(values.to(torch.bfloat16).view(torch.uint16).numpy(), tl.bfloat16)
+        return original(self, src, dst_type)
+
+    cast_impl._ninfer_rtne = True
+    builder.cast_impl = cast_impl

@@ -432,34 +432,21 @@ def _hfma_step(accs, ws, xs, X_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_hfma_kernel(
-    X32, W, S, RS, Y,
-    N, stride_x32, stride_ym,
-    KW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_N: tl.constexpr, X_ROWS: tl.constexpr,
-    XR: tl.constexpr,
-):
-    """One program per BLOCK_N weight rows and all of K; per step BLOCK_W words (BLOCK_W / 2 scale
-    blocks, one per thread and row). Weight rows unrolled so each thread's x pairs serve all of
-    them; each block decoded once for all X_ROWS (1..4; XR = X_ROWS rounded up to a power of two)
-    rows of x; the next step's loads issued before this step's math (two steps in flight per
-    thread). X32: x's bf16 pairs as int32, rows stride_x32 apart. W, S: contiguous rows of KW words
-    and KW / 2 scale bytes. KW is a compile-time constant so that the rows' addresses are one
-    pointer plus constant offsets (EVEN_N: BLOCK_N divides N, no clamping), one add per step for
-    all rows; EVEN_K (BLOCK_W divides KW): no masks."""
+def _rows_dot(X32, stride_x32, wps, sps, KW: tl.constexpr, BLOCK_W: tl.constexpr, X_ROWS: tl.constexpr,
+              XR: tl.constexpr):
+    """The packed-fp16 dot of every weight row (pointers wps to its KW words, sps to its KW / 2 scale
+    bytes) with X_ROWS rows of x (X32: bf16 pairs as int32, rows stride_x32 apart): a tuple of
+    [XR] fp32 sums, each to be multiplied by 2^120 * 2^14 * the row's row scale. Per step BLOCK_W
+    words (BLOCK_W / 2 scale blocks, one per thread and row); each block decoded once for all rows
+    of x; the next step's loads issued before this step's math (two steps in flight per thread).
+    KW is a compile-time constant, so every row's address is a constant offset from one pointer;
+    EVEN_K (BLOCK_W divides KW): no masks."""
     BB: tl.constexpr = BLOCK_W // 2
     KB: tl.constexpr = KW // 2
     EVEN_K: tl.constexpr = KW % BLOCK_W == 0
-    n0 = tl.program_id(0) * BLOCK_N
     blocks = tl.arange(0, BB)
-    wps = ()
-    sps = ()
     accs = ()
-    for i in tl.static_range(BLOCK_N):
-        n = n0 + i
-        if not EVEN_N:
-            n = tl.minimum(n, N - 1)  # rows past N read the last row; they are not stored
-        wps = wps + (W + n.to(tl.int64) * KW,)
-        sps = sps + (S + n.to(tl.int64) * KB,)
+    for _i in tl.static_range(len(wps)):
         accs = accs + (tl.zeros([BB, XR], dtype=tl.float32),)
     xs = _x_blocks(X32, blocks, KB, stride_x32, EVEN_K, X_ROWS)
     ws = _w_blocks(wps, sps, blocks, KB, EVEN_K)
@@ -470,11 +457,37 @@ def _gemv_hfma_kernel(
         xs = xs_next
         ws = ws_next
     accs = _hfma_step(accs, ws, xs, X_ROWS)
+    sums = ()
+    for i in tl.static_range(len(accs)):
+        sums = sums + (tl.sum(accs[i], axis=0),)
+    return sums
+
+
+@triton.jit
+def _gemv_hfma_kernel(
+    X32, W, S, RS, Y,
+    N, stride_x32, stride_ym,
+    KW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_N: tl.constexpr, X_ROWS: tl.constexpr,
+    XR: tl.constexpr,
+):
+    """One program per BLOCK_N weight rows and all of K (_rows_dot), for X_ROWS (1..4; XR = X_ROWS
+    rounded up to a power of two) rows of x. W, S: contiguous rows of KW words and KW / 2 scale
+    bytes. EVEN_N: BLOCK_N divides N (no clamping of the last program's rows)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    wps = ()
+    sps = ()
+    for i in tl.static_range(BLOCK_N):
+        n = n0 + i
+        if not EVEN_N:
+            n = tl.minimum(n, N - 1)  # rows past N read the last row; they are not stored
+        wps = wps + (W + n.to(tl.int64) * KW,)
+        sps = sps + (S + n.to(tl.int64) * (KW // 2),)
+    sums = _rows_dot(X32, stride_x32, wps, sps, KW, BLOCK_W, X_ROWS, XR)
     m = tl.arange(0, XR)
     for i in tl.static_range(BLOCK_N):
         n = n0 + i
         rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
-        tl.store(Y + m * stride_ym + n, (tl.sum(accs[i], axis=0) * _SCALE_UP * rs).to(Y.dtype.element_ty),
+        tl.store(Y + m * stride_ym + n, (sums[i] * _SCALE_UP * rs).to(Y.dtype.element_ty),
                  mask=(m < X_ROWS) & (n < N))
 
 

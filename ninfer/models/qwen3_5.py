@@ -221,6 +221,34 @@ def _can_grouped_mm(x: torch.Tensor, *weights: torch.Tensor) -> bool:
                for w in weights)
 
 
+def routed_experts(x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                   down_proj: torch.Tensor) -> torch.Tensor:
+    """The torch path of the routed experts (any T; prefill on CUDA): x [T, H]; top_ids, top_weights
+    [T, k]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]. Sum over each token's k experts, weighted."""
+    tokens, top_k = top_ids.shape
+    num_experts = gate_up_proj.shape[0]
+    # (token, choice) pairs grouped by expert; group ends by searchsorted (bincount would sync on CUDA)
+    sorted_ids, order = top_ids.reshape(-1).sort(stable=True)
+    ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device), right=True)
+    xs = x[order // top_k]
+    if _can_grouped_mm(x, gate_up_proj, down_proj):
+        offs = ends.to(torch.int32)
+        gate, up = _grouped_mm(xs, gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        ys = _grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offs)
+    else:  # per-expert loop; reads the group ends back to the host
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, end in enumerate(ends.tolist()):
+            if end > start:
+                gate, up = F.linear(xs[start:end], gate_up_proj[e]).chunk(2, dim=-1)
+                ys[start:end] = F.linear(F.silu(gate) * up, down_proj[e])
+            start = end
+    # Un-sort and reduce over the k choices: deterministic, unlike an atomic index_add_
+    y = torch.empty_like(ys)
+    y[order] = ys
+    return (y.view(tokens, top_k, -1) * top_weights[..., None]).sum(dim=1)
+
+
 class Experts(nn.Module):
     """Routed experts stored fused as in the checkpoint: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
 
@@ -231,33 +259,12 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; top_ids, top_weights: [T, k]. Sum over each token's k experts, weighted."""
-        tokens, top_k = top_ids.shape
         if use_triton(x):  # decode on CUDA: two fused Triton GEMV kernels, no sort/gather/scatter
             from ninfer.kernels import triton_moe
 
-            if tokens <= triton_moe.MAX_TOKENS:
+            if top_ids.shape[0] <= triton_moe.MAX_TOKENS:
                 return triton_moe.fused_experts(x, top_ids, top_weights, self.gate_up_proj, self.down_proj)
-        num_experts = self.gate_up_proj.shape[0]
-        # (token, choice) pairs grouped by expert; group ends by searchsorted (bincount would sync on CUDA)
-        sorted_ids, order = top_ids.reshape(-1).sort(stable=True)
-        ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device), right=True)
-        xs = x[order // top_k]
-        if _can_grouped_mm(x, self.gate_up_proj, self.down_proj):
-            offs = ends.to(torch.int32)
-            gate, up = _grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            ys = _grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
-        else:  # per-expert loop; reads the group ends back to the host
-            ys = torch.empty_like(xs)
-            start = 0
-            for e, end in enumerate(ends.tolist()):
-                if end > start:
-                    gate, up = F.linear(xs[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
-                    ys[start:end] = F.linear(F.silu(gate) * up, self.down_proj[e])
-                start = end
-        # Un-sort and reduce over the k choices: deterministic, unlike an atomic index_add_
-        y = torch.empty_like(ys)
-        y[order] = ys
-        return (y.view(tokens, top_k, -1) * top_weights[..., None]).sum(dim=1)
+        return routed_experts(x, top_ids, top_weights, self.gate_up_proj, self.down_proj)
 
 
 _MOE_PROJ = ("gate", "shared_expert_gate", "shared_expert.gate_proj", "shared_expert.up_proj")

@@ -215,6 +215,80 @@ class NVFP4Linear(nn.Module):
                 f"bias={self.bias is not None}, format=nvfp4")
 
 
+def quantize_nvfp4_stack(weight: torch.Tensor) -> NVFP4Weight:
+    """[E, N, K] (e.g. fused routed experts) -> NVFP4 with one global scale per matrix: packed
+    [E, N, K/2], scales [E, N, K/16], row scales [E, N]."""
+    parts = [quantize_nvfp4(w) for w in weight]
+    return NVFP4Weight(*(torch.stack(t) for t in zip(*parts)))
+
+
+class NVFP4Experts(nn.Module):
+    """Routed experts (ninfer.models.qwen3_5.Experts) with NVFP4 weights: gate_up_proj [E, 2I, H] and
+    down_proj [E, H, I] as `<name>_packed`, `<name>_scale`, `<name>_row_scale` buffers, one global
+    scale per expert matrix (the row scales). Decode on CUDA (bf16, up to triton_moe.MAX_TOKENS
+    tokens) runs ninfer.kernels.triton_nvfp4_moe; otherwise the experts are dequantized to x.dtype
+    for the torch path (prefill: one layer's experts at a time, a transient the KV sizing measures)."""
+
+    PROJ = ("gate_up", "down")
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, device: torch.device | str | None = None):
+        super().__init__()
+        if hidden % GROUP_SIZE or intermediate % GROUP_SIZE:
+            raise ValueError(f"NVFP4Experts: hidden={hidden} and intermediate={intermediate} must be multiples "
+                             f"of {GROUP_SIZE}")
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        for proj, (n, k) in zip(self.PROJ, ((2 * intermediate, hidden), (hidden, intermediate))):
+            self.register_buffer(f"{proj}_packed", torch.zeros(num_experts, n, k // 2, dtype=torch.uint8, device=device))
+            self.register_buffer(f"{proj}_scale", torch.zeros(num_experts, n, k // GROUP_SIZE,
+                                                               dtype=torch.float8_e4m3fn, device=device))
+            self.register_buffer(f"{proj}_row_scale", torch.ones(num_experts, n, dtype=torch.float32, device=device))
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module) -> "NVFP4Experts":
+        """Quantize an Experts module (on its device)."""
+        num_experts, inter2, hidden = experts.gate_up_proj.shape
+        mod = cls(num_experts, hidden, inter2 // 2, device="meta")
+        for proj in cls.PROJ:
+            q = quantize_nvfp4_stack(getattr(experts, f"{proj}_proj").detach())
+            setattr(mod, f"{proj}_packed", q.packed)
+            setattr(mod, f"{proj}_scale", q.scale)
+            setattr(mod, f"{proj}_row_scale", q.row_scale.float())
+        return mod
+
+    def weights(self, proj: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_scale"), getattr(self, f"{proj}_row_scale")
+
+    def dequantize(self, proj: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The [E, N, K] weight in `dtype` (as dequantize_nvfp4 per expert)."""
+        packed, scale, row_scale = self.weights(proj)
+        e, n, half = packed.shape
+        flat = (packed.reshape(e * n, half), scale.reshape(e * n, -1), row_scale.reshape(e * n))
+        from ninfer.kernels.backend import use_triton
+
+        if use_triton(packed):
+            from ninfer.kernels.triton_nvfp4 import nvfp4_dequantize
+
+            return nvfp4_dequantize(*flat, dtype=dtype).view(e, n, half * 2)
+        return dequantize_nvfp4(*flat, dtype).view(e, n, half * 2)
+
+    def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+        from ninfer.kernels.backend import use_triton
+        from ninfer.models.qwen3_5 import routed_experts
+
+        if use_triton(x) and x.dtype == torch.bfloat16:
+            from ninfer.kernels import triton_moe, triton_nvfp4_moe
+
+            if top_ids.shape[0] <= triton_moe.MAX_TOKENS:
+                return triton_nvfp4_moe.fused_experts_nvfp4(x, top_ids, top_weights, self.weights("gate_up"),
+                                                            self.weights("down"))
+        return routed_experts(x, top_ids, top_weights, self.dequantize("gate_up", x.dtype),
+                              self.dequantize("down", x.dtype))
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
+                f"format=nvfp4")
+
+
 # ---------------------------------------------------------------------------------------------
 # Whole models
 
@@ -262,8 +336,8 @@ def quantize_model_(model: nn.Module, skip: Iterable[str] = DEFAULT_SKIP) -> lis
 
     Layer by layer, one linear at a time: peak memory stays at the unquantized model plus one
     layer's temporaries. Embeddings, lm_head, the MoE router (`mlp.gate`), `shared_expert_gate` and
-    GDN's in_proj_a/in_proj_b stay unquantized, as do the routed MoE experts (`Experts` keeps its
-    fused bf16 gate_up_proj / down_proj parameters: no NVFP4 expert kernel yet).
+    GDN's in_proj_a/in_proj_b stay unquantized. The routed MoE experts (`Experts`, fused
+    gate_up_proj / down_proj) become NVFP4Experts.
     Call before `fuse_projections_` (the merged q/k/v, gate/up, ... are then NVFP4Linear.concat).
     """
     _check_unfused(model)
@@ -274,7 +348,21 @@ def quantize_model_(model: nn.Module, skip: Iterable[str] = DEFAULT_SKIP) -> lis
             _set_module(model, name, NVFP4Linear.from_linear(module))
             module.weight = None  # drop the bf16 storage now, not when the old module is collected
             done.append(name)
+        elif _is_experts(module) and quantizable_experts(name, module.gate_up_proj.shape, skip):
+            _set_module(model, name, NVFP4Experts.from_experts(module))
+            module.gate_up_proj = module.down_proj = None
+            done.append(name)
     return done
+
+
+def _is_experts(module: nn.Module) -> bool:
+    return type(module).__name__ == "Experts" and hasattr(module, "gate_up_proj")
+
+
+def quantizable_experts(name: str, gate_up_shape, skip: Iterable[str] = DEFAULT_SKIP) -> bool:
+    """Whether fused routed experts `name` (e.g. "layers.0.mlp.experts", gate_up [E, 2I, H]) get NVFP4."""
+    _, inter2, hidden = gate_up_shape
+    return (quantizable(name, inter2, hidden, skip) and (inter2 // 2) % GROUP_SIZE == 0)
 
 
 def replace_with_nvfp4_(model: nn.Module, names: Iterable[str]) -> None:
@@ -283,7 +371,11 @@ def replace_with_nvfp4_(model: nn.Module, names: Iterable[str]) -> None:
     _check_unfused(model)
     for name in names:
         module = model.get_submodule(name)
-        if isinstance(module, NVFP4Linear):
+        if isinstance(module, (NVFP4Linear, NVFP4Experts)):
+            continue
+        if _is_experts(module):
+            num_experts, inter2, hidden = module.gate_up_proj.shape
+            _set_module(model, name, NVFP4Experts(num_experts, hidden, inter2 // 2, device=module.gate_up_proj.device))
             continue
         if type(module) is not nn.Linear:
             raise ValueError(f"quantized module {name!r} is a {type(module).__name__}, not a Linear")
