@@ -264,12 +264,13 @@ def test_nvfp4_logits_stay_close_to_the_source(tiny_pair, nvfp4_logits):
     assert rel_rms < 0.3, rel_rms  # measured 0.16 (seeds 0, 1, 2: 0.16, 0.15, 0.14)
 
 
-def test_nvfp4_artifact_engine_generates(tiny_pair):
+def assert_engine_generates(path):
+    """The artifact serves a greedy request through the engine (CPU) to its finish."""
     from ninfer.engine.engine import EngineSettings
     from ninfer.engine.loader import load_engine
     from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams, TokenEvent
 
-    engine = load_engine(tiny_pair["nvfp4"], EngineSettings(max_context=128, max_concurrency=2, prefill_chunk=8))
+    engine = load_engine(path, EngineSettings(max_context=128, max_concurrency=2, prefill_chunk=8))
     try:
         events = list(engine.generate(EngineRequest("r0", TOKENS, max_tokens=6,
                                                     sampling=SamplingParams(temperature=0.0))))
@@ -277,6 +278,10 @@ def test_nvfp4_artifact_engine_generates(tiny_pair):
         engine.shutdown()
     assert isinstance(events[-1], FinishEvent)
     assert len([i for e in events if isinstance(e, TokenEvent) for i in e.token_ids]) >= 1
+
+
+def test_nvfp4_artifact_engine_generates(tiny_pair):
+    assert_engine_generates(tiny_pair["nvfp4"])
 
 
 # ---- importing NVFP4 checkpoints ---------------------------------------------------------------------

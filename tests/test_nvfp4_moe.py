@@ -14,12 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_markers import HAS_TRITON, needs_cuda, needs_interpreter
+from test_nvfp4 import TOKENS, _logits, assert_engine_generates  # CPU fp32 logits of TOKENS; a greedy request
 
 from ninfer.artifact.container import Artifact
 from ninfer.models.qwen3_5 import Experts, routed_experts
 from ninfer.quant.nvfp4 import NVFP4Experts, quantize_model_
-
-TOKENS = [1, 200, 33, 4, 150, 9, 77, 1000, 5000, 20000, 7, 7, 300, 12]
 
 
 def _experts(num_experts=8, hidden=64, intermediate=32, seed=0) -> Experts:
@@ -62,27 +61,12 @@ def test_quantize_model_replaces_the_routed_experts():
     assert err.item() < 0.11  # the quantizer's bound on Gaussian weights (tests/test_nvfp4.py)
 
 
-def _logits(path, tokens=TOKENS):
-    from ninfer.engine.loader import load_model
-    from ninfer.models.batch import ForwardBatch, ModelCache
-
-    model = load_model(Artifact(path), torch.device("cpu"), torch.float32)
-    cache = ModelCache(model.cache_spec(), num_pages=8, page_size=8, num_state_slots=1, dtype=torch.float32)
-    batch = ForwardBatch.build([tokens], [0], [list(range(8))], 8)
-    batch.logits_indices = torch.arange(len(tokens))
-    with torch.no_grad():
-        return model.compute_logits(model(batch, cache)), model
-
-
 def _rel_rms(a, b):
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
 def test_synthetic_moe_artifact_quantizes_experts_and_generates(tmp_path):
     from ninfer.cli import main
-    from ninfer.engine.engine import EngineSettings
-    from ninfer.engine.loader import load_engine
-    from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams, TokenEvent
 
     paths = {}
     for weights in ("bf16", "nvfp4"):
@@ -94,14 +78,7 @@ def test_synthetic_moe_artifact_quantizes_experts_and_generates(tmp_path):
     ours, model = _logits(paths["nvfp4"])
     assert isinstance(model.layers[0].mlp.experts, NVFP4Experts)
     assert _rel_rms(ours, _logits(paths["bf16"])[0]) < 0.3
-    engine = load_engine(paths["nvfp4"], EngineSettings(max_context=128, max_concurrency=2, prefill_chunk=8))
-    try:
-        events = list(engine.generate(EngineRequest("moe", TOKENS, max_tokens=6,
-                                                    sampling=SamplingParams(temperature=0.0))))
-    finally:
-        engine.shutdown()
-    assert isinstance(events[-1], FinishEvent)
-    assert len([i for e in events if isinstance(e, TokenEvent) for i in e.token_ids]) >= 1
+    assert_engine_generates(paths["nvfp4"])
 
 
 def test_hf_moe_folder_converts_with_nvfp4_experts(tmp_path):
