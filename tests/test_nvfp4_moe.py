@@ -81,7 +81,26 @@ def test_synthetic_moe_artifact_quantizes_experts_and_generates(tmp_path):
     assert_engine_generates(paths["nvfp4"])
 
 
-def test_hf_moe_folder_converts_with_nvfp4_experts(tmp_path):
+def _per_expert(hf_state: dict) -> dict:
+    """Fused [E, 2I, H] / [E, H, I] expert tensors -> per-expert gate/up/down weights (the layout of
+    FP8 exports and of some checkpoints)."""
+    out = {}
+    for name, t in hf_state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix, inter = name[: -len(".gate_up_proj")], t.shape[1] // 2
+            for j in range(t.shape[0]):
+                out[f"{prefix}.{j}.gate_proj.weight"] = t[j, :inter].contiguous()
+                out[f"{prefix}.{j}.up_proj.weight"] = t[j, inter:].contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):
+            for j in range(t.shape[0]):
+                out[f"{name[: -len('.down_proj')]}.{j}.down_proj.weight"] = t[j].contiguous()
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_hf_moe_folder_converts_with_nvfp4_experts(tmp_path, layout):
     from test_convert_hf import _hf_logits, _save_folder, _small_qwen_config
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
@@ -92,6 +111,13 @@ def test_hf_moe_folder_converts_with_nvfp4_experts(tmp_path):
     hf = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**text_cfg)).eval()
     config = {"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"], **text_cfg}
     _save_folder(tmp_path / "moe", hf, config)
+    if layout == "per_expert":
+        from safetensors.torch import load_file, save_file
+
+        path = tmp_path / "moe" / "model.safetensors"
+        state = _per_expert(load_file(str(path)))
+        assert any(".mlp.experts.3.down_proj.weight" in k for k in state)
+        save_file(state, str(path))
     out = convert_hf(tmp_path / "moe", tmp_path / "moe.ninfer", dtype=torch.float32, progress=False,
                      weights="nvfp4")
     modules = Artifact(out).manifest.quantization["modules"]
