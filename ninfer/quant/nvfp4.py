@@ -356,7 +356,9 @@ def quantize_model_(model: nn.Module, skip: Iterable[str] = DEFAULT_SKIP) -> lis
 
 
 def _is_experts(module: nn.Module) -> bool:
-    return type(module).__name__ == "Experts" and hasattr(module, "gate_up_proj")
+    from ninfer.models.qwen3_5 import Experts  # here: the model code imports this module's users
+
+    return type(module) is Experts
 
 
 def quantizable_experts(name: str, gate_up_shape, skip: Iterable[str] = DEFAULT_SKIP) -> bool:
