@@ -25,6 +25,17 @@ from ninfer.kernels.triton_nvfp4 import _F16_UNSCALE, _SCALE_UP, _rows_dot
 
 
 @triton.jit
+def _row_ptrs(W, S, first, COUNT: tl.constexpr, KW: tl.constexpr):
+    """Pointers to COUNT consecutive NVFP4 rows from `first` (KW words, KW / 2 scale bytes each)."""
+    wps = ()
+    sps = ()
+    for i in tl.static_range(COUNT):
+        wps = wps + (W + (first + i) * KW,)
+        sps = sps + (S + (first + i) * (KW // 2),)
+    return wps, sps
+
+
+@triton.jit
 def _gate_up_kernel(
     X32, IDS, W, S, RS, ACT, stride_x32,
     HID_W: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -33,13 +44,10 @@ def _gate_up_kernel(
     n0 = tl.program_id(1) * BLOCK_N
     expert = tl.load(IDS + pair).to(tl.int64)
     first = expert * (2 * INTER) + n0  # gate rows [n0, n0 + BLOCK_N), up rows INTER further
-    wps = ()
-    sps = ()
-    for half in tl.static_range(2):
-        for i in tl.static_range(BLOCK_N):
-            row = first + half * INTER + i
-            wps = wps + (W + row * HID_W,)
-            sps = sps + (S + row * (HID_W // 2),)
+    gate_w, gate_s = _row_ptrs(W, S, first, BLOCK_N, HID_W)
+    up_w, up_s = _row_ptrs(W, S, first + INTER, BLOCK_N, HID_W)
+    wps = gate_w + up_w
+    sps = gate_s + up_s
     sums = _rows_dot(X32 + (pair // TOP_K) * stride_x32, 0, wps, sps, HID_W, BLOCK_W, 1, 1)
     dt = ACT.dtype.element_ty
     one = tl.arange(0, 1)
@@ -68,11 +76,7 @@ def _down_kernel(
         expert = tl.load(IDS + pair).to(tl.int64)
         weight = tl.load(WTS + pair).to(tl.float32)
         first = expert * HID + h0
-        wps = ()
-        sps = ()
-        for i in tl.static_range(BLOCK_N):
-            wps = wps + (W + (first + i) * INTER_W,)
-            sps = sps + (S + (first + i) * (INTER_W // 2),)
+        wps, sps = _row_ptrs(W, S, first, BLOCK_N, INTER_W)
         sums = _rows_dot(ACT32 + pair * (INTER_W * 4), 0, wps, sps, INTER_W, BLOCK_W, 1, 1)
         new = ()
         for i in tl.static_range(BLOCK_N):
