@@ -14,8 +14,9 @@ In order, in this one process:
 2. ninfer at the runner level (as bench/gpu_kernels.py's profile): the preset built on the device with
    random weights, decode CUDA graphs captured for batch 1..8; decode step time with all C lanes busy
    (forward + sample + `.tolist()`, the engine's per-step work) at C = 1, 2, 4, 8 after a 128-token
-   prompt per lane; TTFT (chunked prefill at the engine's default prefill_chunk, then the first token
-   sampled and read back) and prefill tok/s at 1k and 8k prompts (and 8k as one chunk), 32k when the
+   prompt per lane; TTFT (chunked prefill at the engine's default prefill_chunk, full chunks replayed
+   from the prefill CUDA graph as in the engine, then the first token sampled and read back) and
+   prefill tok/s at 1k and 8k prompts (8k also as one chunk, and eagerly chunked), 32k when the
    --deadline leaves time for it (else a `skipped` line with the reason); peak GPU memory.
 3. transformers: Qwen3_5ForCausalLM (or the MoE class) built on the device in bf16 with random
    weights from the same HF-style config dict, sdpa attention (its default), default cache (fla's
@@ -180,7 +181,8 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
     t0 = time.perf_counter()
     runner = ModelRunner(model, num_pages=lanes * lane_pages + prefill_pages, page_size=page,
                          num_state_slots=lanes + 1, num_lanes=lanes, vocab_size=cfg["vocab_size"], device=device,
-                         dtype=dtype, cuda_graphs=True, max_seq_len=lane_pages * page, kv_dtype=args.kv_dtype)
+                         dtype=dtype, cuda_graphs=True, max_seq_len=max(lane_pages, prefill_pages) * page,
+                         kv_dtype=args.kv_dtype, prefill_chunk=chunk)
     sync(device)
     capture_s = time.perf_counter() - t0
     bw = ceil["copy_gbps"] * 1e9
@@ -199,11 +201,11 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
     def prompt_ids(n: int, salt: int) -> list[int]:
         return [(1009 * salt + 31 * j) % (vocab - 1000) + 500 for j in range(n)]
 
-    def prefill(seq, ids: list[int], step: int) -> int:
+    def prefill(seq, ids: list[int], step: int, forward=runner.forward) -> int:
         logits = None
         for i in range(0, len(ids), step):
             part = ids[i:i + step]
-            logits = runner.forward([seq], [part])
+            logits = forward([seq], [part])
             seq.num_computed += len(part)
         tok = int(runner.sample([seq], logits)[0])  # the first token, read back: TTFT ends here
         seq.output_ids.append(tok)
@@ -249,20 +251,22 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
     base_page = lanes * lane_pages
     prefill_res = {}
 
-    def run_prefill(n: int, step: int, reps: int, label: str) -> dict:
+    def run_prefill(n: int, step: int, reps: int, label: str, forward=runner.forward) -> dict:
         times = []
+        replays0 = runner.prefill_replays
         for r in range(reps):
             seq = SimpleNamespace(num_computed=0, pages=list(range(base_page, base_page + -(-n // page) + 1)),
                                   state_slot=slot, lane=0, output_ids=[], sampling=sampling)
             ids = prompt_ids(n, 100 + r)
             sync(device)
             t = time.perf_counter()
-            prefill(seq, ids, step)
+            prefill(seq, ids, step, forward)
             times.append(time.perf_counter() - t)
         ttft = min(times)
         flops = prefill_flops(cfg, ws["matmul_params_per_token"], n)
         rec = emit(kind="ninfer_prefill", shape=args.model, weights=weights, label=label, prompt_tokens=n, chunk=step, reps=reps,
                    ttft_s=ttft, ttft_s_all=[round(x, 4) for x in times], prefill_tok_s=n / ttft,
+                   graph_chunks=runner.prefill_replays - replays0,
                    tflops=flops / ttft / 1e12, fraction_of_gemm=flops / ttft / 1e12 / ceil["gemm_tflops"])
         prefill_res[label] = rec
         return rec
@@ -274,6 +278,8 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
     n8 = args.prompts[-1]
     if n8 > chunk:
         run_prefill(n8, n8, args.prefill_reps, f"{n8}-one-chunk")
+        if runner.prefill_graph is not None:  # the same chunks without the prefill graph
+            run_prefill(n8, chunk, args.prefill_reps, f"{n8}-eager", runner.forward_eager)
     if args.long_prompt and weights in args.long_formats:
         est = prefill_res[f"{n8}"]["ttft_s"] * (args.long_prompt / n8) * 1.6 + 5
         left = deadline - elapsed() - hf_reserve

@@ -279,7 +279,7 @@ def profile_model(shape: str = "qwen3.6-27b", batches=(1, 8), prompt=128, weight
     t0 = time.perf_counter()
     runner = ModelRunner(model, num_pages=pages_per_seq * max_b + 8192 // 16 + 1, page_size=16, num_state_slots=2 * max_b,
                          num_lanes=max_b, vocab_size=vocab, device=torch.device("cuda"), dtype=torch.bfloat16,
-                         cuda_graphs=True, max_seq_len=pages_per_seq * 16)
+                         cuda_graphs=True, max_seq_len=8192 + 16, prefill_chunk=1024)
     capture_s = time.perf_counter() - t0
     emit(profile=f"{tag}_setup", copy_gbps=bw, weight_bytes=weight_bytes, roofline_tok_s_b1=bw * 1e9 / weight_bytes,
          graph_status=runner.graph_status, capture_s=capture_s)
@@ -368,9 +368,10 @@ def _kernel_groups(prof, reps: int) -> tuple[float, dict, list]:
 
 def profile_prefill(runner, vocab: int, first_page: int, prompt: int = 8192, chunk: int = 1024,
                     tag: str = "27b") -> None:
-    """One 8k prompt in 1024-token chunks: wall vs GPU-kernel time per chunk, and inside one chunk's
-    forward the host's synchronising calls, its memcpy calls (which block only for pageable host
-    memory) and its kernel launches: a chunk whose wall time exceeds its kernel time is host-bound."""
+    """One 8k prompt in 1024-token chunks: wall vs GPU-kernel time per chunk, eager and replayed from
+    the prefill graph, and inside one eager chunk's forward the host's synchronising calls, its
+    memcpy calls (which block only for pageable host memory) and its kernel launches: a chunk whose
+    eager wall time exceeds its kernel time is host-bound."""
     from types import SimpleNamespace
 
     need_pages = -(-prompt // 16) + 1
@@ -380,20 +381,27 @@ def profile_prefill(runner, vocab: int, first_page: int, prompt: int = 8192, chu
     seq = SimpleNamespace(num_computed=0, pages=list(range(first_page, first_page + need_pages)), state_slot=0,
                           lane=0, output_ids=[], sampling=None)
     ids = [(31 * j) % 5000 + 100 for j in range(prompt)]
-    walls, last = [], prompt - chunk
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    for i in range(0, prompt, chunk):
+    graph_walls, prompt_s = [], {}
+    for forward in (runner.forward, runner.forward_eager):  # with the prefill graph (if any), then without
+        seq.num_computed = 0
+        walls, last = [], prompt - chunk
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        if i == last:  # the longest-context chunk runs once, under the profiler
-            with torch.profiler.profile(activities=acts) as prof:
-                runner.forward([seq], [ids[i:i + chunk]])
-                torch.cuda.synchronize()
-        else:
-            runner.forward([seq], [ids[i:i + chunk]])
+        t_prompt = time.perf_counter()
+        for i in range(0, prompt, chunk):
             torch.cuda.synchronize()
-            walls.append(round((time.perf_counter() - t) * 1e3, 2))
-        seq.num_computed += chunk
+            t = time.perf_counter()
+            if i == last and forward == runner.forward_eager:  # the longest-context chunk, under the profiler
+                with torch.profiler.profile(activities=acts) as prof:
+                    forward([seq], [ids[i:i + chunk]])
+                    torch.cuda.synchronize()
+            else:
+                forward([seq], [ids[i:i + chunk]])
+                torch.cuda.synchronize()
+                walls.append(round((time.perf_counter() - t) * 1e3, 2))
+            seq.num_computed += chunk
+        prompt_s["graph" if forward == runner.forward else "eager"] = round(time.perf_counter() - t_prompt, 4)
+        graph_walls = graph_walls or walls
     total, _, top = _kernel_groups(prof, 1)
     syncs, copies, launches = defaultdict(int), defaultdict(int), 0
     for ev in prof.events():
@@ -410,7 +418,8 @@ def profile_prefill(runner, vocab: int, first_page: int, prompt: int = 8192, chu
         min((ev.time_range.start for ev in prof.events()), default=0)
     host_ops = sorted(((a.key, a.self_cpu_time_total / 1000, a.count) for a in prof.key_averages()),
                       key=lambda r: -r[1])[:20]
-    emit(profile=f"{tag}_prefill", prompt=prompt, chunk=chunk, chunk_wall_ms_unprofiled=walls,
+    emit(profile=f"{tag}_prefill", prompt=prompt, chunk=chunk, prefill_graph=runner.prefill_graph is not None,
+         chunk_wall_ms_graph=graph_walls, chunk_wall_ms_eager=walls, prompt_s_synced_per_chunk=prompt_s,
          host_self_ms_top=[[k[:60], round(ms, 2), n] for k, ms, n in host_ops],
          last_chunk_gpu_kernel_ms=round(total, 3), last_chunk_profiled_wall_ms=round(prof_wall / 1000, 3),
          host_syncs=dict(syncs), memcpy_calls=dict(copies), kernel_launches=launches, top_kernels_ms=top)

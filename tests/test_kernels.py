@@ -5,7 +5,8 @@
 - With `triton` installed and TRITON_INTERPRET=1: our Triton kernels run on CPU tensors through
   Triton's interpreter (fp32; the interpreter's bf16 dot is not faithful) against the references.
 - With a CUDA device (marker `cuda`): every kernel in fp32 and bf16, fla-core's chunked rule, the
-  engine's greedy output with and without decode CUDA graphs, and a decode step free of host syncs.
+  engine's greedy output with and without CUDA graphs (decode and prefill), and a decode step free
+  of host syncs.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def test_gdn_entry_points_on_cpu_update_their_slots():
 
 def test_prefill_metadata_carries_fla_chunk_table_once_per_forward():
     """A prefill batch's GDNMetadata holds fla's varlen chunk table (sequence, 64-token chunk), built
-    from the host lengths so no GDN layer rebuilds or uploads it; decode batches carry none."""
+    on the device from the batch offsets so no GDN layer rebuilds or uploads it (and a CUDA graph
+    capture bakes in no host buffer); decode batches carry none."""
     batch = ForwardBatch.build([[1] * 1, [1] * 64, [1] * 65, [1] * 130], [0, 3, 0, 7], [[0]] * 4, 1 << 20,
                                state_slots=[0, 1, 2, 3])
     meta = GDNMetadata.from_batch(batch)
@@ -68,6 +70,12 @@ def test_prefill_metadata_carries_fla_chunk_table_once_per_forward():
     assert meta.cu_seqlens_long.dtype == torch.int64 and meta.cu_seqlens_long.tolist() == [0, 1, 65, 130, 260]
     decode = GDNMetadata.from_batch(ForwardBatch.build([[1], [2]], [3, 4], [[0], [1]], 16, state_slots=[0, 1]))
     assert decode.chunk_indices is None and decode.cu_seqlens_long is None
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):  # against the table spelled out on the host
+        lens = torch.randint(1, 300, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+        meta = GDNMetadata.from_batch(ForwardBatch.build([[1] * n for n in lens], [0] * len(lens),
+                                                         [[0]] * len(lens), 1 << 20))
+        assert meta.chunk_indices.tolist() == [[i, c] for i, n in enumerate(lens) for c in range(-(-n // 64))]
 
 
 def test_runner_keeps_graphs_off_on_cpu():
@@ -158,7 +166,8 @@ def test_greedy_identical_with_and_without_cuda_graphs(name, dtype):
     graphs = selfcheck.engine_greedy(model, tok, "cuda", dtype, no_cuda_graph=False, concurrency=8, prompts=PROMPTS)
     eager = selfcheck.engine_greedy(model, tok, "cuda", dtype, no_cuda_graph=True, concurrency=8, prompts=PROMPTS)
     assert graphs["graph_status"].startswith("on") and graphs["graph_replays"] > 0, graphs
-    assert eager["graph_status"].startswith("off") and eager["graph_replays"] == 0
+    assert graphs["prefill_replays"] > 0, graphs  # the prompts of 17..40 tokens hold full 16-token chunks
+    assert eager["graph_status"].startswith("off") and eager["graph_replays"] == eager["prefill_replays"] == 0
     assert graphs["outputs"] == eager["outputs"]
 
 

@@ -136,8 +136,9 @@ def test_decode_kernels_on_cuda_bf16(tokens, top_k):
         pytest.skip("triton is not importable")
     from ninfer.kernels.triton_nvfp4_moe import fused_experts_nvfp4
 
+    experts = _experts(num_experts=32, hidden=2048, intermediate=512)  # CPU generator: built on the host
     with torch.device("cuda"):
-        q = NVFP4Experts.from_experts(_experts(num_experts=32, hidden=2048, intermediate=512).cuda())
+        q = NVFP4Experts.from_experts(experts.cuda())
         gen = torch.Generator(device="cuda").manual_seed(tokens)
         x = torch.randn(tokens, 2048, generator=gen, device="cuda").to(torch.bfloat16)
         top_ids = torch.stack([torch.randperm(32, generator=gen, device="cuda")[:top_k] for _ in range(tokens)])

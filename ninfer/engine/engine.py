@@ -110,7 +110,7 @@ class Engine:
                 model, page_size=settings.page_size, prefill_chunk=settings.prefill_chunk,
                 num_state_slots=num_slots if spec.num_state_layers else 0, max_context=settings.max_context,
                 max_concurrency=settings.max_concurrency, vocab_size=tokenizer.vocab_size, device=self.device,
-                dtype=dtype, kv_dtype=settings.kv_dtype)
+                dtype=dtype, kv_dtype=settings.kv_dtype, cuda_graphs=not settings.no_cuda_graph)
             capacity = self.kv_sizing.tokens
             log.info("KV capacity auto: %d tokens (%s)", capacity, self.kv_sizing.as_dict())
         else:
@@ -122,7 +122,7 @@ class Engine:
                                   num_state_slots=num_slots if slots else 0, num_lanes=settings.max_concurrency,
                                   vocab_size=tokenizer.vocab_size, device=self.device, dtype=dtype,
                                   cuda_graphs=not settings.no_cuda_graph, max_seq_len=settings.max_context,
-                                  kv_dtype=settings.kv_dtype)
+                                  kv_dtype=settings.kv_dtype, prefill_chunk=settings.prefill_chunk)
         self.hybrid = slots is not None
         self.cache = ContextCache(pages, slots, hybrid=self.hybrid, enabled=settings.prefix_reuse)
         self.scheduler = Scheduler(max_concurrency=settings.max_concurrency, prefill_chunk=settings.prefill_chunk,

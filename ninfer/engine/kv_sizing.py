@@ -2,8 +2,9 @@
 
 On CUDA, after the weights are loaded: measure what one prefill chunk (the largest unit the engine
 runs) allocates beyond the weights, on a throwaway cache; then give the KV pool everything free
-except that workspace, the recurrent-state slots, an allowance for the decode CUDA graphs and a
-1 GiB headroom (serving.md, "--kv-capacity ... auto ... leaves 1 GiB of sizing headroom").
+except that workspace, the recurrent-state slots, an allowance for the CUDA graphs (the decode
+graphs' small pool, plus a second chunk workspace for the prefill graph's own pool, which lives
+beside the eager path's) and a 1 GiB headroom (serving.md, "--kv-capacity ... auto ... leaves 1 GiB of sizing headroom").
 Capacity resolves once, here, at startup.
 
 On CPU there is no device memory to share out: auto gives every lane a full --max-context.
@@ -29,7 +30,7 @@ class KVSizing:
     free_bytes: int
     workspace_bytes: int
     state_bytes: int
-    graph_allowance_bytes: int
+    graph_allowance_bytes: int  # decode graphs, plus one chunk workspace when the prefill graph is captured
     headroom_bytes: int
     kv_bytes_per_token: int
 
@@ -60,7 +61,8 @@ def _prefill_workspace_bytes(model: torch.nn.Module, *, chunk: int, page_size: i
 
 def auto_kv_capacity(model: torch.nn.Module, *, page_size: int, prefill_chunk: int, num_state_slots: int,
                      max_context: int, max_concurrency: int, vocab_size: int, device: torch.device,
-                     dtype: torch.dtype, kv_dtype: str) -> KVSizing:
+                     dtype: torch.dtype, kv_dtype: str, cuda_graphs: bool = True) -> KVSizing:
+    """cuda_graphs: whether the runner will capture graphs (not --no-cuda-graph)."""
     spec = model.cache_spec()
     per_token = spec.kv_bytes_per_token(dtype, kv_dtype)
     if device.type != "cuda":
@@ -71,10 +73,11 @@ def auto_kv_capacity(model: torch.nn.Module, *, page_size: int, prefill_chunk: i
     free, _total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by torch, reusable
     state = spec.state_bytes_per_slot(dtype) * num_state_slots
-    budget = free - workspace - state - GRAPH_ALLOWANCE_BYTES - HEADROOM_BYTES
+    graphs = GRAPH_ALLOWANCE_BYTES + workspace if cuda_graphs else 0
+    budget = free - workspace - state - graphs - HEADROOM_BYTES
     tokens = (max(0, budget) // per_token) // page_size * page_size if per_token else max_context * max_concurrency
     if tokens < page_size:
         raise RuntimeError(
             f"--kv-capacity auto: no room for a KV cache ({free / 2**30:.2f} GiB free after the weights; "
             f"workspace {workspace / 2**30:.2f} GiB, state slots {state / 2**30:.2f} GiB, headroom 1 GiB)")
-    return KVSizing(tokens, free, workspace, state, GRAPH_ALLOWANCE_BYTES, HEADROOM_BYTES, per_token)
+    return KVSizing(tokens, free, workspace, state, graphs, HEADROOM_BYTES, per_token)

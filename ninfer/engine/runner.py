@@ -1,12 +1,11 @@
 """Turns scheduled sequences into tensors, runs one model traversal and samples on the device.
 
-CUDA graphs for decode: at construction on a CUDA device (CUDA kernel backend active, graphs not
-disabled), one graph per exact batch size 1..num_lanes is captured over static input buffers
-(token ids, positions, seq lens, page table, slot mapping, state slots). A step whose every
-sequence appends one token fills those buffers from the host with one pinned copy per dtype and
-replays the graph of its batch size; anything else (prefill chunks, a sequence longer than the
-page-table width of the graphs) runs eagerly. Graph and eager decode run the same kernels with the
-same launch parameters, so greedy outputs agree exactly.
+CUDA graphs (ninfer.engine.graphs): at construction on a CUDA device (CUDA kernel backend active,
+graphs not disabled), one decode graph per exact batch size 1..num_lanes and one prefill graph for
+a full `prefill_chunk` of one sequence are captured over static input buffers. A forward whose
+shape has a graph fills its buffers from the host (pinned copies) and replays it; anything else
+(a shorter last prefill chunk, a sequence longer than the graphs' page-table width) runs eagerly.
+Graph and eager runs launch the same kernels with the same parameters, so outputs agree exactly.
 
 Host-to-device uploads go through pinned memory with non_blocking copies: a plain
 `torch.tensor(..., device="cuda")` synchronizes the stream, which would stall the host on every
@@ -18,9 +17,9 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
+from ninfer.engine.graphs import DecodeInputs, PrefillInputs, capture
 from ninfer.engine.sampler import TOP_K_CAP, SamplingBatch, sample
 from ninfer.engine.sequence import Sequence
 from ninfer.kernels.backend import use_triton
@@ -29,57 +28,12 @@ from ninfer.models.batch import ForwardBatch, ModelCache
 log = logging.getLogger("ninfer.engine")
 
 
-class _DeviceOnlyLengths(list):
-    """Host lengths of a captured batch: only their count is known. Reading a value means a kernel
-    would bake one step's lengths into the graph, so it raises (and capture falls back to eager)."""
-
-    def __getitem__(self, index):
-        raise RuntimeError("a CUDA-graph decode batch has no host sequence lengths (reference kernel in graph?)")
-
-    def __iter__(self):
-        raise RuntimeError("a CUDA-graph decode batch has no host sequence lengths (reference kernel in graph?)")
-
-
-class _DecodeBuffers:
-    """Static device inputs of the decode graphs (batch b uses the first b rows) and their pinned host images."""
-
-    def __init__(self, max_batch: int, width: int, device: torch.device):
-        self.max_batch, self.width = max_batch, width
-        # rows: input_ids, positions, slot_mapping, state_slots
-        self.i64 = torch.zeros((4, max_batch), dtype=torch.int64, device=device)
-        # seq_lens [max_batch] then the page table [max_batch, width]
-        self.i32 = torch.zeros(max_batch * (1 + width), dtype=torch.int32, device=device)
-        self.qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.host_i64 = torch.zeros(self.i64.shape, dtype=torch.int64).pin_memory()
-        self.host_i32 = torch.zeros(self.i32.shape, dtype=torch.int32).pin_memory()
-        self.copied: torch.cuda.Event | None = None  # the last upload, before the host images are rewritten
-
-    def reset(self) -> None:
-        """Valid placeholder inputs for warm-up and capture: token 0 at position 0 in slot 0 of page 0."""
-        self.host_i64.zero_()
-        self.host_i32.zero_()
-        self.host_i32[: self.max_batch] = 1
-        self.upload()
-
-    def upload(self) -> None:
-        self.i64.copy_(self.host_i64, non_blocking=True)
-        self.i32.copy_(self.host_i32, non_blocking=True)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
-
-    def batch(self, b: int) -> ForwardBatch:
-        table = self.i32[self.max_batch:].view(self.max_batch, self.width)
-        return ForwardBatch(
-            input_ids=self.i64[0, :b], positions=self.i64[1, :b], query_start_loc=self.qsl[: b + 1],
-            seq_lens=self.i32[:b], page_table=table[:b], slot_mapping=self.i64[2, :b], state_slots=self.i64[3, :b],
-            query_lens_cpu=[1] * b, seq_lens_cpu=_DeviceOnlyLengths([0] * b),
-        )
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_pages: int, page_size: int, num_state_slots: int,
                  num_lanes: int, vocab_size: int, device: torch.device, dtype: torch.dtype,
-                 cuda_graphs: bool = True, max_seq_len: int | None = None, kv_dtype: str = "bf16"):
+                 cuda_graphs: bool = True, max_seq_len: int | None = None, kv_dtype: str = "bf16",
+                 prefill_chunk: int | None = None):
+        """prefill_chunk: the engine's chunk length, for the prefill graph (None: no prefill graph)."""
         self.model = model
         self.device = torch.device(device)
         self.page_size = page_size
@@ -88,10 +42,13 @@ class ModelRunner:
         # generated-token counts per lane, for presence/frequency penalties
         self.counts = torch.zeros((num_lanes, vocab_size), dtype=torch.float32, device=self.device)
         self.vocab_size = vocab_size
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.graph_replays = 0
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode, by batch size
+        self.graph_replays = 0  # decode replays
+        self.prefill_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
+        self.prefill_replays = 0
         self.eager_steps = 0
-        self._buffers: _DecodeBuffers | None = None
+        self._decode_inputs: DecodeInputs | None = None
+        self._prefill_inputs: PrefillInputs | None = None
         if self.device.type != "cuda":
             self.graph_status = "off: not a CUDA device"
         elif not cuda_graphs:
@@ -99,9 +56,11 @@ class ModelRunner:
         elif not use_triton(self.device):
             self.graph_status = "off: reference kernels read host lengths (NINFER_KERNELS=reference or no triton)"
         else:
-            width = num_pages if max_seq_len is None else min(num_pages, -(-max_seq_len // page_size))
-            self.graph_status = self._capture(num_lanes, max(1, width))
-        log.info("decode CUDA graphs: %s", self.graph_status)
+            width = max(1, num_pages if max_seq_len is None else min(num_pages, -(-max_seq_len // page_size)))
+            self.graph_status = self._capture_decode(num_lanes, width)
+            if prefill_chunk:
+                self.graph_status += "; " + self._capture_prefill(prefill_chunk, width)
+        log.info("CUDA graphs: %s", self.graph_status)
 
     # ---- uploads -----------------------------------------------------------------------------
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
@@ -113,69 +72,78 @@ class ModelRunner:
         return self._upload(torch.tensor(values, dtype=dtype))
 
     # ---- CUDA graphs -------------------------------------------------------------------------
-    def _decode_logits(self, batch: ForwardBatch) -> torch.Tensor:
+    def _logits(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(batch, self.cache)
         return self.model.compute_logits(hidden[batch.last_token_indices()])
 
+    def _capture_failed(self, what: str, exc: Exception) -> str:
+        log.warning("%s CUDA graph capture failed, %s runs eagerly: %s", what, what, exc)
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:
+            pass
+        return f"{what} off: capture failed ({type(exc).__name__}: {exc})"
+
     @torch.inference_mode()
-    def _capture(self, max_batch: int, width: int) -> str:
+    def _capture_decode(self, max_batch: int, width: int) -> str:
         """Capture one decode graph per batch size, largest first, sharing one memory pool. Runs while
         the cache is empty: the placeholder inputs write slot 0 of page 0 and state slot 0, which no
         sequence has yet (and a fresh sequence never reads its state slot)."""
-        buffers = self._buffers = _DecodeBuffers(max_batch, width, self.device)
-        buffers.reset()
-        side = torch.cuda.Stream(self.device)
+        inputs = self._decode_inputs = DecodeInputs(max_batch, width, self.device)
+        inputs.placeholder()
         pool = None
         try:
             for b in range(max_batch, 0, -1):
-                batch = buffers.batch(b)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):  # warm-up: Triton JIT, cuBLAS heuristics, allocator
-                    for _ in range(2 if b == max_batch else 1):
-                        self._decode_logits(batch)
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    logits = self._decode_logits(batch)
+                batch = inputs.batch(b)
+                graph, logits = capture(lambda batch=batch: self._logits(batch), self.device,
+                                        warmups=2 if b == max_batch else 1, pool=pool)
                 pool = graph.pool()
                 self.graphs[b] = (graph, logits)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # e.g. a model path that reads the device back: run decode eagerly
-            log.warning("decode CUDA graph capture failed, decode runs eagerly: %s", exc)
             self.graphs.clear()
-            self._buffers = None
-            try:
-                torch.cuda.synchronize(self.device)
-            except Exception:
-                pass
-            return f"off: capture failed ({type(exc).__name__}: {exc})"
+            self._decode_inputs = None
+            return self._capture_failed("decode", exc)
         return f"on: batch sizes 1..{max_batch}, page-table width {width}"
 
+    @torch.inference_mode()
+    def _capture_prefill(self, tokens: int, width: int) -> str:
+        """Capture the graph of one sequence's `tokens`-token prefill chunk (its own memory pool, about
+        one chunk's eager workspace; kv_sizing reserves it). Runs while the cache is empty, like the
+        decode capture: the placeholder chunk writes the first pages and state slot 0."""
+        if -(-tokens // self.page_size) > min(width, self.cache.num_pages):
+            return "prefill off: a chunk needs more pages than the page table holds"
+        inputs = self._prefill_inputs = PrefillInputs(tokens, width, self.device)
+        inputs.placeholder(self.page_size)
+        batch = inputs.batch()
+        try:
+            self.prefill_graph = capture(lambda: self._logits(batch), self.device, warmups=1)
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # e.g. a MoE routing step that reads group sizes back to the host
+            self.prefill_graph = self._prefill_inputs = None
+            return self._capture_failed("prefill", exc)
+        return f"prefill chunk of {tokens} tokens"
+
     def _replay(self, seqs: list[Sequence], inputs: list[list[int]]) -> torch.Tensor | None:
-        entry = self.graphs.get(len(seqs))
-        buffers = self._buffers
-        if entry is None or buffers is None:
+        """Replay a captured graph when one fits this forward's shape; None when none does."""
+        if all(len(t) == 1 for t in inputs):
+            entry, decode = self.graphs.get(len(seqs)), self._decode_inputs
+            if entry is None or decode is None or any(len(s.pages) > decode.width for s in seqs):
+                return None
+            decode.fill(seqs, inputs, self.page_size)
+            graph, logits = entry
+            graph.replay()
+            self.graph_replays += 1
+            return logits
+        prefill = self._prefill_inputs
+        if prefill is None or len(seqs) != 1 or len(inputs[0]) != prefill.tokens or len(seqs[0].pages) > prefill.width:
             return None
-        if any(len(s.pages) > buffers.width for s in seqs):
-            return None
-        if buffers.copied is not None and not buffers.copied.query():
-            buffers.copied.synchronize()  # the previous upload must have read the host images (the
-            # engine's per-step sync means it has: query() answers without blocking)
-        h64: np.ndarray = buffers.host_i64.numpy()
-        h32: np.ndarray = buffers.host_i32.numpy()
-        ps, width, base = self.page_size, buffers.width, buffers.max_batch
-        for i, (s, toks) in enumerate(zip(seqs, inputs)):
-            pos = s.num_computed
-            h64[0, i] = toks[0]
-            h64[1, i] = pos
-            h64[2, i] = s.pages[pos // ps] * ps + pos % ps
-            h64[3, i] = s.state_slot if s.state_slot is not None else 0
-            h32[i] = pos + 1
-            h32[base + i * width: base + i * width + len(s.pages)] = s.pages
-        buffers.upload()
-        graph, logits = entry
+        seq = seqs[0]
+        prefill.fill(inputs[0], seq.num_computed, seq.pages, seq.state_slot if seq.state_slot is not None else 0,
+                     self.page_size)
+        graph, logits = self.prefill_graph
         graph.replay()
-        self.graph_replays += 1
+        self.prefill_replays += 1
         return logits
 
     # ---- public API --------------------------------------------------------------------------
@@ -183,13 +151,15 @@ class ModelRunner:
     def forward(self, seqs: list[Sequence], inputs: list[list[int]]) -> torch.Tensor:
         """Append inputs[i] to seqs[i]'s cache; returns float32 logits of each sequence's last new token.
 
-        From a decode graph the logits are the graph's static output: read them (sample) before the
-        next forward call.
+        From a graph the logits are the graph's static output: read them (sample) before the next
+        forward call.
         """
-        if self.graphs and all(len(toks) == 1 for toks in inputs):
-            logits = self._replay(seqs, inputs)
-            if logits is not None:
-                return logits
+        logits = self._replay(seqs, inputs)
+        return logits if logits is not None else self.forward_eager(seqs, inputs)
+
+    @torch.inference_mode()
+    def forward_eager(self, seqs: list[Sequence], inputs: list[list[int]]) -> torch.Tensor:
+        """`forward` without graphs (benchmarks compare the two)."""
         self.eager_steps += 1
         batch = ForwardBatch.build(
             tokens=inputs,
@@ -203,8 +173,7 @@ class ModelRunner:
             for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "slot_mapping",
                          "state_slots"):
                 setattr(batch, name, self._upload(getattr(batch, name)))
-        hidden = self.model(batch, self.cache)
-        return self.model.compute_logits(hidden[batch.last_token_indices()])
+        return self._logits(batch)
 
     def reset_lane(self, lane: int, output_ids: list[int]) -> None:
         """Start a lane's penalty counts over (from a restored request's committed output, if any)."""

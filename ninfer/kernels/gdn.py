@@ -43,8 +43,8 @@ class GDNMetadata:
     pos_in_seq: torch.Tensor  # [T] int64 offset of each token among its sequence's new tokens
     query_lens_cpu: list[int]
     is_decode: bool  # every sequence advances one token: the recurrent (decode) kernels apply
-    # prefill only (None for decode): fla's varlen bookkeeping, built once per forward so that its
-    # 48 GDN layers neither rebuild it nor upload it (each pageable upload stalls the host)
+    # prefill only (None for decode): fla's varlen bookkeeping, built once per forward on the device
+    # so that its 48 GDN layers neither rebuild it nor upload it (each pageable upload stalls the host)
     cu_seqlens_long: torch.Tensor | None = None  # [N+1] int64, the one object every layer passes
     chunk_indices: torch.Tensor | None = None  # [num_chunks, 2] int64 (sequence, chunk within it)
 
@@ -67,18 +67,24 @@ class GDNMetadata:
             query_lens_cpu=list(batch.query_lens_cpu),
             is_decode=is_decode,
             cu_seqlens_long=None if is_decode else qsl.long(),
-            chunk_indices=None if is_decode else _chunk_indices(batch.query_lens_cpu, qsl.device),
+            chunk_indices=None if is_decode else _chunk_indices(batch.query_lens_cpu, qsl),
         )
 
 
-def _chunk_indices(query_lens: list[int], device: torch.device) -> torch.Tensor:
-    """(sequence, chunk) of every CHUNK_SIZE-token chunk of a varlen batch: fla's `chunk_indices`,
-    from the host lengths, uploaded without a stream sync."""
-    rows = [(i, c) for i, n in enumerate(query_lens) for c in range(-(-n // CHUNK_SIZE))]
-    table = torch.tensor(rows, dtype=torch.long).view(-1, 2)
-    if torch.device(device).type != "cuda":
-        return table
-    return table.pin_memory().to(device, non_blocking=True)
+def _chunk_indices(query_lens: list[int], query_start_loc: torch.Tensor) -> torch.Tensor:
+    """(sequence, chunk) of every CHUNK_SIZE-token chunk of a varlen batch: fla's `chunk_indices`.
+
+    Built on the device from the batch's offsets; only the row count comes from the host lengths.
+    No upload, so a CUDA-graph capture bakes in no host buffer and replays it for any batch of
+    the same lengths' chunk count.
+    """
+    num_chunks = sum(-(-n // CHUNK_SIZE) for n in query_lens)
+    qsl = query_start_loc.long()
+    per_seq = (qsl[1:] - qsl[:-1] + CHUNK_SIZE - 1) // CHUNK_SIZE
+    ends = per_seq.cumsum(0)
+    chunk = torch.arange(num_chunks, device=qsl.device)
+    seq = torch.searchsorted(ends, chunk, right=True)
+    return torch.stack([seq, chunk - (ends - per_seq)[seq]], dim=1)
 
 
 def _gather_state(cache: torch.Tensor, meta: GDNMetadata) -> torch.Tensor:

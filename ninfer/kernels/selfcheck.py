@@ -170,7 +170,7 @@ def check_fla(device, dtype, *, hk=2, hv=4, dk=64, dv=64, query_lens=(1, 70, 5, 
     # our once-per-forward chunk table (GDNMetadata) must be fla's own, and give the same result
     from fla.ops.utils.index import prepare_chunk_indices
 
-    ours = gdn._chunk_indices(list(query_lens), torch.device(device))
+    ours = gdn._chunk_indices(list(query_lens), cu)
     out["chunk_indices_mismatch"] = float(not torch.equal(ours, prepare_chunk_indices(cu.long(), gdn.CHUNK_SIZE)))
     o2, h2 = fla_gdn.chunk_gated_delta_rule(*args, None, h0, True, True, cu.long(), list(query_lens), ours)
     out["chunk_o_with_indices"] = (o2.float() - ref_o.float()).abs().max().item()
@@ -222,7 +222,7 @@ def engine_greedy(model, tokenizer, device, dtype, *, no_cuda_graph: bool, concu
         engine.shutdown()
     runner = engine.runner
     return {"outputs": outputs, "graph_status": runner.graph_status, "graph_replays": runner.graph_replays,
-            "eager_steps": runner.eager_steps}
+            "prefill_replays": runner.prefill_replays, "eager_steps": runner.eager_steps}
 
 
 def runner_sync_check(model, device, dtype, *, batch: int = 4, steps: int = 3, cuda_graphs: bool = True,

@@ -1,0 +1,169 @@
+"""CUDA graphs of the model forward: one per decode batch size, one for a full prefill chunk.
+
+A graph replays fixed launches over fixed device buffers, so each graph owns static inputs that
+the host refills before every replay:
+- decode (batch b = 1..lanes): token ids, positions, KV slots, state slots, sequence lengths and
+  page tables of b sequences that append one token each;
+- prefill (one sequence, exactly `--prefill-chunk` new tokens): the same fields for that chunk.
+  A long prompt is a run of such chunks; its shorter last chunk, and prefill batches of any other
+  shape, run eagerly. Replaying a chunk costs the host one small upload and one launch, where the
+  eager forward issues ~2,600 kernel launches and their Python around them; at 1024 tokens that
+  host work took as long as the GPU's (H200 profile, bench/results/2026-11-30-h200-s4).
+
+The kernels see the lengths only on the device; the host copies of a captured batch raise when
+read (`DeviceOnlyLengths`), so a kernel that would bake one step's lengths into a graph fails
+capture instead, and the runner falls back to eager for that graph. Graph and eager runs launch
+the same kernels with the same parameters, so their outputs agree exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ninfer.models.batch import ForwardBatch
+
+
+class DeviceOnlyLengths(list):
+    """Host lengths of a captured batch: only their count is known. Reading a value means a kernel
+    would bake one step's lengths into the graph, so it raises (and capture falls back to eager)."""
+
+    def __getitem__(self, index):
+        raise RuntimeError("a CUDA-graph batch has no host sequence lengths (reference kernel in graph?)")
+
+    def __iter__(self):
+        raise RuntimeError("a CUDA-graph batch has no host sequence lengths (reference kernel in graph?)")
+
+
+class StaticInputs:
+    """A graph's int64 and int32 device inputs, filled from pinned host images by async copies.
+
+    Two host images alternate: the host fills one while the copy from the other may still be
+    queued behind earlier GPU work (prefill chunks are not synchronized between each other), and
+    waits on an image's last copy only when it comes round again. (On a CPU device, where graphs
+    never run, the same code fills plain tensors: the tests check the fills there.)
+    """
+
+    def __init__(self, n64: int, n32: int, device: torch.device):
+        self.i64 = torch.zeros(n64, dtype=torch.int64, device=device)
+        self.i32 = torch.zeros(n32, dtype=torch.int32, device=device)
+        self._cuda = torch.device(device).type == "cuda"
+
+        def image(n: int, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.zeros(n, dtype=dtype)
+            return t.pin_memory() if self._cuda else t
+
+        self._images = [(image(n64, torch.int64), image(n32, torch.int32)) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+
+    def host(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next host image (int64, int32) to fill, once its previous copy has been read."""
+        done = self._copied[self._next]
+        if done is not None and not done.query():
+            done.synchronize()
+        h64, h32 = self._images[self._next]
+        return h64.numpy(), h32.numpy()
+
+    def upload(self, n32: int | None = None) -> None:
+        """Copy the filled image to the device (int32: its first n32 values, default all)."""
+        h64, h32 = self._images[self._next]
+        n32 = h32.shape[0] if n32 is None else n32
+        self.i64.copy_(h64, non_blocking=True)
+        self.i32[:n32].copy_(h32[:n32], non_blocking=True)
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[self._next] = event
+        self._next ^= 1
+
+
+class DecodeInputs(StaticInputs):
+    """Decode graphs' inputs (batch b uses the first b rows). int64 rows: input_ids, positions,
+    slot_mapping, state_slots; int32: seq_lens [max_batch] then the page table [max_batch, width]."""
+
+    def __init__(self, max_batch: int, width: int, device: torch.device):
+        super().__init__(4 * max_batch, max_batch * (1 + width), device)
+        self.max_batch, self.width = max_batch, width
+        self.qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+
+    def placeholder(self) -> None:
+        """Valid inputs for warm-up and capture: token 0 at position 0 in slot 0 of page 0."""
+        h64, h32 = self.host()
+        h64[:] = 0
+        h32[:] = 0
+        h32[: self.max_batch] = 1
+        self.upload()
+
+    def fill(self, seqs, inputs: list[list[int]], page_size: int) -> None:
+        h64, h32 = self.host()
+        rows = h64.reshape(4, self.max_batch)
+        base, width = self.max_batch, self.width
+        for i, (s, toks) in enumerate(zip(seqs, inputs)):
+            pos = s.num_computed
+            rows[0, i] = toks[0]
+            rows[1, i] = pos
+            rows[2, i] = s.pages[pos // page_size] * page_size + pos % page_size
+            rows[3, i] = s.state_slot if s.state_slot is not None else 0
+            h32[i] = pos + 1
+            h32[base + i * width: base + i * width + len(s.pages)] = s.pages
+        self.upload(n32=base + len(seqs) * width)  # rows past the batch are not read
+
+    def batch(self, b: int) -> ForwardBatch:
+        rows = self.i64.view(4, self.max_batch)
+        table = self.i32[self.max_batch:].view(self.max_batch, self.width)
+        return ForwardBatch(
+            input_ids=rows[0, :b], positions=rows[1, :b], query_start_loc=self.qsl[: b + 1],
+            seq_lens=self.i32[:b], page_table=table[:b], slot_mapping=rows[2, :b], state_slots=rows[3, :b],
+            query_lens_cpu=[1] * b, seq_lens_cpu=DeviceOnlyLengths([0] * b),
+        )
+
+
+class PrefillInputs(StaticInputs):
+    """The prefill graph's inputs: one sequence appending exactly `tokens` tokens. int64: input_ids,
+    positions, slot_mapping (each `tokens` long), then the state slot; int32: seq_len, page table."""
+
+    def __init__(self, tokens: int, width: int, device: torch.device):
+        super().__init__(3 * tokens + 1, 1 + width, device)
+        self.tokens, self.width = tokens, width
+        self.qsl = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+
+    def placeholder(self, page_size: int) -> None:
+        """Warm-up and capture inputs: tokens 0 at positions 0.. in the first pages, state slot 0."""
+        pages = list(range(-(-self.tokens // page_size)))
+        self.fill([0] * self.tokens, 0, pages, 0, page_size)
+
+    def fill(self, token_ids: list[int], start: int, pages: list[int], state_slot: int, page_size: int) -> None:
+        n = self.tokens
+        h64, h32 = self.host()
+        positions = np.arange(start, start + n, dtype=np.int64)
+        h64[:n] = token_ids
+        h64[n: 2 * n] = positions
+        h64[2 * n: 3 * n] = np.asarray(pages, dtype=np.int64)[positions // page_size] * page_size + positions % page_size
+        h64[3 * n] = state_slot
+        h32[0] = start + n
+        h32[1: 1 + len(pages)] = pages
+        self.upload(n32=1 + len(pages))  # table entries past the sequence's pages are not read
+
+    def batch(self) -> ForwardBatch:
+        n, i64 = self.tokens, self.i64
+        return ForwardBatch(
+            input_ids=i64[:n], positions=i64[n: 2 * n], query_start_loc=self.qsl, seq_lens=self.i32[:1],
+            page_table=self.i32[1:].view(1, self.width), slot_mapping=i64[2 * n: 3 * n], state_slots=i64[3 * n:],
+            query_lens_cpu=[n], seq_lens_cpu=DeviceOnlyLengths([0]),
+        )
+
+
+def capture(run, device: torch.device, *, warmups: int, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Warm `run` up on a side stream (Triton JIT and autotune, cuBLAS heuristics, the allocator),
+    then capture it; returns the graph and `run`'s output, which each replay rewrites."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out
