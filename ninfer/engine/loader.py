@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ninfer.artifact.container import Artifact
 from ninfer.engine.engine import Engine, EngineSettings
@@ -43,9 +45,29 @@ def _cast_floating(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch
     return tensor
 
 
+@contextmanager
+def _parameters_on_meta():
+    """Build modules with every nn.Parameter moved to the meta device (no storage) as it is
+    registered; buffers stay where they are made (the rotary tables are computed, not loaded).
+    The loader then assigns the artifact's tensors, so a weight never exists twice on the device:
+    load peaks at the model's size, not twice it."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def load_model(artifact: Artifact, device: torch.device, dtype: torch.dtype,
                components: tuple[str, ...] = ("text",)) -> torch.nn.Module:
-    """Build the module on the device and adopt the artifact's tensors (assign: no second copy kept).
+    """Build the module (parameters without storage) and adopt the artifact's tensors on the device.
 
     NVFP4 artifacts (manifest quantization {"weights": "nvfp4", "modules": [...]}): the listed
     linears become NVFP4Linear before loading; their fp32 row scales keep fp32.
@@ -58,21 +80,27 @@ def load_model(artifact: Artifact, device: torch.device, dtype: torch.dtype,
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), _parameters_on_meta():
             model = build_model(artifact.architecture, artifact.config("text"))
     finally:
         torch.set_default_dtype(previous)
     if nvfp4_modules:
         from ninfer.quant.nvfp4 import replace_with_nvfp4_
 
-        replace_with_nvfp4_(model, nvfp4_modules)
+        replace_with_nvfp4_(model, nvfp4_modules)  # empty NVFP4 modules on the meta device
     expected = set(model.state_dict())
     missing = sorted(expected - set(weights))
     unexpected = sorted(set(weights) - expected)
     if missing or unexpected:
         raise ValueError(f"{artifact.path}: weights do not match the {artifact.architecture} model "
                          f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-    model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False, assign=True)
+    for name in list(weights):  # one tensor at a time onto the device, each host copy dropped as it goes
+        weights[name] = weights[name].to(device)
+    model.load_state_dict(weights, strict=False, assign=True)
+    del weights
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{artifact.path}: no tensor for {left[:5]}")
     return prepare_for_inference_(model).eval()
 
 
