@@ -50,7 +50,8 @@ def _parameters_on_meta():
     """Build modules with every nn.Parameter moved to the meta device (no storage) as it is
     registered; buffers stay where they are made (the rotary tables are computed, not loaded).
     The loader then assigns the artifact's tensors, so a weight never exists twice on the device:
-    load peaks at the model's size, not twice it."""
+    load peaks at the model's size, not twice it. The patch is process-wide while active: the
+    loader builds one model at a time."""
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:

@@ -77,12 +77,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.last_token_indices()])
 
     def _capture_failed(self, what: str, exc: Exception) -> str:
+        """Log a failed capture; returns the reason for graph_status."""
         log.warning("%s CUDA graph capture failed, %s runs eagerly: %s", what, what, exc)
         try:
             torch.cuda.synchronize(self.device)
         except Exception:
             pass
-        return f"{what} off: capture failed ({type(exc).__name__}: {exc})"
+        return f"capture failed ({type(exc).__name__}: {exc})"
 
     @torch.inference_mode()
     def _capture_decode(self, max_batch: int, width: int) -> str:
@@ -103,7 +104,7 @@ class ModelRunner:
         except Exception as exc:  # e.g. a model path that reads the device back: run decode eagerly
             self.graphs.clear()
             self._decode_inputs = None
-            return self._capture_failed("decode", exc)
+            return "off: " + self._capture_failed("decode", exc)
         return f"on: batch sizes 1..{max_batch}, page-table width {width}"
 
     @torch.inference_mode()
@@ -121,7 +122,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # e.g. a MoE routing step that reads group sizes back to the host
             self.prefill_graph = self._prefill_inputs = None
-            return self._capture_failed("prefill", exc)
+            return "prefill off: " + self._capture_failed("prefill", exc)
         return f"prefill chunk of {tokens} tokens"
 
     def _replay(self, seqs: list[Sequence], inputs: list[list[int]]) -> torch.Tensor | None:
