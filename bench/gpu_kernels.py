@@ -381,27 +381,27 @@ def profile_prefill(runner, vocab: int, first_page: int, prompt: int = 8192, chu
     seq = SimpleNamespace(num_computed=0, pages=list(range(first_page, first_page + need_pages)), state_slot=0,
                           lane=0, output_ids=[], sampling=None)
     ids = [(31 * j) % 5000 + 100 for j in range(prompt)]
-    graph_walls, prompt_s = [], {}
-    for forward in (runner.forward, runner.forward_eager):  # with the prefill graph (if any), then without
+    walls, prompt_s, last = {}, {}, prompt - chunk
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    # with the prefill graph (if any), then without; the eager pass profiles its longest-context chunk
+    for mode, forward in (("graph", runner.forward), ("eager", runner.forward_eager)):
         seq.num_computed = 0
-        walls, last = [], prompt - chunk
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        walls[mode] = []
         torch.cuda.synchronize()
         t_prompt = time.perf_counter()
         for i in range(0, prompt, chunk):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            if i == last and forward == runner.forward_eager:  # the longest-context chunk, under the profiler
+            if i == last and mode == "eager":
                 with torch.profiler.profile(activities=acts) as prof:
                     forward([seq], [ids[i:i + chunk]])
                     torch.cuda.synchronize()
             else:
                 forward([seq], [ids[i:i + chunk]])
                 torch.cuda.synchronize()
-                walls.append(round((time.perf_counter() - t) * 1e3, 2))
+                walls[mode].append(round((time.perf_counter() - t) * 1e3, 2))
             seq.num_computed += chunk
-        prompt_s["graph" if forward == runner.forward else "eager"] = round(time.perf_counter() - t_prompt, 4)
-        graph_walls = graph_walls or walls
+        prompt_s[mode] = round(time.perf_counter() - t_prompt, 4)
     total, _, top = _kernel_groups(prof, 1)
     syncs, copies, launches = defaultdict(int), defaultdict(int), 0
     for ev in prof.events():
@@ -419,7 +419,7 @@ def profile_prefill(runner, vocab: int, first_page: int, prompt: int = 8192, chu
     host_ops = sorted(((a.key, a.self_cpu_time_total / 1000, a.count) for a in prof.key_averages()),
                       key=lambda r: -r[1])[:20]
     emit(profile=f"{tag}_prefill", prompt=prompt, chunk=chunk, prefill_graph=runner.prefill_graph is not None,
-         chunk_wall_ms_graph=graph_walls, chunk_wall_ms_eager=walls, prompt_s_synced_per_chunk=prompt_s,
+         chunk_wall_ms_graph=walls["graph"], chunk_wall_ms_eager=walls["eager"], prompt_s_synced_per_chunk=prompt_s,
          host_self_ms_top=[[k[:60], round(ms, 2), n] for k, ms, n in host_ops],
          last_chunk_gpu_kernel_ms=round(total, 3), last_chunk_profiled_wall_ms=round(prof_wall / 1000, 3),
          host_syncs=dict(syncs), memcpy_calls=dict(copies), kernel_launches=launches, top_kernels_ms=top)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from ninfer.engine.runner import ModelRunner
-from ninfer.engine.sampler import SamplingBatch, sample
+from ninfer.engine.sampler import sample
 
 VOCAB = 300
 
@@ -33,18 +33,7 @@ def _seq(lane: int, temperature: float = 0.0, presence: float = 0.0, frequency: 
 
 
 def _full_sampler(runner: ModelRunner, seqs, logits: torch.Tensor) -> torch.Tensor:
-    ps = [s.sampling for s in seqs]
-
-    def col(values, dtype):
-        return torch.tensor(values, dtype=dtype)
-
-    batch = SamplingBatch(temperature=col([p.temperature for p in ps], torch.float32),
-                          top_p=col([p.top_p for p in ps], torch.float32), top_k=col([20] * len(ps), torch.long),
-                          min_p=col([p.min_p for p in ps], torch.float32),
-                          presence_penalty=col([p.presence_penalty for p in ps], torch.float32),
-                          frequency_penalty=col([p.frequency_penalty for p in ps], torch.float32),
-                          seed=col([p.seed for p in ps], torch.long), step=col([2] * len(ps), torch.long))
-    return sample(logits[:, :VOCAB], batch, runner.counts[[s.lane for s in seqs], :VOCAB])
+    return sample(logits[:, :VOCAB], *runner.sampling_inputs(seqs, VOCAB))
 
 
 def test_all_greedy_batch_matches_the_sampler_exactly():

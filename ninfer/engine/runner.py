@@ -198,6 +198,11 @@ class ModelRunner:
             # all greedy, nothing to penalise: the sampler's answer is this argmax; skipping its two
             # uploads and ~40 small kernels shortens the step's tail (the GPU idles through it)
             return logits[:, :width].argmax(dim=-1)
+        return sample(logits[:, :width], *self.sampling_inputs(seqs, width))
+
+    def sampling_inputs(self, seqs: list[Sequence], width: int) -> tuple[SamplingBatch, torch.Tensor]:
+        """The sampler's per-row settings (two uploads) and the rows' penalty counts over `width` tokens."""
+        params = [s.sampling for s in seqs]
         floats = self._tensor([[p.temperature for p in params], [p.top_p for p in params],
                                [p.min_p for p in params], [p.presence_penalty for p in params],
                                [p.frequency_penalty for p in params]], torch.float32)
@@ -209,4 +214,4 @@ class ModelRunner:
             frequency_penalty=floats[4], top_k=longs[0], seed=longs[1], step=longs[2],
         )
         counts = self.counts[longs[3], :width]
-        return sample(logits[:, :width], batch, counts)
+        return batch, counts
