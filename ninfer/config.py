@@ -56,7 +56,7 @@ class ServerConfig(BaseModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # the sampler keys its noise by a signed int64
     greedy: bool = False
     chat_template: str | None = None
     # ninfer (Python) additions: CPU dtype for the embedded default and the KV page size.

@@ -60,3 +60,14 @@ def test_penalties_and_sampled_rows_take_the_full_sampler():
     mixed = [_seq(0, temperature=0.8), _seq(1)]
     got = runner.sample(mixed, logits)
     assert torch.equal(got, _full_sampler(runner, mixed, logits)) and got[1].item() == 5
+
+
+def test_seeds_outside_int64_wrap_instead_of_failing_the_step():
+    """The protocol rejects such seeds (test_server_validation); any other caller's seed still becomes a
+    valid int64 tensor value instead of an overflow inside the engine's step."""
+    from ninfer.engine.engine import EngineSettings, resolve_sampling
+    from ninfer.engine.types import EngineRequest, SamplingParams
+
+    for given, want in ((2**64 + 5, 5), (-(2**63) - 1, 2**63 - 1), (-7, -7)):
+        request = EngineRequest("r", [1, 2], max_tokens=1, sampling=SamplingParams(seed=given))
+        assert resolve_sampling(EngineSettings(), request).seed == want

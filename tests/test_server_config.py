@@ -79,6 +79,7 @@ def test_kv_capacity_auto_reaches_the_engine_unresolved():
     (["--port", "70000"], "--port"),
     (["--top-k", "21"], "--top-k"),
     (["--min-p", "1.5"], "--min-p"),
+    (["--seed", str(2**63)], "--seed"),  # the sampler keys its noise by a signed 64-bit seed
     (["--default-thinking-budget", "0"], "--default-thinking-budget"),
     (["--spec", "mtp", "--draft-tokens", "6"], "options"),
     (["--draft-tokens", "3"], "options"),

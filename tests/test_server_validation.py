@@ -83,6 +83,8 @@ CASES = [
     ("top_k above 20", {"top_k": 21}, 400, "invalid_value", "top_k"),
     ("negative min_p", {"min_p": -0.1}, 400, "invalid_value", "min_p"),
     ("fractional seed", {"seed": 1.5}, 400, "invalid_type", "seed"),
+    ("seed past a signed 64-bit integer", {"seed": 2**63}, 400, "invalid_value", "seed"),
+    ("seed below a signed 64-bit integer", {"seed": -(2**63) - 1}, 400, "invalid_value", "seed"),
     ("stream as text", {"stream": "yes"}, 400, "invalid_type", "stream"),
     ("include_usage as text", {"stream": True, "stream_options": {"include_usage": "x"}}, 400, "invalid_type",
      "stream_options.include_usage"),

@@ -93,7 +93,8 @@ def resolve_sampling(settings: EngineSettings, request: EngineRequest) -> Resolv
     seed = given.seed if given.seed is not None else s.seed
     if seed is None:
         seed = random.getrandbits(63)
-    return ResolvedSampling(seed=int(seed), **{k: merged[k] for k in GENERIC_SAMPLING})
+    seed = (int(seed) + 2**63) % 2**64 - 2**63  # the sampler's seeds are int64 tensors: wrap, never overflow
+    return ResolvedSampling(seed=seed, **{k: merged[k] for k in GENERIC_SAMPLING})
 
 
 class Engine:

@@ -221,7 +221,7 @@ class ChatCompletionRequest(_Model):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # contract: a signed (64-bit) integer
     n: int | None = None
     stop: Union[str, list[str], None] = None
     stream: bool | None = None
