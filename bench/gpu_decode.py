@@ -13,8 +13,9 @@ In order, in this one process:
    batch-1 step reads: everything but the routed experts, plus top_k / num_experts of them).
 2. ninfer at the runner level (as bench/gpu_kernels.py's profile): the preset built on the device with
    random weights, decode CUDA graphs captured for batch 1..8; decode step time with all C lanes busy
-   (forward + sample + `.tolist()`, the engine's per-step work) at C = 1, 2, 4, 8 after a 128-token
-   prompt per lane; TTFT (chunked prefill at the engine's default prefill_chunk, full chunks replayed
+   (forward + sample + `.tolist()` + penalty counts, the engine's per-step work) at C = 1, 2, 4, 8
+   after a 128-token prompt per lane, greedy (and with --sampled also under the shape's non-thinking
+   sampler preset, which replays the sampler graph instead of the greedy argmax); TTFT (chunked prefill at the engine's default prefill_chunk, full chunks replayed
    from the prefill CUDA graph as in the engine, then the first token sampled and read back) and
    prefill tok/s at 1k and 8k prompts (8k also as one chunk, and eagerly chunked), 32k when the
    --deadline leaves time for it (else a `skipped` line with the reason); peak GPU memory.
@@ -211,37 +212,47 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
         seq.output_ids.append(tok)
         return tok
 
-    # -- decode at C = 1, 2, 4, 8 (all lanes busy) --
-    decode = {}
+    # -- decode at C = 1, 2, 4, 8 (all lanes busy); greedy, then (--sampled) Qwen's non-thinking preset --
+    decode, decode_sampled = {}, {}
+    modes = [("greedy", sampling, decode)]
+    if args.sampled:
+        preset = get_preset(args.model).sampling_presets["non_thinking"]  # the shape's registered preset
+        modes.append(("sampled", SimpleNamespace(**preset, seed=1), decode_sampled))
     for c in args.concurrency:
-        seqs = [SimpleNamespace(num_computed=0, pages=list(range(lane_pages * i, lane_pages * (i + 1))),
-                                state_slot=i, lane=i, output_ids=[], sampling=sampling) for i in range(c)]
-        for i, s in enumerate(seqs):
-            prefill(s, prompt_ids(args.decode_prompt, i), chunk)
+        for mode, params, figures in modes:
+            seqs = [SimpleNamespace(num_computed=0, pages=list(range(lane_pages * i, lane_pages * (i + 1))),
+                                    state_slot=i, lane=i, output_ids=[], sampling=params) for i in range(c)]
+            for i, s in enumerate(seqs):
+                runner.reset_lane(i, [])
+                prefill(s, prompt_ids(args.decode_prompt, i), chunk)
 
-        def step(seqs=seqs):
-            logits = runner.forward(seqs, [[s.output_ids[-1]] for s in seqs])
-            toks = runner.sample(seqs, logits).tolist()
-            for s, t in zip(seqs, toks):
-                s.num_computed += 1
-                s.output_ids.append(t)
+            def step(seqs=seqs):
+                logits = runner.forward(seqs, [[s.output_ids[-1]] for s in seqs])
+                toks = runner.sample(seqs, logits).tolist()
+                runner.count_tokens([s.lane for s in seqs], toks)  # as the engine does: penalties see them
+                for s, t in zip(seqs, toks):
+                    s.num_computed += 1
+                    s.output_ids.append(t)
 
-        for _ in range(args.decode_warmup):
-            step()
-        replays0 = runner.graph_replays
-        sync(device)
-        t = time.perf_counter()
-        for _ in range(args.decode_steps):
-            step()
-        sync(device)
-        step_s = (time.perf_counter() - t) / args.decode_steps
-        graphs_used = runner.graph_replays - replays0 == args.decode_steps
-        decode[c] = c / step_s
-        rec = emit(kind="ninfer_decode", shape=args.model, weights=weights, concurrency=c, step_ms=step_s * 1e3, tok_s=c / step_s,
-                   tok_s_per_lane=1 / step_s, steps=args.decode_steps, context_start=args.decode_prompt + args.decode_warmup,
-                   cuda_graphs=graphs_used, fraction_of_roofline_b1_bytes=(c / step_s) / (c * roof["roofline_tok_s_b1"]))
-        del rec
+            for _ in range(args.decode_warmup):
+                step()
+            replays0, sampler0 = runner.graph_replays, runner.sampler_replays
+            sync(device)
+            t = time.perf_counter()
+            for _ in range(args.decode_steps):
+                step()
+            sync(device)
+            step_s = (time.perf_counter() - t) / args.decode_steps
+            graphs_used = runner.graph_replays - replays0 == args.decode_steps
+            figures[c] = c / step_s
+            emit(kind="ninfer_decode", shape=args.model, weights=weights, sampling=mode, concurrency=c,
+                 step_ms=step_s * 1e3, tok_s=c / step_s, tok_s_per_lane=1 / step_s, steps=args.decode_steps,
+                 context_start=args.decode_prompt + args.decode_warmup, cuda_graphs=graphs_used,
+                 sampler_graph=runner.sampler_replays - sampler0 == args.decode_steps,
+                 fraction_of_roofline_b1_bytes=(c / step_s) / (c * roof["roofline_tok_s_b1"]))
     R["ninfer_decode"] = decode
+    if decode_sampled:
+        R["ninfer_decode_sampled"] = decode_sampled
 
     # -- prefill / TTFT --
     if args.decode_only:
@@ -416,7 +427,8 @@ def summary(args, ceil) -> None:
         nd, pre = r.get("ninfer_decode", {}), r.get("ninfer_prefill", {})
         rows = []
         for c in args.concurrency:
-            row = {"concurrency": c, "ninfer_tok_s": nd.get(c), "hf_bf16_tok_s": hd.get(c),
+            row = {"concurrency": c, "ninfer_tok_s": nd.get(c), "ninfer_sampled_tok_s": r.get("ninfer_decode_sampled", {}).get(c),
+                   "hf_bf16_tok_s": hd.get(c),
                    "roofline_bf16_tok_s": base_roof.get("roofline_tok_s_b1", 0) * c or None,
                    "roofline_own_bytes_tok_s": r["roofline"]["roofline_tok_s_b1"] * c}
             if row["ninfer_tok_s"] and row["roofline_bf16_tok_s"]:
@@ -468,6 +480,9 @@ def main() -> None:
                     help="ninfer weight formats to run, in order (NVFP4: the random weights quantized on the device)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8], help="decode lanes to measure")
     ap.add_argument("--decode-only", action="store_true", help="skip ninfer's prefill/TTFT part (time budget)")
+    ap.add_argument("--sampled", action="store_true",
+                    help="also time decode with the shape's non-thinking sampler preset (Qwen: temperature 0.7, "
+                         "top-p 0.8, top-k 20, presence penalty 1.5): the full sampler instead of the greedy argmax")
     ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8", "int8"], help="ninfer KV-cache storage")
     ap.add_argument("--long-formats", nargs="*", default=["bf16"],
                     help="weight formats that also run the 32k prompt (time budget)")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from kernel_markers import needs_cuda
 
-from ninfer.engine.graphs import DecodeInputs, PrefillInputs
+from ninfer.engine.graphs import DecodeInputs, PrefillInputs, SamplerInputs
 from ninfer.models.batch import ForwardBatch
 
 PAGE = 4
@@ -53,6 +53,36 @@ def test_decode_inputs_match_the_eager_batch():
         _assert_same_batch(inputs.batch(3), eager, [s.pages for s in seqs])
         for s in seqs:
             s.num_computed += 1
+
+
+def _sampled_seqs(n: int) -> list:
+    """n sequences with different sampler settings per row (greedy and penalised rows among them)."""
+    from types import SimpleNamespace
+
+    seqs = []
+    for i in range(n):
+        params = SimpleNamespace(temperature=[0.7, 0.0, 1.3][i % 3], top_p=[0.9, 1.0, 0.5][i % 3],
+                                 top_k=[0, 20, 5, 40][i % 4], min_p=0.05 * (i % 2), presence_penalty=0.3 * (i % 2),
+                                 frequency_penalty=0.1 * (i % 3), seed=(2**62 + 977 * i) * (-1) ** i)
+        seqs.append(SimpleNamespace(sampling=params, lane=n - 1 - i, output_ids=list(range(i))))
+    return seqs
+
+
+def test_sampler_inputs_match_the_eager_sampling_batch():
+    from ninfer.engine.runner import ModelRunner
+
+    inputs = SamplerInputs(max_batch=8, device=torch.device("cpu"))
+    for n in (3, 8, 1):  # fills alternate between the host images; shorter batches leave stale columns
+        seqs = _sampled_seqs(n)
+        rows_f, rows_l = ModelRunner._sampling_rows(seqs)
+        inputs.fill(*rows_l, rows_f)
+        ours, lanes = inputs.batch(n)
+        assert lanes.tolist() == [s.lane for s in seqs]
+        for name, values in zip(("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"), rows_f):
+            assert torch.equal(getattr(ours, name), torch.tensor(values, dtype=torch.float32)), name
+        for name, values in zip(("top_k", "seed", "step"), rows_l):
+            assert getattr(ours, name).tolist() == values, name
+        assert ours.top_k.tolist() == [[20, 20, 5, 20][i % 4] for i in range(n)]  # 0 and past the cap: 20
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------
@@ -101,3 +131,37 @@ def test_prefill_graph_logits_equal_eager(name, kv_dtype):
         assert runner.prefill_replays == 3 and off.prefill_replays == 0
     for g, e in zip(graphs, eager):
         assert torch.equal(g, e)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_sampler_graphs_draw_the_eager_samplers_tokens():
+    """For every batch size, the sampler replayed over the decode graph's logits equals the eager sampler
+    on the same logits (mixed greedy, sampled and penalised rows)."""
+    from ninfer.artifact.presets import get_preset, instantiate
+    from ninfer.engine.runner import ModelRunner
+    from ninfer.engine.sampler import sample
+    from ninfer.kernels import backend
+
+    if not backend.triton_available():
+        pytest.skip("graphs need the Triton backend")
+    vocab = get_preset("tiny-qwen3.6").text_config()["vocab_size"]
+    model = instantiate("tiny-qwen3.6", "cuda", torch.bfloat16, seed=0)
+    runner = ModelRunner(model, num_pages=64, page_size=16, num_state_slots=8, num_lanes=8, vocab_size=vocab,
+                         device=torch.device("cuda"), dtype=torch.bfloat16, max_seq_len=256)
+    assert runner.graph_status.endswith("sampling in graphs"), runner.graph_status
+    runner.count_tokens([0, 0, 3, 5], [7, 7, 9, 11])
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for b in (8, 3, 1, 5):
+        seqs = _sampled_seqs(b)
+        static = runner.graphs[b][1]
+        for _ in range(3):
+            static.copy_(torch.randn(static.shape, generator=gen, device="cuda") * 3)
+            width = min(vocab, static.shape[1])
+            eager = sample(static[:, :width].clone(), *runner.sampling_inputs(seqs, width))
+            replays = runner.sampler_replays
+            got = runner.sample(seqs, static)
+            assert runner.sampler_replays == replays + 1
+            assert torch.equal(got, eager), (b, got.tolist(), eager.tolist())
+            for s in seqs:
+                s.output_ids.append(0)  # the next output index: other noise

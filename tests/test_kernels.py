@@ -173,6 +173,29 @@ def test_greedy_identical_with_and_without_cuda_graphs(name, dtype):
 
 @pytest.mark.cuda
 @needs_cuda
+def test_sampled_tokens_identical_with_and_without_cuda_graphs():
+    """Seeded sampling with penalties: the sampler graphs draw exactly the eager sampler's tokens
+    (serving.md: a seed makes a request's sampling reproducible; --no-cuda-graph changes no output)."""
+    if not backend.triton_available():
+        pytest.skip("graphs need the Triton backend")
+    from ninfer.artifact.presets import instantiate
+    from ninfer.engine.types import SamplingParams
+
+    model = instantiate("tiny-qwen3.6", "cuda", torch.bfloat16, seed=0)
+    tok = _tokenizer()
+    sampling = SamplingParams(temperature=0.9, top_p=0.9, top_k=15, min_p=0.02, presence_penalty=0.4,
+                              frequency_penalty=0.2, seed=42)
+    runs = [selfcheck.engine_greedy(model, tok, "cuda", torch.bfloat16, no_cuda_graph=off, concurrency=8,
+                                    prompts=PROMPTS, max_tokens=24, sampling=sampling) for off in (False, True)]
+    graphs, eager = runs
+    assert "sampling in graphs" in graphs["graph_status"] and graphs["sampler_replays"] > 0, graphs
+    assert eager["sampler_replays"] == 0
+    assert graphs["outputs"] == eager["outputs"]
+    assert len({tuple(o) for o in graphs["outputs"]}) > 1  # really sampled: the seeds differ per request
+
+
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_decode_step_has_no_host_sync(cuda_graphs):
     if not backend.triton_available():
@@ -182,3 +205,4 @@ def test_decode_step_has_no_host_sync(cuda_graphs):
     model = instantiate("tiny-qwen3.6", "cuda", torch.bfloat16, seed=0)
     result = selfcheck.runner_sync_check(model, "cuda", torch.bfloat16, cuda_graphs=cuda_graphs)
     assert result["host_sync_in_decode_step"] == "none", result
+    assert (result["sampler_replays"] > 0) == cuda_graphs, result  # its sampled rows replay the sampler graph

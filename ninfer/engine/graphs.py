@@ -6,7 +6,9 @@ the host refills before every replay:
   page tables of b sequences that append one token each;
 - prefill (one sequence, exactly `--prefill-chunk` new tokens): the same fields for that chunk.
   A long prompt is a run of such chunks; its shorter last chunk, and prefill batches of any other
-  shape, run eagerly. Replaying a chunk costs the host one small upload and one launch, where the
+  shape, run eagerly;
+- sampler (batch b): the per-row sampler settings of a decode batch, sampled from decode graph
+  b's logits (the runner captures it in the decode graphs' pool). Replaying a chunk costs the host one small upload and one launch, where the
   eager forward issues ~2,600 kernel launches and their Python around them; at 1024 tokens that
   host work took as long as the GPU's (H200 profile, bench/results/2026-11-30-h200-s4).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ninfer.engine.sampler import SamplingBatch
 from ninfer.models.batch import ForwardBatch
 
 
@@ -152,6 +155,43 @@ class PrefillInputs(StaticInputs):
             page_table=self.i32[1:].view(1, self.width), slot_mapping=i64[2 * n: 3 * n], state_slots=i64[3 * n:],
             query_lens_cpu=[n], seq_lens_cpu=DeviceOnlyLengths([0]),
         )
+
+
+class SamplerInputs(StaticInputs):
+    """The sampler graphs' per-row settings (batch b uses the first b columns). int64 rows: top_k,
+    seed, step (output index), lane; int32 rows hold float32 bits: temperature, top_p, min_p,
+    presence and frequency penalty."""
+
+    LONGS = 4
+    FLOATS = 5
+
+    def __init__(self, max_batch: int, device: torch.device):
+        super().__init__(self.LONGS * max_batch, self.FLOATS * max_batch, device)
+        self.max_batch = max_batch
+
+    def fill(self, top_k: list[int], seeds: list[int], steps: list[int], lanes: list[int],
+             floats: list[list[float]]) -> None:
+        """Each argument one value per row; floats: the five float rows in the order above."""
+        h64, h32 = self.host()
+        b, mb = len(lanes), self.max_batch
+        longs, f32 = h64.reshape(self.LONGS, mb), h32.view(np.float32).reshape(self.FLOATS, mb)
+        for row, values in enumerate((top_k, seeds, steps, lanes)):
+            longs[row, :b] = values
+        f32[:, :b] = floats
+        self.upload()
+
+    def placeholder(self) -> None:
+        """Capture inputs: sampled rows (temperature 1, no truncation) on lane 0."""
+        mb = self.max_batch
+        self.fill([20] * mb, [0] * mb, [0] * mb, [0] * mb, [[1.0] * mb, [1.0] * mb, [0.0] * mb, [0.0] * mb, [0.0] * mb])
+
+    def batch(self, b: int) -> tuple[SamplingBatch, torch.Tensor]:
+        """The first b rows' SamplingBatch (views of the device buffers) and their lanes."""
+        longs = self.i64.view(self.LONGS, self.max_batch)[:, :b]
+        floats = self.i32.view(torch.float32).view(self.FLOATS, self.max_batch)[:, :b]
+        batch = SamplingBatch(temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
+                              frequency_penalty=floats[4], top_k=longs[0], seed=longs[1], step=longs[2])
+        return batch, longs[3]
 
 
 def capture(run, device: torch.device, *, warmups: int, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

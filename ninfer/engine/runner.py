@@ -1,8 +1,9 @@
 """Turns scheduled sequences into tensors, runs one model traversal and samples on the device.
 
 CUDA graphs (ninfer.engine.graphs): at construction on a CUDA device (CUDA kernel backend active,
-graphs not disabled), one decode graph per exact batch size 1..num_lanes and one prefill graph for
-a full `prefill_chunk` of one sequence are captured over static input buffers. A forward whose
+graphs not disabled), one decode graph per exact batch size 1..num_lanes, one sampler graph over
+each decode graph's logits and one prefill graph for a full `prefill_chunk` of one sequence are
+captured over static input buffers. A forward whose
 shape has a graph fills its buffers from the host (pinned copies) and replays it; anything else
 (a shorter last prefill chunk, a sequence longer than the graphs' page-table width) runs eagerly.
 Graph and eager runs launch the same kernels with the same parameters, so outputs agree exactly.
@@ -19,7 +20,7 @@ import logging
 
 import torch
 
-from ninfer.engine.graphs import DecodeInputs, PrefillInputs, capture
+from ninfer.engine.graphs import DecodeInputs, PrefillInputs, SamplerInputs, capture
 from ninfer.engine.sampler import TOP_K_CAP, SamplingBatch, sample
 from ninfer.engine.sequence import Sequence
 from ninfer.kernels.backend import use_triton
@@ -44,11 +45,15 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode, by batch size
         self.graph_replays = 0  # decode replays
+        # the sampler over each decode graph's logits, by batch size (sampled tokens as output)
+        self.sampler_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.sampler_replays = 0
         self.prefill_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
         self.prefill_replays = 0
         self.eager_steps = 0
         self._decode_inputs: DecodeInputs | None = None
         self._prefill_inputs: PrefillInputs | None = None
+        self._sampler_inputs: SamplerInputs | None = None
         if self.device.type != "cuda":
             self.graph_status = "off: not a CUDA device"
         elif not cuda_graphs:
@@ -58,6 +63,8 @@ class ModelRunner:
         else:
             width = max(1, num_pages if max_seq_len is None else min(num_pages, -(-max_seq_len // page_size)))
             self.graph_status = self._capture_decode(num_lanes, width)
+            if self.graphs:
+                self.graph_status += "; " + self._capture_sampler(num_lanes)
             if prefill_chunk:
                 self.graph_status += "; " + self._capture_prefill(prefill_chunk, width)
         log.info("CUDA graphs: %s", self.graph_status)
@@ -106,6 +113,32 @@ class ModelRunner:
             self._decode_inputs = None
             return "off: " + self._capture_failed("decode", exc)
         return f"on: batch sizes 1..{max_batch}, page-table width {width}"
+
+    @torch.inference_mode()
+    def _capture_sampler(self, max_batch: int) -> str:
+        """Capture the full sampler (penalties, top-k/top-p/min-p, counter-based noise) over each decode
+        graph's logits, in the decode graphs' memory pool (a sampler replay follows its decode replay
+        on the same stream, so their temporaries never overlap in time). Eagerly the sampler issues
+        ~40 small launches per step, each with its Python; replayed, one."""
+        inputs = self._sampler_inputs = SamplerInputs(max_batch, self.device)
+        inputs.placeholder()
+        pool = self.graphs[max_batch][0].pool()
+        try:
+            for b in range(max_batch, 0, -1):
+                logits = self.graphs[b][1]
+                width = min(self.vocab_size, logits.shape[1])
+                batch, lanes = inputs.batch(b)
+                graph, tokens = capture(
+                    lambda logits=logits, width=width, batch=batch, lanes=lanes:
+                        sample(logits[:, :width], batch, self.counts[lanes, :width]),
+                    self.device, warmups=1, pool=pool)
+                self.sampler_graphs[b] = (graph, tokens)
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:
+            self.sampler_graphs.clear()
+            self._sampler_inputs = None
+            return "sampling eager: " + self._capture_failed("sampler", exc)
+        return "sampling in graphs"
 
     @torch.inference_mode()
     def _capture_prefill(self, tokens: int, width: int) -> str:
@@ -192,23 +225,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Token ids [B] on the device. From a sampler graph they are its static output: read them
+        before the next call."""
         params = [s.sampling for s in seqs]
         width = min(self.vocab_size, logits.shape[1])  # drop padded embedding rows past the tokenizer
         if all(p.temperature <= 0 and not p.presence_penalty and not p.frequency_penalty for p in params):
             # all greedy, nothing to penalise: the sampler's answer is this argmax; skipping its two
             # uploads and ~40 small kernels shortens the step's tail (the GPU idles through it)
             return logits[:, :width].argmax(dim=-1)
+        graph = self.sampler_graphs.get(len(seqs))
+        if graph is not None and logits is self.graphs[len(seqs)][1]:  # a decode graph's logits
+            floats, longs = self._sampling_rows(seqs)
+            self._sampler_inputs.fill(*longs, floats)
+            graph[0].replay()
+            self.sampler_replays += 1
+            return graph[1]
         return sample(logits[:, :width], *self.sampling_inputs(seqs, width))
+
+    @staticmethod
+    def _sampling_rows(seqs: list[Sequence]) -> tuple[list[list[float]], list[list[int]]]:
+        """Per-row sampler settings: floats (temperature, top_p, min_p, presence and frequency penalty)
+        and longs (top_k, seed, output index, lane), one list per field."""
+        params = [s.sampling for s in seqs]
+        floats = [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params],
+                  [p.presence_penalty for p in params], [p.frequency_penalty for p in params]]
+        longs = [[p.top_k if 0 < p.top_k <= TOP_K_CAP else TOP_K_CAP for p in params], [p.seed for p in params],
+                 [len(s.output_ids) for s in seqs], [s.lane for s in seqs]]
+        return floats, longs
 
     def sampling_inputs(self, seqs: list[Sequence], width: int) -> tuple[SamplingBatch, torch.Tensor]:
         """The sampler's per-row settings (two uploads) and the rows' penalty counts over `width` tokens."""
-        params = [s.sampling for s in seqs]
-        floats = self._tensor([[p.temperature for p in params], [p.top_p for p in params],
-                               [p.min_p for p in params], [p.presence_penalty for p in params],
-                               [p.frequency_penalty for p in params]], torch.float32)
-        longs = self._tensor([[p.top_k if 0 < p.top_k <= TOP_K_CAP else TOP_K_CAP for p in params],
-                              [p.seed for p in params], [len(s.output_ids) for s in seqs],
-                              [s.lane for s in seqs]], torch.long)
+        rows_f, rows_l = self._sampling_rows(seqs)
+        floats = self._tensor(rows_f, torch.float32)
+        longs = self._tensor(rows_l, torch.long)
         batch = SamplingBatch(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
             frequency_penalty=floats[4], top_k=longs[0], seed=longs[1], step=longs[2],

@@ -197,8 +197,9 @@ def check_fla(device, dtype, *, hk=2, hv=4, dk=64, dv=64, query_lens=(1, 70, 5, 
 
 
 def engine_greedy(model, tokenizer, device, dtype, *, no_cuda_graph: bool, concurrency: int,
-                  prompts: list[list[int]], max_tokens: int = 12, kv_dtype: str = "bf16") -> dict:
-    """Greedy tokens of every prompt through a fresh Engine; with the runner's graph status and step counts."""
+                  prompts: list[list[int]], max_tokens: int = 12, kv_dtype: str = "bf16", sampling=None) -> dict:
+    """Tokens of every prompt through a fresh Engine, greedy unless `sampling` (SamplingParams, request
+    i's seed plus i) is given; with the runner's graph status and step counts."""
     import asyncio
 
     from ninfer.engine.engine import Engine, EngineSettings
@@ -208,7 +209,11 @@ def engine_greedy(model, tokenizer, device, dtype, *, no_cuda_graph: bool, concu
                               no_cuda_graph=no_cuda_graph, kv_dtype=kv_dtype)
     engine = Engine(model, tokenizer, settings, device=device, dtype=dtype).start()
     engine.settings.eos_ids = set()
-    reqs = [EngineRequest(f"g{i}", p, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
+    from dataclasses import replace
+
+    sampling = sampling or SamplingParams(temperature=0.0)
+    reqs = [EngineRequest(f"g{i}", p, max_tokens=max_tokens,
+                          sampling=replace(sampling, seed=None if sampling.seed is None else sampling.seed + i))
             for i, p in enumerate(prompts)]
 
     async def main():
@@ -222,7 +227,8 @@ def engine_greedy(model, tokenizer, device, dtype, *, no_cuda_graph: bool, concu
         engine.shutdown()
     runner = engine.runner
     return {"outputs": outputs, "graph_status": runner.graph_status, "graph_replays": runner.graph_replays,
-            "prefill_replays": runner.prefill_replays, "eager_steps": runner.eager_steps}
+            "prefill_replays": runner.prefill_replays, "sampler_replays": runner.sampler_replays,
+            "eager_steps": runner.eager_steps}
 
 
 def runner_sync_check(model, device, dtype, *, batch: int = 4, steps: int = 3, cuda_graphs: bool = True,
@@ -265,4 +271,4 @@ def runner_sync_check(model, device, dtype, *, batch: int = 4, steps: int = 3, c
             s.num_computed += 1
             s.output_ids.append(t)
     return {"host_sync_in_decode_step": error or "none", "graph_status": runner.graph_status,
-            "graph_replays": runner.graph_replays}
+            "graph_replays": runner.graph_replays, "sampler_replays": runner.sampler_replays}
