@@ -15,7 +15,7 @@ In order, in this one process:
    random weights, decode CUDA graphs captured for batch 1..8; decode step time with all C lanes busy
    (forward + sample + `.tolist()` + penalty counts, the engine's per-step work) at C = 1, 2, 4, 8
    after a 128-token prompt per lane, greedy (and with --sampled also under the shape's non-thinking
-   sampler preset, which replays the sampler graph instead of the greedy argmax); TTFT (chunked prefill at the engine's default prefill_chunk, full chunks replayed
+   sampler preset: once replaying the sampler graph, once with the sampler run eagerly); TTFT (chunked prefill at the engine's default prefill_chunk, full chunks replayed
    from the prefill CUDA graph as in the engine, then the first token sampled and read back) and
    prefill tok/s at 1k and 8k prompts (8k also as one chunk, and eagerly chunked), 32k when the
    --deadline leaves time for it (else a `skipped` line with the reason); peak GPU memory.
@@ -152,6 +152,7 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
     from ninfer.artifact.presets import get_preset, instantiate
     from ninfer.engine.engine import EngineSettings
     from ninfer.engine.runner import ModelRunner
+    from ninfer.engine.sampler import sample
     from ninfer.kernels import backend
     from ninfer.models import prepare_for_inference_
 
@@ -214,21 +215,27 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
 
     # -- decode at C = 1, 2, 4, 8 (all lanes busy); greedy, then (--sampled) Qwen's non-thinking preset --
     decode, decode_sampled = {}, {}
-    modes = [("greedy", sampling, decode)]
+    def eager_sampler(seqs, logits):  # the sampler without its graphs: the comparison for "sampled"
+        width = min(runner.vocab_size, logits.shape[1])
+        return sample(logits[:, :width], *runner.sampling_inputs(seqs, width))
+
+    decode_sampled_eager = {}
+    modes = [("greedy", sampling, decode, runner.sample)]
     if args.sampled:
-        preset = get_preset(args.model).sampling_presets["non_thinking"]  # the shape's registered preset
-        modes.append(("sampled", SimpleNamespace(**preset, seed=1), decode_sampled))
+        preset = SimpleNamespace(**get_preset(args.model).sampling_presets["non_thinking"], seed=1)
+        modes += [("sampled", preset, decode_sampled, runner.sample),
+                  ("sampled_eager_sampler", preset, decode_sampled_eager, eager_sampler)]
     for c in args.concurrency:
-        for mode, params, figures in modes:
+        for mode, params, figures, sampler in modes:
             seqs = [SimpleNamespace(num_computed=0, pages=list(range(lane_pages * i, lane_pages * (i + 1))),
                                     state_slot=i, lane=i, output_ids=[], sampling=params) for i in range(c)]
             for i, s in enumerate(seqs):
                 runner.reset_lane(i, [])
                 prefill(s, prompt_ids(args.decode_prompt, i), chunk)
 
-            def step(seqs=seqs):
+            def step(seqs=seqs, sampler=sampler):
                 logits = runner.forward(seqs, [[s.output_ids[-1]] for s in seqs])
-                toks = runner.sample(seqs, logits).tolist()
+                toks = sampler(seqs, logits).tolist()
                 runner.count_tokens([s.lane for s in seqs], toks)  # as the engine does: penalties see them
                 for s, t in zip(seqs, toks):
                     s.num_computed += 1
@@ -253,6 +260,7 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
     R["ninfer_decode"] = decode
     if decode_sampled:
         R["ninfer_decode_sampled"] = decode_sampled
+        R["ninfer_decode_sampled_eager_sampler"] = decode_sampled_eager
 
     # -- prefill / TTFT --
     if args.decode_only:
@@ -428,6 +436,7 @@ def summary(args, ceil) -> None:
         rows = []
         for c in args.concurrency:
             row = {"concurrency": c, "ninfer_tok_s": nd.get(c), "ninfer_sampled_tok_s": r.get("ninfer_decode_sampled", {}).get(c),
+                   "ninfer_sampled_eager_sampler_tok_s": r.get("ninfer_decode_sampled_eager_sampler", {}).get(c),
                    "hf_bf16_tok_s": hd.get(c),
                    "roofline_bf16_tok_s": base_roof.get("roofline_tok_s_b1", 0) * c or None,
                    "roofline_own_bytes_tok_s": r["roofline"]["roofline_tok_s_b1"] * c}

@@ -156,7 +156,8 @@ def test_sampler_graphs_draw_the_eager_samplers_tokens():
         seqs = _sampled_seqs(b)
         static = runner.graphs[b][1]
         for _ in range(3):
-            static.copy_(torch.randn(static.shape, generator=gen, device="cuda") * 3)
+            with torch.inference_mode():  # the graph's output is an inference tensor
+                static.copy_(torch.randn(static.shape, generator=gen, device="cuda") * 3)
             width = min(vocab, static.shape[1])
             eager = sample(static[:, :width].clone(), *runner.sampling_inputs(seqs, width))
             replays = runner.sampler_replays
