@@ -152,7 +152,6 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
     from ninfer.artifact.presets import get_preset, instantiate
     from ninfer.engine.engine import EngineSettings
     from ninfer.engine.runner import ModelRunner
-    from ninfer.engine.sampler import sample
     from ninfer.kernels import backend
     from ninfer.models import prepare_for_inference_
 
@@ -193,7 +192,8 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
     R["roofline"] = roof
     R["weights"] = ws
     emit(kind="ninfer_setup", shape=args.model, weights=weights, kv_dtype=args.kv_dtype, dtype=str(dtype).removeprefix("torch."), build_s=build_s,
-         capture_s=capture_s, graph_status=runner.graph_status, backends=backend.describe(device.type),
+         capture_s=capture_s, graph_status=runner.graph_status, sampler=runner.sampler_status,
+         backends=backend.describe(device.type),
          weights_allocated_bytes=weights_alloc, prefill_chunk=chunk, **ws, **roof)
 
     sampling = SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,
@@ -216,8 +216,7 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
     # -- decode at C = 1, 2, 4, 8 (all lanes busy); greedy, then (--sampled) Qwen's non-thinking preset --
     decode, decode_sampled = {}, {}
     def eager_sampler(seqs, logits):  # the sampler without its graphs: the comparison for "sampled"
-        width = min(runner.vocab_size, logits.shape[1])
-        return sample(logits[:, :width], *runner.sampling_inputs(seqs, width))
+        return runner.sample(seqs, logits, graphs=False)
 
     decode_sampled_eager = {}
     modes = [("greedy", sampling, decode, runner.sample)]

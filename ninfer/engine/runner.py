@@ -8,6 +8,9 @@ shape has a graph fills its buffers from the host (pinned copies) and replays it
 (a shorter last prefill chunk, a sequence longer than the graphs' page-table width) runs eagerly.
 Graph and eager runs launch the same kernels with the same parameters, so outputs agree exactly.
 
+Sampling: on CUDA the fused Triton sampler (ninfer.kernels.triton_sampler) when it draws the torch
+sampler's tokens in a start-up check on this device, else the torch sampler (ninfer.engine.sampler).
+
 Host-to-device uploads go through pinned memory with non_blocking copies: a plain
 `torch.tensor(..., device="cuda")` synchronizes the stream, which would stall the host on every
 step. Nothing here reads the device back; the engine's `.tolist()` of sampled tokens is the one
@@ -17,6 +20,7 @@ synchronization per step.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -54,6 +58,9 @@ class ModelRunner:
         self._decode_inputs: DecodeInputs | None = None
         self._prefill_inputs: PrefillInputs | None = None
         self._sampler_inputs: SamplerInputs | None = None
+        self.fused_sampler = False
+        self.sampler_status = self._choose_sampler()
+        log.info("sampler: %s", self.sampler_status)
         if self.device.type != "cuda":
             self.graph_status = "off: not a CUDA device"
         elif not cuda_graphs:
@@ -77,6 +84,22 @@ class ModelRunner:
 
     def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
         return self._upload(torch.tensor(values, dtype=dtype))
+
+    def _choose_sampler(self) -> str:
+        """The fused Triton sampler on CUDA when it draws the torch sampler's tokens on this device
+        (checked once, here); NINFER_SAMPLER=torch keeps the torch sampler."""
+        if not use_triton(self.device):
+            return "torch (not on a CUDA device with the Triton backend)"
+        if os.environ.get("NINFER_SAMPLER", "").strip().lower() == "torch":
+            return "torch (NINFER_SAMPLER=torch)"
+        from ninfer.kernels.triton_sampler import check_against_reference
+
+        problem = check_against_reference(self.device)
+        if problem is not None:
+            log.warning("fused sampler failed its start-up check, the torch sampler runs: %s", problem)
+            return f"torch (fused sampler failed its check: {problem})"
+        self.fused_sampler = True
+        return "fused Triton kernels"
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:
@@ -130,7 +153,7 @@ class ModelRunner:
                 batch, lanes = inputs.batch(b)
                 graph, tokens = capture(
                     lambda logits=logits, width=width, batch=batch, lanes=lanes:
-                        sample(logits[:, :width], batch, self.counts[lanes, :width]),
+                        self._sample_rows(logits[:, :width], batch, lanes),
                     self.device, warmups=1, pool=pool)
                 self.sampler_graphs[b] = (graph, tokens)
             torch.cuda.synchronize(self.device)
@@ -224,23 +247,32 @@ class ModelRunner:
         self.counts.view(-1).index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=self.device))
 
     @torch.inference_mode()
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, graphs: bool = True) -> torch.Tensor:
         """Token ids [B] on the device. From a sampler graph they are its static output: read them
-        before the next call."""
+        before the next call. graphs=False: never the sampler graph (benchmarks compare the two)."""
         params = [s.sampling for s in seqs]
         width = min(self.vocab_size, logits.shape[1])  # drop padded embedding rows past the tokenizer
         if all(p.temperature <= 0 and not p.presence_penalty and not p.frequency_penalty for p in params):
             # all greedy, nothing to penalise: the sampler's answer is this argmax; skipping its two
-            # uploads and ~40 small kernels shortens the step's tail (the GPU idles through it)
+            # uploads and its kernels shortens the step's tail (the GPU idles through it)
             return logits[:, :width].argmax(dim=-1)
-        graph = self.sampler_graphs.get(len(seqs))
+        graph = self.sampler_graphs.get(len(seqs)) if graphs else None
         if graph is not None and logits is self.graphs[len(seqs)][1]:  # a decode graph's logits
             floats, longs = self._sampling_rows(seqs)
             self._sampler_inputs.fill(*longs, floats)
             graph[0].replay()
             self.sampler_replays += 1
             return graph[1]
-        return sample(logits[:, :width], *self.sampling_inputs(seqs, width))
+        return self._sample_rows(logits[:, :width], *self._upload_sampling(seqs))
+
+    def _sample_rows(self, logits: torch.Tensor, batch: SamplingBatch, lanes: torch.Tensor) -> torch.Tensor:
+        """The sampler on [B, width] logits: the fused Triton kernels when they passed their start-up
+        check on this device, else the torch sampler over the rows' gathered penalty counts."""
+        if self.fused_sampler:
+            from ninfer.kernels.triton_sampler import fused_sample
+
+            return fused_sample(logits, batch, self.counts, lanes)
+        return sample(logits, batch, self.counts[lanes, : logits.shape[1]])
 
     @staticmethod
     def _sampling_rows(seqs: list[Sequence]) -> tuple[list[list[float]], list[list[int]]]:
@@ -253,8 +285,8 @@ class ModelRunner:
                  [len(s.output_ids) for s in seqs], [s.lane for s in seqs]]
         return floats, longs
 
-    def sampling_inputs(self, seqs: list[Sequence], width: int) -> tuple[SamplingBatch, torch.Tensor]:
-        """The sampler's per-row settings (two uploads) and the rows' penalty counts over `width` tokens."""
+    def _upload_sampling(self, seqs: list[Sequence]) -> tuple[SamplingBatch, torch.Tensor]:
+        """The sampler's per-row settings and the rows' lanes, in two uploads."""
         rows_f, rows_l = self._sampling_rows(seqs)
         floats = self._tensor(rows_f, torch.float32)
         longs = self._tensor(rows_l, torch.long)
@@ -262,5 +294,10 @@ class ModelRunner:
             temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
             frequency_penalty=floats[4], top_k=longs[0], seed=longs[1], step=longs[2],
         )
-        counts = self.counts[longs[3], :width]
-        return batch, counts
+        return batch, longs[3]
+
+    def sampling_inputs(self, seqs: list[Sequence], width: int) -> tuple[SamplingBatch, torch.Tensor]:
+        """The torch sampler's arguments: the per-row settings and the rows' penalty counts over `width`
+        tokens (tests and benchmarks call `sample(logits, *sampling_inputs(...))`)."""
+        batch, lanes = self._upload_sampling(seqs)
+        return batch, self.counts[lanes, :width]

@@ -62,8 +62,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, counts: torch.Tensor | No
     greedy_ids = logits.argmax(dim=-1)
 
     k = min(TOP_K_CAP, logits.shape[-1])
-    temperature = batch.temperature.clamp_min(1e-5)[:, None]
-    values, ids = torch.topk(logits / temperature, k, dim=-1)  # sorted, descending
+    # candidates by the penalised logits, then scaled: the same set and order as the top-k of the scaled
+    # logits, with one division per candidate instead of per vocabulary entry (and what the fused
+    # kernel, ninfer.kernels.triton_sampler, computes)
+    best, ids = torch.topk(logits, k, dim=-1)  # sorted, descending
+    values = best / batch.temperature.clamp_min(1e-5)[:, None]
     ranks = torch.arange(k, device=logits.device)[None, :]
     keep = ranks < batch.top_k[:, None]
     probs = torch.softmax(values.masked_fill(~keep, float("-inf")), dim=-1)
