@@ -26,12 +26,14 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def counter_uniform(seed: torch.Tensor, step: torch.Tensor, width: int) -> torch.Tensor:
-    """Uniforms in (0, 1) of shape [B, width] keyed by (seed[b], step[b], column)."""
+    """float32 uniforms strictly inside (0, 1), shape [B, width], keyed by (seed[b], step[b], column):
+    the hash's top 23 bits plus one half, times 2^-23 (exact in float32, so never 0 or 1; float32 so
+    that the fused GPU kernel, which has no float64 logarithm, computes the same noise)."""
     lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
     base = _hash32(_hash32(lo ^ _hash32(hi + 0x9E3779B9)) + step)  # [B]
     cols = torch.arange(width, device=seed.device, dtype=torch.int64)
     h = _hash32(base[:, None] * 0x27D4EB2F + cols[None, :] + 1)
-    return (h.double() + 0.5) / 4294967296.0
+    return ((h >> 9).float() + 0.5) * 2.0**-23
 
 
 @dataclass
@@ -75,7 +77,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, counts: torch.Tensor | No
     mass_before = torch.cumsum(probs, dim=-1) - probs
     keep &= (mass_before < batch.top_p[:, None]) | (ranks == 0)
     log_probs = torch.log(probs.clamp_min(1e-30)).masked_fill(~keep, float("-inf"))
-    gumbel = -torch.log(-torch.log(counter_uniform(batch.seed, batch.step, k))).float()
+    gumbel = -torch.log(-torch.log(counter_uniform(batch.seed, batch.step, k)))
     choice = torch.argmax(log_probs + gumbel, dim=-1)
     sampled_ids = ids.gather(1, choice[:, None])[:, 0]
     return torch.where(batch.temperature <= 0, greedy_ids, sampled_ids)

@@ -104,8 +104,8 @@ def _choose_kernel(
     step = (tl.load(STEP + row) & _MASK32).to(tl.uint32)
     base = _hash32(_hash32(lo ^ _hash32(hi + 0x9E3779B9)) + step)
     h = _hash32(base * 0x27D4EB2F + ranks.to(tl.uint32) + 1)
-    u = (h.to(tl.float64) + 0.5) / 4294967296.0
-    gumbel = (-tl.log(-tl.log(u))).to(tl.float32)
+    u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23: exact, inside (0, 1)
+    gumbel = -tl.log(-tl.log(u))
     choice = tl.argmax(log_probs + gumbel, axis=0)
     sampled = tl.sum(tl.where(ranks == choice, ids, 0), axis=0)
     greedy = tl.sum(tl.where(ranks == 0, ids, 0), axis=0)
