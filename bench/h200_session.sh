@@ -8,7 +8,7 @@
 #                                              # profile_nvfp4: 27B with NVFP4 weights)
 # Single stages: fused gemv nvfp4 kv moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
 # (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), pytest_nvfp4, pytest_graphs (the CUDA-graph tests),
-# sampled35 (35B-A3B bf16 decode, greedy and sampled).
+# sampled35 (35B-A3B bf16 decode, greedy and sampled), sampled35_torch (the same with the torch sampler).
 # A stage past DEADLINE seconds (default 540) is skipped with a line saying so.
 set -u
 python3 -m pip install -q --no-index --no-deps --target .site .whl/fla_core-*.whl || exit 1
@@ -41,12 +41,15 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $OUT/fused.jsonl 2>&1 
     pytest_nvfp4)  # the NVFP4 CUDA tests only (kernel checks, MoE experts, engine greedy with and without graphs)
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py tests/test_nvfp4_moe.py \
         > $OUT/pytest_nvfp4.log 2>&1 ;;
-    pytest_graphs)  # the CUDA-graph tests only: decode, prefill and sampler graphs against eager, no host sync
+    pytest_graphs)  # the CUDA-graph and sampler tests: graphs against eager, no host sync, fused sampler check
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_graphs.py \
-        tests/test_kernels.py -k "graph or sync" > $OUT/pytest_graphs.log 2>&1 ;;
+        tests/test_kernels.py tests/test_triton_sampler.py -k "graph or sync or sampl" > $OUT/pytest_graphs.log 2>&1 ;;
     sampled35)  # 35B-A3B bf16 decode, greedy and under the non-thinking sampler preset (sampler graphs)
       timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 --decode-only \
         --sampled --skip-transformers > $OUT/qwen35b_sampled_decode.log 2>&1 ;;
+    sampled35_torch)  # the same with the torch sampler (NINFER_SAMPLER=torch): the fused sampler's A/B
+      NINFER_SAMPLER=torch timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 \
+        --decode-only --sampled --skip-transformers > $OUT/qwen35b_sampled_decode_torch_sampler.log 2>&1 ;;
     bench27)
       timeout 330 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights bf16 nvfp4 --deadline 300 \
         --hf-reserve 80 > $OUT/qwen27b_gpu_decode.log 2>&1 ;;
