@@ -20,7 +20,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's membership tests must not compare every field
 class Sequence:
     request: EngineRequest
     order: int  # arrival order: older requests keep progressing under pressure
