@@ -1,6 +1,6 @@
 """The GPU benchmark's CPU dry run (`bench/gpu_decode.py --quick`): tiny shapes, both weight formats,
-so the script the device sessions depend on keeps running between them. Figures are not checked:
-speed is measured on the device, never asserted in tests."""
+greedy and sampled decode, so the script the device sessions depend on keeps running between them.
+Figures are not checked: speed is measured on the device, never asserted in tests."""
 
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_gpu_decode_quick_runs_both_weight_formats():
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_decode.py"), "--quick", "--decode-only", "--concurrency", "1", "2",
-           "--skip-transformers", "--weights", "bf16", "nvfp4", "--no-long"]
+           "--skip-transformers", "--weights", "bf16", "nvfp4", "--no-long", "--sampled"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert not [r for r in records if r["kind"] == "error"], records
     decode = {(r["weights"], r["concurrency"]) for r in records if r["kind"] == "ninfer_decode"}
     assert decode == {("bf16", 1), ("bf16", 2), ("nvfp4", 1), ("nvfp4", 2)}
+    modes = {r["sampling"] for r in records if r["kind"] == "ninfer_decode"}
+    assert modes == {"greedy", "sampled", "sampled_eager_sampler"}
     summary = next(r for r in records if r["kind"] == "summary")
     assert set(summary["formats"]) == {"bf16", "nvfp4"}
     assert summary["goals"]["nvfp4_b1_ge_3x_bf16"]["value"] is not None
