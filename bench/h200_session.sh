@@ -8,7 +8,8 @@
 #                                              # profile_nvfp4: 27B with NVFP4 weights)
 # Single stages: fused gemv nvfp4 kv moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
 # (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), pytest_nvfp4, pytest_graphs (the CUDA-graph tests),
-# sampled35 (35B-A3B bf16 decode, greedy and sampled), sampled35_torch (the same with the torch sampler).
+# sampled35 (35B-A3B bf16 decode, greedy and sampled), sampled35_torch (the same with the torch sampler),
+# engine35 / engine27 (engine-level decode: bench/gpu_engine.py).
 # A stage past DEADLINE seconds (default 540) is skipped with a line saying so.
 set -u
 python3 -m pip install -q --no-index --no-deps --target .site .whl/fla_core-*.whl || exit 1
@@ -50,6 +51,11 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $OUT/fused.jsonl 2>&1 
     sampled35_torch)  # the same with the torch sampler (NINFER_SAMPLER=torch): the fused sampler's A/B
       NINFER_SAMPLER=torch timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 \
         --decode-only --sampled --skip-transformers > $OUT/qwen35b_sampled_decode_torch_sampler.log 2>&1 ;;
+    engine35)  # engine-level decode (the engine loop's host work included), 35B-A3B bf16, greedy and sampled
+      timeout $(( $(left) - 5 )) python3 bench/gpu_engine.py --shape qwen3.6-35b-a3b > $OUT/qwen35b_engine_decode.log 2>&1 ;;
+    engine27)  # the same for the 27B shape, NVFP4 weights
+      timeout $(( $(left) - 5 )) python3 bench/gpu_engine.py --shape qwen3.6-27b --weights nvfp4 \
+        > $OUT/qwen27b_nvfp4_engine_decode.log 2>&1 ;;
     bench27)
       timeout 330 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights bf16 nvfp4 --deadline 300 \
         --hf-reserve 80 > $OUT/qwen27b_gpu_decode.log 2>&1 ;;

@@ -26,3 +26,13 @@ def test_gpu_decode_quick_runs_both_weight_formats():
     summary = next(r for r in records if r["kind"] == "summary")
     assert set(summary["formats"]) == {"bf16", "nvfp4"}
     assert summary["goals"]["nvfp4_b1_ge_3x_bf16"]["value"] is not None
+
+
+def test_gpu_engine_quick_reports_both_sampling_modes():
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_engine.py"), "--quick", "--concurrency", "1", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    decode = [r for r in records if r["kind"] == "engine_decode"]
+    assert {(r["sampling"], r["concurrency"]) for r in decode} == {(m, c) for m in ("greedy", "sampled") for c in (1, 2)}
+    assert all(r["window_tokens"] > 0 and r["tok_s"] > 0 for r in decode), decode
