@@ -66,3 +66,17 @@ def test_pressure_pauses_the_youngest_and_restores_in_order():
     s.remove(a)
     admitted = s.admit()
     assert admitted[0] is c
+
+
+def test_one_round_never_promises_more_pages_than_are_free():
+    """Two paused requests with host snapshots each need 8 of the 10 free pages: restoring both in one
+    admission round would make the second restore's page allocation fail (it took the engine down)."""
+    s = make(pages=10, page_size=4, lanes=4, slots=8)
+    paused = [seq(1, 28), seq(2, 28)]
+    for x in paused:
+        x.snapshot, x.num_computed, x.status = object(), 28, Status.PAUSED  # pages_for(29) = 8 each
+    s.paused.extend(paused)
+    fresh = seq(3, 4)  # needs 2 pages: fits beside the first restore, not if that one were forgotten
+    s.waiting.append(fresh)
+    assert s.admit() == [paused[0], fresh]
+    assert s.paused == [paused[1]] and paused[1].status is Status.PAUSED

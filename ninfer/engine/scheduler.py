@@ -50,30 +50,33 @@ class Scheduler:
         self.preemptions = 0
 
     # ---- admission -------------------------------------------------------------------------
-    def _fits(self, seq: Sequence) -> bool:
+    def _fits(self, seq: Sequence, promised: int = 0) -> int | None:
         """A free lane, a state slot and pages for the saved frontier (a snapshot restore) or the
-        first unit after the reusable prefix, plus one more token. Retained checkpoints other than
-        the one this request will reuse are reclaimed to make room."""
+        first unit after the reusable prefix, plus one more token, beyond the `promised` pages that
+        this round's earlier snapshot restores will take (a restore allocates its pages outright once
+        admitted; fresh requests reserve theirs as they run, pausing younger ones when short).
+        Retained checkpoints other than the one this request will reuse are reclaimed to make room.
+        Returns the pages it needs, or None."""
         if not self._free_lanes:
-            return False
+            return None
         match = None
         if seq.snapshot is None:
             match = self.cache.lookup(seq.tokens(0, seq.total_len), record=False)
         keep = match.checkpoint if match else None
         while self.slots is not None and self.slots.free_slots == 0:
             if not self.cache.evict_for_slot(keep=keep):
-                return False
+                return None
         if seq.snapshot is not None:
             need = self.pages.pages_for(seq.num_computed + 1)
         else:
             reused = match.length if match else 0
             end = min(seq.prefill_target, reused + self.prefill_chunk)
             need = self.pages.pages_for(end + 1) - reused // self.pages.page_size
-        while need > self.pages.free_pages:
+        while promised + need > self.pages.free_pages:
             if not self.cache.evict_one(keep=keep):
-                return False
+                return None
         seq.match = match
-        return True
+        return need
 
     def _bind(self, seq: Sequence) -> None:
         seq.lane = self._free_lanes.popleft()
@@ -85,16 +88,19 @@ class Scheduler:
     def admit(self) -> list[Sequence]:
         """Bind paused and waiting requests that fit; returns the newly resident ones."""
         admitted = []
+        promised = 0  # pages this round's snapshot restores will allocate
         for seq in list(self.paused):
-            if self._fits(seq):
-                self.paused.remove(seq)
-                self._bind(seq)
-                admitted.append(seq)
-            else:
+            need = self._fits(seq, promised)
+            if need is None:
                 break  # restore strictly in arrival order
+            self.paused.remove(seq)
+            self._bind(seq)
+            admitted.append(seq)
+            if seq.snapshot is not None:
+                promised += need
         while self.waiting and self._free_lanes:
             head = self.waiting[0]
-            if self._fits(head):
+            if self._fits(head, promised) is not None:
                 self.waiting.popleft()
                 self._bind(head)
                 admitted.append(head)
@@ -102,7 +108,7 @@ class Scheduler:
                 continue
             if self._bypassed >= BYPASS_LIMIT:
                 break
-            taker = next((s for s in list(self.waiting)[1:] if self._fits(s)), None)
+            taker = next((s for s in list(self.waiting)[1:] if self._fits(s, promised) is not None), None)
             if taker is None:
                 break
             self.waiting.remove(taker)
