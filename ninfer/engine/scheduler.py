@@ -98,6 +98,8 @@ class Scheduler:
             admitted.append(seq)
             if seq.snapshot is not None:
                 promised += need
+            elif seq.match is not None and seq.match.length % self.pages.page_size:
+                promised += 1  # a replay that reuses a partly filled page copies it into a new one
         while self.waiting and self._free_lanes:
             head = self.waiting[0]
             if self._fits(head, promised) is not None:
