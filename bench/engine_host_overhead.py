@@ -56,7 +56,9 @@ def measure(concurrency: int, vocab: int, tokens: int, profile: bool) -> dict:
     from ninfer.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_json_str(build_qwen_tokenizer_json())
-    settings = EngineSettings(max_context=tokens + 128, max_concurrency=concurrency, eos_ids=set())
+    context = tokens + 128
+    settings = EngineSettings(max_context=context, kv_capacity=concurrency * context, max_concurrency=concurrency,
+                              eos_ids=set())  # room for every request: no pauses
     prof = cProfile.Profile()
     decode_step = Engine._decode_step
 
