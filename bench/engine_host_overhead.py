@@ -24,35 +24,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-
-class FixedLogits(nn.Module):
-    """No weights: one constant logit row per sequence."""
-
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.vocab = vocab
-        self.register_buffer("_anchor", torch.zeros(1), persistent=False)
-
-    def cache_spec(self):
-        from ninfer.models.batch import CacheSpec
-
-        return CacheSpec(num_attn_layers=1, num_kv_heads=1, head_dim=1)
-
-    def forward(self, batch, cache):
-        return torch.zeros(batch.input_ids.shape[0], 1)
-
-    def compute_logits(self, hidden):
-        logits = torch.zeros(hidden.shape[0], self.vocab)
-        logits[:, 1000] = 1.0
-        return logits
 
 
 def measure(concurrency: int, vocab: int, tokens: int, profile: bool) -> dict:
     from ninfer.artifact.qwen_tokenizer import build_qwen_tokenizer_json
     from ninfer.engine.engine import Engine, EngineSettings
     from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams
+    from ninfer.models.scripted import FixedLogitsModel
     from ninfer.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_json_str(build_qwen_tokenizer_json())
@@ -69,7 +47,7 @@ def measure(concurrency: int, vocab: int, tokens: int, profile: bool) -> dict:
         finally:
             prof.disable()
 
-    engine = Engine(FixedLogits(vocab), tokenizer, settings)
+    engine = Engine(FixedLogitsModel(vocab), tokenizer, settings)
     if profile:
         engine._decode_step = profiled.__get__(engine)
     engine.start()

@@ -7,7 +7,6 @@ import asyncio
 import threading
 
 import pytest
-import torch
 from engine_helpers import assert_no_leak
 
 from ninfer.engine.engine import EngineSettings
@@ -158,37 +157,16 @@ def test_pressure_storm_keeps_greedy_output(fixture, host_budget, request):
     assert_no_leak(engine)
 
 
-class _FixedLogits(torch.nn.Module):
-    """Costs nothing: one constant logit row per sequence (the scheduling under test is the engine's)."""
-
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.vocab = vocab
-        self.register_buffer("_anchor", torch.zeros(1), persistent=False)
-
-    def cache_spec(self):
-        from ninfer.models.batch import CacheSpec
-
-        return CacheSpec(num_attn_layers=1, num_kv_heads=1, head_dim=1)
-
-    def forward(self, batch, cache):
-        return torch.zeros(batch.input_ids.shape[0], 1)
-
-    def compute_logits(self, hidden):
-        logits = torch.zeros(hidden.shape[0], self.vocab)
-        logits[:, 1000] = 1.0
-        return logits
-
-
 def test_many_snapshot_restores_at_once_never_fail_the_engine(qwen_tokenizer):
     """Eight requests in a pool that holds about one of them, with host snapshots: several paused
     requests become restorable at the same boundary. Every request still completes (serving.md: an
     admitted request may pause for resource pressure and is never lost)."""
     from ninfer.engine.engine import Engine
     from ninfer.engine.types import FinishReason
+    from ninfer.models.scripted import FixedLogitsModel
 
     settings = EngineSettings(max_context=528, max_concurrency=8, eos_ids=set())
-    engine = Engine(_FixedLogits(2000), qwen_tokenizer, settings).start()
+    engine = Engine(FixedLogitsModel(2000), qwen_tokenizer, settings).start()
     outputs: dict[int, list] = {}
 
     def one(i: int) -> None:

@@ -1,5 +1,6 @@
-"""A scripted test model: it emits a fixed token sequence after a trigger, so engine and protocol
-tests can drive stops, thinking budgets, tool calls and channels deterministically.
+"""Test models. The scripted model emits a fixed token sequence after a trigger, so engine and
+protocol tests can drive stops, thinking budgets, tool calls and channels deterministically; the
+fixed-logits model (at the end) always emits one token at no cost.
 
 It runs through the real engine path (paged cache, batching, sampling): the cache's K slots hold
 the token ids themselves, so the model reads each sequence's context from its pages like any
@@ -63,4 +64,25 @@ class ScriptedModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = torch.zeros((hidden.shape[0], self.vocab_size), device=hidden.device)
         logits.scatter_(1, hidden.long(), _SCRIPTED_LOGIT)
+        return logits
+
+
+class FixedLogitsModel(nn.Module):
+    """A model that costs (almost) nothing: every sequence's next token is `token`. Engine scheduling
+    tests and the engine host-overhead benchmark run on it, so only the engine's own work remains."""
+
+    def __init__(self, vocab_size: int, token: int = 1000):
+        super().__init__()
+        self.vocab_size, self.token = vocab_size, token
+        self.register_buffer("_anchor", torch.zeros(1), persistent=False)  # carries device/dtype
+
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(num_attn_layers=1, num_kv_heads=1, head_dim=1)
+
+    def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
+        return torch.zeros(batch.input_ids.shape[0], 1, device=batch.input_ids.device)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(hidden.shape[0], self.vocab_size, device=hidden.device)
+        logits[:, self.token] = 1.0
         return logits
