@@ -80,3 +80,47 @@ def test_one_round_never_promises_more_pages_than_are_free():
     s.waiting.append(fresh)
     assert s.admit() == [paused[0], fresh]
     assert s.paused == [paused[1]] and paused[1].status is Status.PAUSED
+
+
+PROMPT = [5] * 40
+
+
+def _with_retained(lanes: int = 2) -> Scheduler:
+    """A 12-page pool (4 tokens a page) of which one retained 44-token checkpoint holds 11 pages; its
+    first 32 tokens are PROMPT's, which would reuse them (8 pages) and need 3 more."""
+    from ninfer.engine.context_cache import ContextCache
+
+    pool = PagePool(12, 4)
+    s = Scheduler(max_concurrency=lanes, prefill_chunk=64, pages=pool, slots=None,
+                  cache=ContextCache(pool, None, hybrid=False))
+    s.cache.add(tuple(PROMPT[:32] + [9] * 12), pool.allocate(11), None, "endpoint")
+    return s
+
+
+def test_a_prefix_that_holds_the_pool_is_given_up_when_nothing_runs():
+    """Keeping the checkpoint a request would reuse leaves it too few pages, and nothing else can free
+    any: it waited until its queue timeout (a paused one, forever). With nothing resident, admission
+    evicts the checkpoint too and the request starts from token 0."""
+    s = _with_retained()
+    head = Sequence(request=EngineRequest("r1", PROMPT), order=1, sampling=SAMPLING, max_tokens=10,
+                    controller=None, emit=lambda e: None, deadline=1e18)
+    s.waiting.append(head)
+    assert s.admit() == [head]
+    assert head.match is None and not s.cache.entries and s.pages.free_pages == 12
+
+
+def test_the_reused_prefix_is_kept_while_a_resident_request_will_free_pages():
+    s = _with_retained()
+    s.resident.append(seq(0, 4))  # running: it will finish and free its pages (none here, but it may)
+    waiting = Sequence(request=EngineRequest("r1", PROMPT), order=1, sampling=SAMPLING, max_tokens=10,
+                       controller=None, emit=lambda e: None, deadline=1e18)
+    s.waiting.append(waiting)
+    assert s.admit() == [] and len(s.cache.entries) == 1
+
+
+def test_a_prompt_that_fills_the_whole_pool_is_admitted():
+    """No room for a token past it, and none is needed: it ends at the context ceiling."""
+    s = make(pages=4, page_size=4, lanes=2)
+    full = seq(1, 16)
+    s.waiting.append(full)
+    assert s.admit() == [full]

@@ -55,28 +55,45 @@ class Scheduler:
         first unit after the reusable prefix, plus one more token, beyond the `promised` pages that
         this round's earlier snapshot restores will take (a restore allocates its pages outright once
         admitted; fresh requests reserve theirs as they run, pausing younger ones when short).
-        Retained checkpoints other than the one this request will reuse are reclaimed to make room.
-        Returns the pages it needs, or None."""
+        Retained checkpoints other than the one this request will reuse are reclaimed to make room;
+        when nothing is resident, that one too (else a pool held by the very prefix a request wants
+        would keep it out for good). Returns the pages it needs, or None."""
         if not self._free_lanes:
             return None
         match = None
         if seq.snapshot is None:
             match = self.cache.lookup(seq.tokens(0, seq.total_len), record=False)
+        need = self._make_room(seq, match, promised)
+        if need is None and match is not None and not self.resident:
+            match = None  # nothing running will free pages: give up the reuse rather than wait forever
+            need = self._make_room(seq, None, promised)
+        if need is not None:
+            seq.match = match
+        return need
+
+    def _make_room(self, seq: Sequence, match, promised: int) -> int | None:
+        """Evict retained checkpoints other than `match`'s until seq's slot and pages fit; the pages
+        it needs, or None when they cannot."""
         keep = match.checkpoint if match else None
         while self.slots is not None and self.slots.free_slots == 0:
             if not self.cache.evict_for_slot(keep=keep):
                 return None
         if seq.snapshot is not None:
-            need = self.pages.pages_for(seq.num_computed + 1)
+            need = self._with_next_token(seq.num_computed)
         else:
             reused = match.length if match else 0
             end = min(seq.prefill_target, reused + self.prefill_chunk)
-            need = self.pages.pages_for(end + 1) - reused // self.pages.page_size
+            need = self._with_next_token(end) - reused // self.pages.page_size
         while promised + need > self.pages.free_pages:
             if not self.cache.evict_one(keep=keep):
                 return None
-        seq.match = match
         return need
+
+    def _with_next_token(self, tokens: int) -> int:
+        """Pages for `tokens` plus the next token's KV, unless that one would not fit in the whole pool
+        (a context that fills the pool produces no token past it; it must still be admitted)."""
+        with_next = self.pages.pages_for(tokens + 1)
+        return with_next if with_next <= self.pages.num_pages else self.pages.pages_for(tokens)
 
     def _bind(self, seq: Sequence) -> None:
         seq.lane = self._free_lanes.popleft()
