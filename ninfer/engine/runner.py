@@ -94,7 +94,7 @@ class ModelRunner:
             return "torch (NINFER_SAMPLER=torch)"
         from ninfer.kernels.triton_sampler import check_against_reference
 
-        problem = check_against_reference(self.device)
+        problem = check_against_reference(self.device, width=max(self.vocab_size, 64))  # the serving shapes
         if problem is not None:
             log.warning("fused sampler failed its start-up check, the torch sampler runs: %s", problem)
             return f"torch (fused sampler failed its check: {problem})"
