@@ -158,9 +158,9 @@ class PrefillInputs(StaticInputs):
 
 
 class SamplerInputs(StaticInputs):
-    """The sampler graphs' per-row settings (batch b uses the first b columns). int64 rows: top_k,
-    seed, step (output index), lane; int32 rows hold float32 bits: temperature, top_p, min_p,
-    presence and frequency penalty."""
+    """The sampler graphs' per-row settings (batch b uses the first b columns). int64 rows:
+    SamplingBatch.LONG_ROWS (top_k, seed, output index), then the lane; int32 rows hold the float32
+    bits of SamplingBatch.FLOAT_ROWS."""
 
     LONGS = 4
     FLOATS = 5
@@ -189,9 +189,7 @@ class SamplerInputs(StaticInputs):
         """The first b rows' SamplingBatch (views of the device buffers) and their lanes."""
         longs = self.i64.view(self.LONGS, self.max_batch)[:, :b]
         floats = self.i32.view(torch.float32).view(self.FLOATS, self.max_batch)[:, :b]
-        batch = SamplingBatch(temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
-                              frequency_penalty=floats[4], top_k=longs[0], seed=longs[1], step=longs[2])
-        return batch, longs[3]
+        return SamplingBatch.from_rows(floats, longs), longs[3]
 
 
 def capture(run, device: torch.device, *, warmups: int, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -142,7 +142,8 @@ class ModelRunner:
         """Capture the full sampler (penalties, top-k/top-p/min-p, counter-based noise) over each decode
         graph's logits, in the decode graphs' memory pool (a sampler replay follows its decode replay
         on the same stream, so their temporaries never overlap in time). Eagerly the sampler issues
-        ~40 small launches per step, each with its Python; replayed, one."""
+        small launches per step (~60 for the torch sampler, two plus the uploads for the fused one),
+        each with its Python; replayed, one."""
         inputs = self._sampler_inputs = SamplerInputs(max_batch, self.device)
         inputs.placeholder()
         pool = self.graphs[max_batch][0].pool()
@@ -276,8 +277,8 @@ class ModelRunner:
 
     @staticmethod
     def _sampling_rows(seqs: list[Sequence]) -> tuple[list[list[float]], list[list[int]]]:
-        """Per-row sampler settings: floats (temperature, top_p, min_p, presence and frequency penalty)
-        and longs (top_k, seed, output index, lane), one list per field."""
+        """Per-row sampler settings, one list per field: floats in SamplingBatch.FLOAT_ROWS order, longs
+        in SamplingBatch.LONG_ROWS order (top_k, seed, output index) and then the lane."""
         params = [s.sampling for s in seqs]
         floats = [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params],
                   [p.presence_penalty for p in params], [p.frequency_penalty for p in params]]
@@ -288,13 +289,8 @@ class ModelRunner:
     def _upload_sampling(self, seqs: list[Sequence]) -> tuple[SamplingBatch, torch.Tensor]:
         """The sampler's per-row settings and the rows' lanes, in two uploads."""
         rows_f, rows_l = self._sampling_rows(seqs)
-        floats = self._tensor(rows_f, torch.float32)
         longs = self._tensor(rows_l, torch.long)
-        batch = SamplingBatch(
-            temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
-            frequency_penalty=floats[4], top_k=longs[0], seed=longs[1], step=longs[2],
-        )
-        return batch, longs[3]
+        return SamplingBatch.from_rows(self._tensor(rows_f, torch.float32), longs), longs[3]
 
     def sampling_inputs(self, seqs: list[Sequence], width: int) -> tuple[SamplingBatch, torch.Tensor]:
         """The torch sampler's arguments: the per-row settings and the rows' penalty counts over `width`

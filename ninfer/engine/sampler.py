@@ -49,6 +49,15 @@ class SamplingBatch:
     seed: torch.Tensor  # [B] int64
     step: torch.Tensor  # [B] int64: output index of the token being sampled
 
+    FLOAT_ROWS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
+    LONG_ROWS = ("top_k", "seed", "step")
+
+    @classmethod
+    def from_rows(cls, floats: torch.Tensor, longs: torch.Tensor) -> "SamplingBatch":
+        """Views of two stacked tensors: floats [5, B] in FLOAT_ROWS order, longs [>= 3, B] starting
+        with LONG_ROWS (the runner's uploads and the sampler graphs' static inputs are laid out so)."""
+        return cls(**dict(zip(cls.FLOAT_ROWS, floats)), **dict(zip(cls.LONG_ROWS, longs)))
+
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """OpenAI-style penalties over the request's own generated tokens (counts: [B, V])."""
