@@ -6,11 +6,11 @@ the host refills before every replay:
   page tables of b sequences that append one token each;
 - prefill (one sequence, exactly `--prefill-chunk` new tokens): the same fields for that chunk.
   A long prompt is a run of such chunks; its shorter last chunk, and prefill batches of any other
-  shape, run eagerly;
-- sampler (batch b): the per-row sampler settings of a decode batch, sampled from decode graph
-  b's logits (the runner captures it in the decode graphs' pool). Replaying a chunk costs the host one small upload and one launch, where the
+  shape, run eagerly. Replaying a chunk costs the host one small upload and one launch, where the
   eager forward issues ~2,600 kernel launches and their Python around them; at 1024 tokens that
-  host work took as long as the GPU's (H200 profile, bench/results/2026-11-30-h200-s4).
+  host work took as long as the GPU's (H200 profile, bench/results/2026-11-30-h200-s4);
+- sampler (batch b): the per-row sampler settings of a decode batch, sampled from decode graph
+  b's logits (the runner captures it in the decode graphs' pool).
 
 The kernels see the lengths only on the device; the host copies of a captured batch raise when
 read (`DeviceOnlyLengths`), so a kernel that would bake one step's lengths into a graph fails
