@@ -294,6 +294,6 @@ class ModelRunner:
 
     def sampling_inputs(self, seqs: list[Sequence], width: int) -> tuple[SamplingBatch, torch.Tensor]:
         """The torch sampler's arguments: the per-row settings and the rows' penalty counts over `width`
-        tokens (tests and benchmarks call `sample(logits, *sampling_inputs(...))`)."""
+        tokens (the sampler tests compare `sample(logits, *sampling_inputs(...))` with `ModelRunner.sample`)."""
         batch, lanes = self._upload_sampling(seqs)
         return batch, self.counts[lanes, :width]
