@@ -15,8 +15,8 @@ In order, in this one process:
    random weights, decode CUDA graphs captured for batch 1..8; decode step time with all C lanes busy
    (forward + sample + `.tolist()` + penalty counts, the engine's per-step work) at C = 1, 2, 4, 8
    after a 128-token prompt per lane, greedy (and with --sampled also under the shape's non-thinking
-   sampler preset: once replaying the sampler graph, once with the sampler run eagerly); TTFT (chunked prefill at the engine's default prefill_chunk, full chunks replayed
-   from the prefill CUDA graph as in the engine, then the first token sampled and read back) and
+   sampler preset: once replaying the sampler graph, once with the sampler run eagerly); TTFT
+   (chunked prefill at the engine's default prefill_chunk, full chunks replayed from the prefill CUDA graph as in the engine, then the first token sampled and read back) and
    prefill tok/s at 1k and 8k prompts (8k also as one chunk, and eagerly chunked), 32k when the
    --deadline leaves time for it (else a `skipped` line with the reason); peak GPU memory.
 3. transformers: Qwen3_5ForCausalLM (or the MoE class) built on the device in bf16 with random
@@ -214,18 +214,17 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
         return tok
 
     # -- decode at C = 1, 2, 4, 8 (all lanes busy); greedy, then (--sampled) Qwen's non-thinking preset --
-    decode, decode_sampled = {}, {}
-    def eager_sampler(seqs, logits):  # the sampler without its graphs: the comparison for "sampled"
-        return runner.sample(seqs, logits, graphs=False)
-
-    decode_sampled_eager = {}
-    modes = [("greedy", sampling, decode, runner.sample)]
+    # mode -> (sampler settings, sampling call, result key); "sampled_eager_sampler" is "sampled" without
+    # the sampler graph, its comparison
+    modes = {"greedy": (sampling, runner.sample, "ninfer_decode")}
     if args.sampled:
         preset = SimpleNamespace(**get_preset(args.model).sampling_presets["non_thinking"], seed=1)
-        modes += [("sampled", preset, decode_sampled, runner.sample),
-                  ("sampled_eager_sampler", preset, decode_sampled_eager, eager_sampler)]
+        modes["sampled"] = (preset, runner.sample, "ninfer_decode_sampled")
+        modes["sampled_eager_sampler"] = (preset, functools.partial(runner.sample, graphs=False),
+                                          "ninfer_decode_sampled_eager_sampler")
     for c in args.concurrency:
-        for mode, params, figures, sampler in modes:
+        for mode, (params, sampler, key) in modes.items():
+            figures = R.setdefault(key, {})
             seqs = [SimpleNamespace(num_computed=0, pages=list(range(lane_pages * i, lane_pages * (i + 1))),
                                     state_slot=i, lane=i, output_ids=[], sampling=params) for i in range(c)]
             for i, s in enumerate(seqs):
@@ -256,10 +255,6 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
                  context_start=args.decode_prompt + args.decode_warmup, cuda_graphs=graphs_used,
                  sampler_graph=runner.sampler_replays - sampler0 == args.decode_steps,
                  fraction_of_roofline_b1_bytes=(c / step_s) / (c * roof["roofline_tok_s_b1"]))
-    R["ninfer_decode"] = decode
-    if decode_sampled:
-        R["ninfer_decode_sampled"] = decode_sampled
-        R["ninfer_decode_sampled_eager_sampler"] = decode_sampled_eager
 
     # -- prefill / TTFT --
     if args.decode_only:
