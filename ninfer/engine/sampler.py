@@ -27,8 +27,9 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 def counter_uniform(seed: torch.Tensor, step: torch.Tensor, width: int) -> torch.Tensor:
     """float32 uniforms strictly inside (0, 1), shape [B, width], keyed by (seed[b], step[b], column):
-    the hash's top 23 bits plus one half, times 2^-23 (exact in float32, so never 0 or 1; float32 so
-    that the fused GPU kernel, which has no float64 logarithm, computes the same noise)."""
+    the hash's top 23 bits plus one half, times 2^-23 (exact in float32, so never 0 or 1). float32 so
+    that the fused Triton kernel computes the same noise: a float64 logarithm there is not known to
+    compile for NVIDIA GPUs, and Triton's CPU interpreter lacks the libdevice one."""
     lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
     base = _hash32(_hash32(lo ^ _hash32(hi + 0x9E3779B9)) + step)  # [B]
     cols = torch.arange(width, device=seed.device, dtype=torch.int64)
