@@ -272,7 +272,10 @@ def profile_model(shape: str = "qwen3.6-27b", batches=(1, 8), prompt=128, weight
     prepare_for_inference_(model)
     tag = shape.removeprefix("qwen3.6-").replace("-", "_")  # "27b", "35b_a3b"
     tag += "_nvfp4" if weights == "nvfp4" else ""
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_decode import weight_stats  # NVFP4 weights are buffers, not parameters: counted there
+
+    weight_bytes = weight_stats(model, model.config)["decode_bytes_b1_no_embed"]  # what a batch-1 step reads
     vocab = model.config["vocab_size"]
     max_b = max(batches)
     pages_per_seq = 32

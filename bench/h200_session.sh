@@ -6,10 +6,11 @@
 #   bash bench/h200_session.sh bench27 bench35 # call 2 (~8 min): the issue-10 figures, ninfer beside transformers
 #   bash bench/h200_session.sh profile         # decode + chunked-prefill profile of the 27B shape (profile35: 35B-A3B,
 #                                              # profile_nvfp4: 27B with NVFP4 weights)
-# Single stages: fused gemv nvfp4 kv moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
+# Single stages: fused gemv nvfp4 kv moe pytest_pdl (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
 # (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), pytest_nvfp4, pytest_graphs (the CUDA-graph tests),
 # sampled35 (35B-A3B bf16 decode, greedy and sampled), sampled35_torch (the same with the torch sampler),
-# engine35 / engine27 (engine-level decode: bench/gpu_engine.py).
+# engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the suffix _nopdl runs
+# with NINFER_PDL=0 (kernels launched without programmatic dependent launch), its files under $OUT/nopdl.
 # A stage past DEADLINE seconds (default 540) is skipped with a line saying so.
 set -u
 python3 -m pip install -q --no-index --no-deps --target .site .whl/fla_core-*.whl || exit 1
@@ -24,53 +25,60 @@ for s in "$@"; do if [ "$s" = checks ]; then stages+=(fused gemv nvfp4 kv moe); 
 for stage in "${stages[@]}"; do
   if [ "$(left)" -lt 30 ]; then echo "=== skip $stage (past DEADLINE)"; continue; fi
   echo "=== $stage at $(( $(date +%s) - t0 )) s"
-  case $stage in
+  out=$OUT; unset NINFER_PDL
+  if [ "${stage%_nopdl}" != "$stage" ]; then  # <stage>_nopdl: the same without PDL, into $OUT/nopdl
+    export NINFER_PDL=0; out=$OUT/nopdl; mkdir -p "$out"
+  fi
+  case ${stage%_nopdl} in
     fused)
       timeout 60 python3 -c "import json, torch; from ninfer.kernels.selfcheck_fused import check_fused
-print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $OUT/fused.jsonl 2>&1 ;;
+print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 ;;
     gemv)
-      timeout 90 python3 -m ninfer.kernels.selfcheck_gemv --only check,time > $OUT/gemv.jsonl 2>&1 ;;
+      timeout 90 python3 -m ninfer.kernels.selfcheck_gemv --only check,time > $out/gemv.jsonl 2>&1 ;;
     nvfp4)
-      timeout $(( $(left) - 10 )) python3 -m ninfer.kernels.selfcheck_nvfp4 ${NVFP4_ARGS:-} --out $OUT/nvfp4.json > $OUT/nvfp4.log 2>&1 ;;
+      timeout $(( $(left) - 10 )) python3 -m ninfer.kernels.selfcheck_nvfp4 ${NVFP4_ARGS:-} --out $out/nvfp4.json > $out/nvfp4.log 2>&1 ;;
     kv)
-      timeout 150 python3 -m ninfer.kernels.selfcheck_kv > $OUT/kv.jsonl 2>&1 ;;
+      timeout 150 python3 -m ninfer.kernels.selfcheck_kv > $out/kv.jsonl 2>&1 ;;
     moe)
-      timeout 60 python3 -c "from ninfer.kernels import selfcheck_moe as s; s.main()" > $OUT/moe.jsonl 2>&1 ;;
+      timeout 60 python3 -c "from ninfer.kernels import selfcheck_moe as s; s.main()" > $out/moe.jsonl 2>&1 ;;
     pytest)  # only the modules with CUDA tests: the device lacks the server tests' packages (SDKs, uvicorn)
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider \
-        $(grep -l "needs_cuda\|mark.cuda" tests/test_*.py) > $OUT/pytest_cuda.log 2>&1 ;;
+        $(grep -l "needs_cuda\|mark.cuda" tests/test_*.py) > $out/pytest_cuda.log 2>&1 ;;
     pytest_nvfp4)  # the NVFP4 CUDA tests only (kernel checks, MoE experts, engine greedy with and without graphs)
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py tests/test_nvfp4_moe.py \
-        > $OUT/pytest_nvfp4.log 2>&1 ;;
+        > $out/pytest_nvfp4.log 2>&1 ;;
     pytest_graphs)  # the CUDA-graph and sampler tests: graphs against eager, no host sync, fused sampler check
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_graphs.py \
-        tests/test_kernels.py tests/test_triton_sampler.py -k "graph or sync or sampl" > $OUT/pytest_graphs.log 2>&1 ;;
+        tests/test_kernels.py tests/test_triton_sampler.py -k "graph or sync or sampl or dependent" > $out/pytest_graphs.log 2>&1 ;;
+    pytest_pdl)  # PDL against no PDL (engine greedy, CUDA graphs), then graphs against eager with PDL on
+      timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_kernels.py \
+        -k "dependent or identical" > $out/pytest_pdl.log 2>&1 ;;
     sampled35)  # 35B-A3B bf16 decode, greedy and under the non-thinking sampler preset (sampler graphs)
       timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 --decode-only \
-        --sampled --skip-transformers > $OUT/qwen35b_sampled_decode.log 2>&1 ;;
+        --sampled --skip-transformers > $out/qwen35b_sampled_decode.log 2>&1 ;;
     sampled35_torch)  # the same with the torch sampler (NINFER_SAMPLER=torch): the fused sampler's A/B
       NINFER_SAMPLER=torch timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 \
-        --decode-only --sampled --skip-transformers > $OUT/qwen35b_sampled_decode_torch_sampler.log 2>&1 ;;
+        --decode-only --sampled --skip-transformers > $out/qwen35b_sampled_decode_torch_sampler.log 2>&1 ;;
     engine35)  # engine-level decode (the engine loop's host work included), 35B-A3B bf16, greedy and sampled
-      timeout $(( $(left) - 5 )) python3 bench/gpu_engine.py --shape qwen3.6-35b-a3b > $OUT/qwen35b_engine_decode.log 2>&1 ;;
+      timeout $(( $(left) - 5 )) python3 bench/gpu_engine.py --shape qwen3.6-35b-a3b > $out/qwen35b_engine_decode.log 2>&1 ;;
     engine27)  # the same for the 27B shape, NVFP4 weights
       timeout $(( $(left) - 5 )) python3 bench/gpu_engine.py --shape qwen3.6-27b --weights nvfp4 \
-        > $OUT/qwen27b_nvfp4_engine_decode.log 2>&1 ;;
+        > $out/qwen27b_nvfp4_engine_decode.log 2>&1 ;;
     bench27)
       timeout 330 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights bf16 nvfp4 --deadline 300 \
-        --hf-reserve 80 > $OUT/qwen27b_gpu_decode.log 2>&1 ;;
+        --hf-reserve 80 > $out/qwen27b_gpu_decode.log 2>&1 ;;
     bench35)
       timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 nvfp4 --no-long \
-        --deadline $(( $(left) - 20 )) --hf-reserve 60 > $OUT/qwen35b_gpu_decode.log 2>&1 ;;
+        --deadline $(( $(left) - 20 )) --hf-reserve 60 > $out/qwen35b_gpu_decode.log 2>&1 ;;
     decode27)  # decode only, NVFP4 and bf16, no transformers: the quick check of a GEMV change
       timeout 300 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights nvfp4 bf16 --decode-only \
-        --concurrency 1 2 3 4 8 --skip-transformers > $OUT/qwen27b_decode.log 2>&1 ;;
+        --concurrency 1 2 3 4 8 --skip-transformers > $out/qwen27b_decode.log 2>&1 ;;
     profile)
-      timeout 200 python3 bench/gpu_kernels.py --only profile > $OUT/profile_27b.jsonl 2>&1 ;;
+      timeout 200 python3 bench/gpu_kernels.py --only profile > $out/profile_27b.jsonl 2>&1 ;;
     profile_nvfp4)  # the 27B decode + prefill profile with NVFP4 weights
-      timeout 240 python3 bench/gpu_kernels.py --only profile --weights nvfp4 > $OUT/profile_27b_nvfp4.jsonl 2>&1 ;;
+      timeout 240 python3 bench/gpu_kernels.py --only profile --weights nvfp4 > $out/profile_27b_nvfp4.jsonl 2>&1 ;;
     profile35)
-      timeout 200 python3 bench/gpu_kernels.py --only profile --shape qwen3.6-35b-a3b > $OUT/profile_35b.jsonl 2>&1 ;;
+      timeout 200 python3 bench/gpu_kernels.py --only profile --shape qwen3.6-35b-a3b > $out/profile_35b.jsonl 2>&1 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "=== $stage rc=$? at $(( $(date +%s) - t0 )) s"

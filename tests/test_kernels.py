@@ -206,3 +206,32 @@ def test_decode_step_has_no_host_sync(cuda_graphs):
     result = selfcheck.runner_sync_check(model, "cuda", torch.bfloat16, cuda_graphs=cuda_graphs)
     assert result["host_sync_in_decode_step"] == "none", result
     assert (result["sampler_replays"] > 0) == cuda_graphs, result  # its sampled rows replay the sampler graph
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("name,nvfp4", [("tiny-qwen3.6", False), ("tiny-qwen3.6", True), ("tiny-qwen3.6-moe", False)])
+def test_programmatic_dependent_launch_changes_no_output(name, nvfp4, monkeypatch):
+    """PDL (ninfer.kernels.pdl) lets each kernel start before the one ahead of it finishes; every
+    kernel waits for its inputs, so the engine's greedy outputs (CUDA graphs, eight streams) are the
+    same with it off (NINFER_PDL=0)."""
+    from ninfer.kernels.pdl import pdl_enabled
+
+    if not backend.triton_available() or not pdl_enabled(torch.device("cuda")):
+        pytest.skip("PDL needs the Triton backend and compute capability >= 9")
+    from ninfer.artifact.presets import instantiate
+    from ninfer.models import prepare_for_inference_
+    from ninfer.quant.nvfp4 import quantize_model_
+
+    model = instantiate(name, "cuda", torch.bfloat16, seed=0, fuse=not nvfp4)
+    if nvfp4:
+        quantize_model_(model)
+        prepare_for_inference_(model)
+    tok = _tokenizer()
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("NINFER_PDL", flag)
+        runs[flag] = selfcheck.engine_greedy(model, tok, "cuda", torch.bfloat16, no_cuda_graph=False, concurrency=8,
+                                             prompts=PROMPTS, max_tokens=24)
+        assert runs[flag]["graph_replays"] > 0, runs[flag]
+    assert runs["1"]["outputs"] == runs["0"]["outputs"]

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enter, pdl_launch
 from ninfer.kernels.triton_compat import fix_interpreter
 
 fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
@@ -63,8 +64,9 @@ def _decode_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, STORE_LSE: tl.constexpr, IEEE: tl.constexpr,
-    KV_QUANT: tl.constexpr,
+    KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -126,8 +128,9 @@ def _combine_kernel(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -156,7 +159,9 @@ def _prefill_kernel(
     stride_pb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, IEEE: tl.constexpr, KV_QUANT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     qb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
@@ -267,7 +272,8 @@ def paged_decode(
         # 3-stage tiles: fp8 81 us, int8 85 us at 128/4/3 (106-130 us at 32/8/2).
         block_n, num_warps, num_stages = (128, 4, 3) if kv_quant else (64, 4, 2)
     common = dict(GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-                  PAGE_SIZE=page_size, IEEE=ieee, KV_QUANT=kv_quant, num_warps=num_warps, num_stages=num_stages)
+                  PAGE_SIZE=page_size, IEEE=ieee, KV_QUANT=kv_quant, num_warps=num_warps, num_stages=num_stages,
+                  **pdl_launch(q.device))
     if num_splits == 1:
         _decode_kernel[(batch, hkv, 1)](
             q, k_cache, v_cache, ks, vs, page_table, seq_lens, out, out, scale * LOG2E, 1,
@@ -286,7 +292,7 @@ def paged_decode(
     _combine_kernel[(batch, hq)](
         part, lse, out, num_splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4, **pdl_launch(q.device),
     )
     return out
 
@@ -326,6 +332,7 @@ def paged_prefill(
         *scale_strides, out.stride(0), out.stride(1), page_table.stride(0),
         GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, IEEE=ieee, KV_QUANT=kv_quant, num_warps=num_warps, num_stages=2,
+        **pdl_launch(q.device),
     )
     return out
 
@@ -387,7 +394,9 @@ def _write_kv_quant_kernel(
     stride_kss, stride_ksh, stride_vss, stride_vsh,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     QMAX: tl.constexpr, INV_QMAX: tl.constexpr, IS_FP8: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -425,5 +434,5 @@ def write_kv_quantized(
         k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
         HEADS=hkv, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=block_d,
         QMAX=qmax, INV_QMAX=fp32_reciprocal(qmax), IS_FP8=is_fp8, EMULATE_RNE=k.device.type != "cuda",
-        num_warps=4 if hkv * block_d >= 1024 else 1,
+        num_warps=4 if hkv * block_d >= 1024 else 1, **pdl_launch(k.device),
     )

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enter, pdl_launch
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """[..., N] -> [rows, N] without a copy when possible (last dim contiguous)."""
@@ -43,8 +45,9 @@ def _norm_warps(block: int) -> int:
 @triton.jit
 def _fused_rmsnorm_kernel(
     X, H, W, RES, Y, N, stride_x, stride_h, stride_r, stride_y, eps,
-    HAS_ADD: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_ADD: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -84,6 +87,7 @@ def _rmsnorm_launch(x, h, weight, eps, zero_centered):
         _fused_rmsnorm_kernel[(rows,)](
             x2, h2, weight, res, y, n, x2.stride(0), h2.stride(0), res.stride(0), y.stride(0), eps,
             HAS_ADD=h is not None, ZERO_CENTERED=zero_centered, BLOCK=block, num_warps=_norm_warps(block),
+            **pdl_launch(x.device),
         )
     return y.view(shape), (res.view(shape) if h is not None else None)
 
@@ -103,8 +107,9 @@ def add_rms_norm(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, 
 @triton.jit
 def _fused_gated_rmsnorm_kernel(
     X, Z, W, Y, HEADS, stride_xt, stride_xh, stride_zt, stride_zh, stride_yt, stride_yh, eps,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_WX: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_WX: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0).to(tl.int64)
     t = pid // HEADS
     hd = pid % HEADS
@@ -140,6 +145,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         _fused_gated_rmsnorm_kernel[(tokens * heads,)](
             x3, z3, weight, y, heads, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), y.stride(0),
             y.stride(1), eps, D=d, BLOCK_D=block, ROUND_WX=round_wx, num_warps=max(1, min(8, block // 256)),
+            **pdl_launch(x.device),
         )
     return y.view(shape)
 
@@ -150,8 +156,9 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 @triton.jit
 def _fused_gdn_gates_kernel(
     B, A, ALOG, DTB, BETA, G, HV, stride_bt, stride_at, stride_betat, stride_gt,
-    THRESHOLD: tl.constexpr, BLOCK_H: tl.constexpr,
+    THRESHOLD: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     mask = h < HV
@@ -182,6 +189,7 @@ def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: to
         _fused_gdn_gates_kernel[(tokens,)](
             b2, a2, a_log, dt_bias, beta, g, hv, b2.stride(0), a2.stride(0), beta.stride(0), g.stride(0),
             THRESHOLD=SOFTPLUS_THRESHOLD, BLOCK_H=max(16, triton.next_power_of_2(hv)), num_warps=1,
+            **pdl_launch(b.device),
         )
     return beta, g
 
@@ -209,8 +217,9 @@ def _fused_rope_qk_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
     stride_ot, stride_oh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_kot, stride_koh, eps,
     HQ: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
-    WRITE_CACHE: tl.constexpr,
+    WRITE_CACHE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -285,7 +294,7 @@ def rope_qk_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         k_out.stride(0), k_out.stride(1), eps,
         HQ=hq, D=d, R=rdim, BLOCK_D=block, HAS_NORM=has_norm, WRITE_CACHE=direct,
-        num_warps=max(1, min(4, block // 64)),
+        num_warps=max(1, min(4, block // 64)), **pdl_launch(q.device),
     )
     if not direct:
         from ninfer.kernels.attention import write_kv
@@ -300,8 +309,9 @@ def rope_qk_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight
 @triton.jit
 def _fused_sigmoid_mul_kernel(
     X, G, Y, stride_xt, stride_xh, stride_gt, stride_gh, stride_yt, stride_yh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -321,13 +331,15 @@ def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         block = triton.next_power_of_2(d)
         _fused_sigmoid_mul_kernel[(tokens, heads)](
             x, gate, y, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), y.stride(0), y.stride(1),
-            D=d, BLOCK_D=block, num_warps=max(1, min(4, block // 128)),
+            D=d, BLOCK_D=block, num_warps=max(1, min(4, block // 128)), **pdl_launch(x.device),
         )
     return y.view(tokens, heads * d)
 
 
 @triton.jit
-def _fused_silu_mul_kernel(G, U, Y, N, stride_gt, stride_ut, stride_yt, BLOCK: tl.constexpr):
+def _fused_silu_mul_kernel(G, U, Y, N, stride_gt, stride_ut, stride_yt, BLOCK: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < N
@@ -348,5 +360,6 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(n))
         _fused_silu_mul_kernel[(rows, triton.cdiv(n, block))](
             g2, u2, y, n, g2.stride(0), u2.stride(0), y.stride(0), BLOCK=block, num_warps=4 if block >= 512 else 1,
+            **pdl_launch(gate.device),
         )
     return y.view(shape)

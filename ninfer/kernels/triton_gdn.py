@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enter, pdl_launch
 from ninfer.kernels.triton_compat import fix_interpreter
 
 fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
@@ -35,7 +36,9 @@ def _conv_update_kernel(
     stride_xn, stride_yn, stride_wc,
     stride_sin_s, stride_sin_c, stride_sout_s, stride_sout_c,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, USE_INIT_MASK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     n = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
@@ -67,8 +70,9 @@ def _conv_varlen_kernel(
     X, W, INIT, Y, SEQ_IDX, POS,
     T, C,
     stride_xt, stride_yt, stride_wc, stride_in, stride_ic,
-    WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     tmask = t < T
@@ -100,7 +104,9 @@ def _recurrent_kernel(
     stride_hin_s, stride_hout_s,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, USE_INIT_MASK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     n = pid // HV
@@ -168,7 +174,7 @@ def conv1d_update(
         channels, x.stride(0), y.stride(0), weight.stride(0),
         state_in.stride(0), state_in.stride(1), state_out.stride(0), state_out.stride(1),
         WIDTH=width, BLOCK_W=max(2, triton.next_power_of_2(width + 1)), BLOCK_C=block_c,
-        USE_INIT_MASK=has_initial_state is not None, num_warps=4,
+        USE_INIT_MASK=has_initial_state is not None, num_warps=4, **pdl_launch(x.device),
     )
     return y
 
@@ -190,7 +196,7 @@ def conv1d_varlen(
     _conv_varlen_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
         x, weight, initial_state, y, seq_idx, pos_in_seq, tokens, channels,
         x.stride(0), y.stride(0), weight.stride(0), initial_state.stride(0), initial_state.stride(1),
-        WIDTH=width, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
+        WIDTH=width, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4, **pdl_launch(x.device),
     )
     return y
 
@@ -224,6 +230,6 @@ def recurrent_gated_delta_rule(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state_in.stride(0), state_out.stride(0),
         HK=hk, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, L2NORM=use_qk_l2norm,
-        USE_INIT_MASK=has_initial_state is not None, num_warps=num_warps,
+        USE_INIT_MASK=has_initial_state is not None, num_warps=num_warps, **pdl_launch(q.device),
     )
     return o

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enter, pdl_launch
 from ninfer.kernels.triton_compat import fix_interpreter
 
 fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
@@ -59,9 +60,11 @@ def _gemv_kernel(
     X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One (BLOCK_N rows of W, K piece) per program. Y: the output (no split) or the fp32 partials
     [SPLIT_K, M, N] (stride_ys between splits; bias then added by the reduction)."""
+    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,8 +113,9 @@ def _gemv_kernel(
 
 @triton.jit
 def _splitk_reduce_kernel(P, B, Y, M, N, stride_ym, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Y[m, n] = sum_s P[s, m, n] (+ b[n]), the splits summed in order 0..SPLIT_K-1."""
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -269,7 +273,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     b = bias if has_bias else weight  # unused pointer
     grid = (triton.cdiv(n, cfg.block_n), split)
     common = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k, USE_DOT=cfg.dot,
-                  IEEE=x.dtype == torch.float32, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+                  IEEE=x.dtype == torch.float32, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+                  **pdl_launch(x.device))
     if split == 1:
         _gemv_kernel[grid](x2, weight, b, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), 0,
                            k_per_split, HAS_BIAS=has_bias, **common)
@@ -279,5 +284,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                            k_per_split, HAS_BIAS=False, **common)
         block = min(1024, triton.next_power_of_2(n))
         _splitk_reduce_kernel[(triton.cdiv(n, block), m)](part, b, y, m, n, y.stride(0), SPLIT_K=split,
-                                                          HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
+                                                          HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+                                                          **pdl_launch(x.device))
     return y.reshape(*x.shape[:-1], n)

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enter, pdl_launch
+
 MAX_TOKENS = 16  # Experts.forward takes this path for T <= MAX_TOKENS on CUDA; prefill keeps grouped GEMMs
 
 
@@ -40,7 +42,8 @@ MAX_TOKENS = 16  # Experts.forward takes this path for T <= MAX_TOKENS on CUDA; 
 
 @triton.jit
 def _route_kernel(LOGITS, IDS, WTS, E, stride_lt, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     mask = cols < E
@@ -77,6 +80,7 @@ def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.T
         _route_kernel[(tokens,)](
             logits, ids, wts, experts, logits.stride(0), TOP_K=top_k, BLOCK_E=block_e,
             BLOCK_K=triton.next_power_of_2(top_k), num_warps=max(1, min(8, block_e // 256)),
+            **pdl_launch(logits.device),
         )
     return wts, ids
 
@@ -88,7 +92,9 @@ def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.T
 def _gate_up_act_kernel(
     X, IDS, W1, ACT, stride_xt, stride_we, stride_wn,
     HID: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     token = pair // TOP_K
@@ -122,7 +128,9 @@ def _gate_up_act_kernel(
 def _down_sum_kernel(
     ACT, IDS, WTS, W2, OUT, stride_we, stride_wh, stride_ot,
     HID: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = rows < HID
@@ -179,11 +187,11 @@ def fused_experts(x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Ten
     _gate_up_act_kernel[(tokens * top_k, triton.cdiv(intermediate, cfg["block_n"]))](
         x, ids, gate_up_proj, act, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
         HID=hidden, INTER=intermediate, TOP_K=top_k, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        num_warps=cfg["warps_up"],
+        num_warps=cfg["warps_up"], **pdl_launch(x.device),
     )
     _down_sum_kernel[(tokens, triton.cdiv(hidden, cfg["block_h"]))](
         act, ids, wts, down_proj, out, down_proj.stride(0), down_proj.stride(1), out.stride(0),
         HID=hidden, INTER=intermediate, TOP_K=top_k, BLOCK_H=cfg["block_h"], BLOCK_I=cfg["block_i"],
-        num_warps=cfg["warps_down"],
+        num_warps=cfg["warps_down"], **pdl_launch(x.device),
     )
     return out

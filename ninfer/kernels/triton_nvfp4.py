@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enter, pdl_launch, pdl_release, pdl_wait
 from ninfer.kernels.triton_compat import fix_interpreter, interpreting
 
 fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
@@ -207,9 +208,11 @@ def _gemv_dot_kernel(
     M, N, KW,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Tensor-core variant: the decoded, scaled tile [BLOCK_N, 8*BLOCK_W] (exact in x.dtype) @
     x^T [8*BLOCK_W, BLOCK_M]."""
+    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -433,14 +436,15 @@ def _hfma_step(accs, ws, xs, X_ROWS: tl.constexpr):
 
 @triton.jit
 def _rows_dot(X32, stride_x32, wps, sps, KW: tl.constexpr, BLOCK_W: tl.constexpr, X_ROWS: tl.constexpr,
-              XR: tl.constexpr):
+              XR: tl.constexpr, USE_PDL: tl.constexpr):
     """The packed-fp16 dot of every weight row (pointers wps to its KW words, sps to its KW / 2 scale
     bytes) with X_ROWS rows of x (X32: bf16 pairs as int32, rows stride_x32 apart): a tuple of
     [XR] fp32 sums, each to be multiplied by 2^120 * 2^14 * the row's row scale. Per step BLOCK_W
     words (BLOCK_W / 2 scale blocks, one per thread and row); each block decoded once for all rows
     of x; the next step's loads issued before this step's math (two steps in flight per thread).
     KW is a compile-time constant, so every row's address is a constant offset from one pointer;
-    EVEN_K (BLOCK_W divides KW): no masks."""
+    EVEN_K (BLOCK_W divides KW): no masks. Under PDL the first step's weights are loaded while the
+    kernel before still runs (weights are constants); x only after pdl_wait."""
     BB: tl.constexpr = BLOCK_W // 2
     KB: tl.constexpr = KW // 2
     EVEN_K: tl.constexpr = KW % BLOCK_W == 0
@@ -448,8 +452,9 @@ def _rows_dot(X32, stride_x32, wps, sps, KW: tl.constexpr, BLOCK_W: tl.constexpr
     accs = ()
     for _i in tl.static_range(len(wps)):
         accs = accs + (tl.zeros([BB, XR], dtype=tl.float32),)
-    xs = _x_blocks(X32, blocks, KB, stride_x32, EVEN_K, X_ROWS)
     ws = _w_blocks(wps, sps, blocks, KB, EVEN_K)
+    pdl_wait(USE_PDL)
+    xs = _x_blocks(X32, blocks, KB, stride_x32, EVEN_K, X_ROWS)
     for t in tl.range(BB, KB, BB, loop_unroll_factor=HFMA_UNROLL):  # prefetch step t, compute step t - 1
         xs_next = _x_blocks(X32, t + blocks, KB, stride_x32, EVEN_K, X_ROWS)
         ws_next = _w_blocks(wps, sps, t + blocks, KB, EVEN_K)
@@ -468,11 +473,13 @@ def _gemv_hfma_kernel(
     X32, W, S, RS, Y,
     N, stride_x32, stride_ym,
     KW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_N: tl.constexpr, X_ROWS: tl.constexpr,
-    XR: tl.constexpr,
+    XR: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """One program per BLOCK_N weight rows and all of K (_rows_dot), for X_ROWS (1..4; XR = X_ROWS
     rounded up to a power of two) rows of x. W, S: contiguous rows of KW words and KW / 2 scale
-    bytes. EVEN_N: BLOCK_N divides N (no clamping of the last program's rows)."""
+    bytes. EVEN_N: BLOCK_N divides N (no clamping of the last program's rows). USE_PDL: see
+    ninfer.kernels.pdl (the next kernel may launch at once; this one waits inside _rows_dot)."""
+    pdl_release(USE_PDL)
     n0 = tl.program_id(0) * BLOCK_N
     wps = ()
     sps = ()
@@ -482,7 +489,7 @@ def _gemv_hfma_kernel(
             n = tl.minimum(n, N - 1)  # rows past N read the last row; they are not stored
         wps = wps + (W + n.to(tl.int64) * KW,)
         sps = sps + (S + n.to(tl.int64) * (KW // 2),)
-    sums = _rows_dot(X32, stride_x32, wps, sps, KW, BLOCK_W, X_ROWS, XR)
+    sums = _rows_dot(X32, stride_x32, wps, sps, KW, BLOCK_W, X_ROWS, XR, USE_PDL)
     m = tl.arange(0, XR)
     for i in tl.static_range(BLOCK_N):
         n = n0 + i
@@ -550,7 +557,8 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
             tiles = {key: v for key, v in tiles.items() if key not in ("kind", "BLOCK_M")}
             _gemv_hfma_kernel[(triton.cdiv(n, tiles["BLOCK_N"]),)](
                 x32[r0:], words, sbytes, row_scale, y[r0:], n, x32.stride(0), y.stride(0),
-                KW=k // 8, EVEN_N=n % tiles["BLOCK_N"] == 0, X_ROWS=rows, XR=triton.next_power_of_2(rows), **tiles)
+                KW=k // 8, EVEN_N=n % tiles["BLOCK_N"] == 0, X_ROWS=rows, XR=triton.next_power_of_2(rows),
+                **tiles, **pdl_launch(x.device))
         return y
     if kind == "fma":
         if m != 1 or cfg["BLOCK_N"] not in (4, 8):
@@ -560,7 +568,7 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
     else:
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        _gemv_dot_kernel[grid](*args, DOT_PRECISION=precision, **cfg)
+        _gemv_dot_kernel[grid](*args, DOT_PRECISION=precision, **cfg, **pdl_launch(x.device))
     return y
 
 

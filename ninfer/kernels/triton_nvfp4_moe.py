@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enter, pdl_launch
 from ninfer.kernels.triton_nvfp4 import _F16_UNSCALE, _SCALE_UP, _rows_dot
 
 
@@ -39,7 +40,9 @@ def _row_ptrs(W, S, first, COUNT: tl.constexpr, KW: tl.constexpr):
 def _gate_up_kernel(
     X32, IDS, W, S, RS, ACT, stride_x32,
     HID_W: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BLOCK_N
     expert = tl.load(IDS + pair).to(tl.int64)
@@ -48,7 +51,7 @@ def _gate_up_kernel(
     up_w, up_s = _row_ptrs(W, S, first + INTER, BLOCK_N, HID_W)
     wps = gate_w + up_w
     sps = gate_s + up_s
-    sums = _rows_dot(X32 + (pair // TOP_K) * stride_x32, 0, wps, sps, HID_W, BLOCK_W, 1, 1)
+    sums = _rows_dot(X32 + (pair // TOP_K) * stride_x32, 0, wps, sps, HID_W, BLOCK_W, 1, 1, False)
     dt = ACT.dtype.element_ty
     one = tl.arange(0, 1)
     for i in tl.static_range(BLOCK_N):
@@ -64,7 +67,9 @@ def _gate_up_kernel(
 def _down_kernel(
     ACT32, IDS, WTS, W, S, RS, OUT, stride_ot,
     INTER_W: tl.constexpr, HID: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BLOCK_N
     dt = OUT.dtype.element_ty
@@ -77,7 +82,7 @@ def _down_kernel(
         weight = tl.load(WTS + pair).to(tl.float32)
         first = expert * HID + h0
         wps, sps = _row_ptrs(W, S, first, BLOCK_N, INTER_W)
-        sums = _rows_dot(ACT32 + pair * (INTER_W * 4), 0, wps, sps, INTER_W, BLOCK_W, 1, 1)
+        sums = _rows_dot(ACT32 + pair * (INTER_W * 4), 0, wps, sps, INTER_W, BLOCK_W, 1, 1, False)
         new = ()
         for i in tl.static_range(BLOCK_N):
             rs = tl.load(RS + first + i) * _F16_UNSCALE
@@ -119,11 +124,12 @@ def fused_experts_nvfp4(x: torch.Tensor, top_ids: torch.Tensor, top_weights: tor
     block_up = _rows_per_program(inter, 4)
     _gate_up_kernel[(tokens * top_k, inter // block_up)](
         x32, ids, g_packed.view(torch.int32), g_scale.view(torch.uint8), g_rs, act, x32.stride(0),
-        HID_W=hidden // 8, INTER=inter, TOP_K=top_k, BLOCK_N=block_up, BLOCK_W=64, num_warps=1,
+        HID_W=hidden // 8, INTER=inter, TOP_K=top_k, BLOCK_N=block_up, BLOCK_W=64, num_warps=1, **pdl_launch(x.device),
     )
     block_down = _rows_per_program(hidden, 4)
     _down_kernel[(tokens, hidden // block_down)](
         act.view(torch.int32), ids, wts, d_packed.view(torch.int32), d_scale.view(torch.uint8), d_rs, out,
-        out.stride(0), INTER_W=inter // 8, HID=hidden, TOP_K=top_k, BLOCK_N=block_down, BLOCK_W=64, num_warps=1,
+        out.stride(0), INTER_W=inter // 8, HID=hidden, TOP_K=top_k, BLOCK_N=block_down, BLOCK_W=64,
+        num_warps=1, **pdl_launch(x.device),
     )
     return out

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.pdl import pdl_enter, pdl_launch
 from ninfer.kernels.triton_compat import fix_interpreter
 
 fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
@@ -51,8 +52,9 @@ def _unkey(keys):
 def _candidates_kernel(
     LOGITS, COUNTS, LANES, PRESENCE, FREQUENCY, KEYS,
     width, stride_logits, stride_counts,
-    NCHUNK: tl.constexpr, CHUNK_SIZE: tl.constexpr, NCAND: tl.constexpr,
+    NCHUNK: tl.constexpr, CHUNK_SIZE: tl.constexpr, NCAND: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     ids = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
@@ -80,8 +82,9 @@ def _hash32(x):
 @triton.jit
 def _choose_kernel(
     KEYS, TEMPERATURE, TOP_P, TOP_K, MIN_P, SEED, STEP, OUT,
-    NKEYS: tl.constexpr, NKEYS_P2: tl.constexpr, NCAND: tl.constexpr,
+    NKEYS: tl.constexpr, NKEYS_P2: tl.constexpr, NCAND: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, NKEYS_P2)
     keys = tl.load(KEYS + row * NKEYS + offs, mask=offs < NKEYS, other=_NO_KEY)
@@ -126,10 +129,11 @@ def fused_sample(logits: torch.Tensor, batch, counts: torch.Tensor, lanes: torch
     _candidates_kernel[(rows, nchunk)](
         logits, counts, lanes, batch.presence_penalty, batch.frequency_penalty, keys,
         width, logits.stride(0), counts.stride(0),
-        NCHUNK=nchunk, CHUNK_SIZE=chunk, NCAND=CAND, num_warps=8)
+        NCHUNK=nchunk, CHUNK_SIZE=chunk, NCAND=CAND, num_warps=8, **pdl_launch(logits.device))
     _choose_kernel[(rows,)](
         keys, batch.temperature, batch.top_p, batch.top_k, batch.min_p, batch.seed, batch.step, out,
-        NKEYS=nchunk * CAND, NKEYS_P2=triton.next_power_of_2(nchunk * CAND), NCAND=CAND, num_warps=4)
+        NKEYS=nchunk * CAND, NKEYS_P2=triton.next_power_of_2(nchunk * CAND), NCAND=CAND, num_warps=4,
+        **pdl_launch(logits.device))
     return out
 
 
