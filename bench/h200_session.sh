@@ -6,7 +6,7 @@
 #   bash bench/h200_session.sh bench27 bench35 # call 2 (~8 min): the issue-10 figures, ninfer beside transformers
 #   bash bench/h200_session.sh profile         # decode + chunked-prefill profile of the 27B shape (profile35: 35B-A3B,
 #                                              # profile_nvfp4: 27B with NVFP4 weights)
-# Single stages: fused gemv nvfp4 kv moe pytest_pdl (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
+# Single stages: fused gemv nvfp4 kv moe pytest_pdl prefetch decode27_nvfp4 (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
 # (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), pytest_nvfp4, pytest_graphs (the CUDA-graph tests),
 # sampled35 (35B-A3B bf16 decode, greedy and sampled), sampled35_torch (the same with the torch sampler),
 # engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the suffix _nopdl runs
@@ -70,6 +70,12 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     bench35)
       timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 nvfp4 --no-long \
         --deadline $(( $(left) - 20 )) --hf-reserve 60 > $out/qwen35b_gpu_decode.log 2>&1 ;;
+    prefetch)  # the NVFP4 GEMV tiles with L2 prefetch distances 0 / 2 / 4 (M = 1, 2; 27B shapes)
+      timeout $(( $(left) - 10 )) python3 -m ninfer.kernels.selfcheck_nvfp4 --sweep-prefetch --out $out/nvfp4_prefetch.json \
+        > $out/nvfp4_prefetch.log 2>&1 ;;
+    decode27_nvfp4)  # 27B NVFP4 decode only (NINFER_NVFP4_PREFETCH from the caller's environment, if set)
+      timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-27b --weights nvfp4 --decode-only \
+        --concurrency 1 2 4 8 --skip-transformers > $out/qwen27b_nvfp4_decode.log 2>&1 ;;
     decode27)  # decode only, NVFP4 and bf16, no transformers: the quick check of a GEMV change
       timeout 300 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights nvfp4 bf16 --decode-only \
         --concurrency 1 2 3 4 8 --skip-transformers > $out/qwen27b_decode.log 2>&1 ;;

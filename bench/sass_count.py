@@ -66,9 +66,10 @@ def nvfp4(kind: str, block_n: int, block_w: int, num_warps: int, x_rows: int = 1
     if kind == "hfma":
         sig = {"X32": "*i32", "W": "*i32", "S": "*u8", "RS": "*fp32", "Y": "*bf16", "N": "i32", "stride_x32": "i32",
                "stride_ym": "i32", "KW": "constexpr", "BLOCK_N": "constexpr", "BLOCK_W": "constexpr",
-               "EVEN_N": "constexpr", "X_ROWS": "constexpr", "XR": "constexpr"}
+               "EVEN_N": "constexpr", "X_ROWS": "constexpr", "XR": "constexpr", "USE_PDL": "constexpr",
+               "PREFETCH": "constexpr"}
         const = {"KW": 768, "BLOCK_N": block_n, "BLOCK_W": block_w, "EVEN_N": True, "X_ROWS": x_rows,
-                 "XR": 1 << (x_rows - 1).bit_length()}  # KW: K = 6144 (27B o_proj), whole steps for every tile
+                 "XR": 1 << (x_rows - 1).bit_length(), "USE_PDL": False, "PREFETCH": 0}  # KW: K = 6144 (27B o_proj), whole steps for every tile
         out = loop_profile(t._gemv_hfma_kernel, sig, const, num_warps)
     else:
         sig = {"X": "*bf16", **common, "M": "i32", "stride_xm": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr"}

@@ -160,6 +160,11 @@ RAGGED = {"ragged": (200, 5184)}
 
 
 
+# L2 prefetch distances (steps ahead) on the tiles the config table uses, at the decode batch sizes
+PREFETCH_CONFIGS = [dict(kind="hfma", BLOCK_N=bn, BLOCK_W=64 * w, num_warps=w, PREFETCH=p)
+                    for bn, w in ((8, 2), (4, 2), (8, 4)) for p in (0, 2, 4)]
+
+
 def default_sweep(m: int) -> list[dict]:
     """Candidate configs: for M = 1 the packed-fp16 GEMV and the fp32-decode one, for M <= HFMA_MAX_M
     the packed-fp16 GEMV and the tensor-core kernel, above the tensor-core kernel."""
@@ -180,13 +185,14 @@ def sweep_gemv_configs(device="cuda", *, shapes: dict | None = None, ms=(1, 2, 4
                        iters: int = 20) -> list[dict]:
     """GB/s of each candidate launch config per shape and M (for choosing triton_nvfp4._gemv_config).
     Candidates are the union of default_sweep(m); each runs at every M it applies to."""
+    explicit = configs is not None
     if configs is None:
         configs = []
         for m in ms:
             configs += [c for c in default_sweep(m) if c not in configs]
     out = []
     for cfg in configs:
-        cms = tuple(m for m in ms if cfg in default_sweep(m))
+        cms = ms if explicit else tuple(m for m in ms if cfg in default_sweep(m))
         try:
             rows = time_nvfp4_gemv(device, shapes=shapes, ms=cms, iters=iters, config=cfg, with_bf16=False)
         except Exception as exc:  # a config the compiler refuses (registers, shared memory, PTX)
@@ -244,10 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time the candidate GEMV configs")
     parser.add_argument("--decode", action="store_true",
                         help="only the 27B batch-1 engine decode speed, NVFP4 then bf16 (needs ~60 GB)")
+    parser.add_argument("--sweep-prefetch", action="store_true",
+                        help="only time the GEMV tiles with L2 prefetch distances 0, 2, 4 at M = 1, 2")
     parser.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args(argv)
     result = {"device": torch.cuda.get_device_name()}
-    if args.decode:
+    if args.sweep_prefetch:
+        result["sweep_prefetch"] = sweep_gemv_configs("cuda", ms=(1, 2), configs=PREFETCH_CONFIGS)
+    elif args.decode:
         result["decode"] = [decode_tokens_per_s(weights="nvfp4"), decode_tokens_per_s(weights="bf16")]
     else:
         result.update(check_bf16=check_nvfp4("cuda", torch.bfloat16, shapes={**SHAPES_27B, **RAGGED}),

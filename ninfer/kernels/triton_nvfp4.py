@@ -43,6 +43,8 @@ the chosen kernel depend on timing noise.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -400,6 +402,27 @@ def _w_blocks(wps, sps, blocks, KB, EVEN_K: tl.constexpr):
     return ws
 
 
+# L2 prefetch of one address per element: no register is written (the dummy output is discarded),
+# so the fetch runs ahead of the loads that later hit it. Not under the interpreter (PREFETCH = 0).
+_PREFETCH_L2 = tl.constexpr("prefetch.global.L2 [$1]; mov.u32 $0, 0;")
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [ptrs.to(tl.int64, bitcast=True)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_blocks(wps, sps, blocks, KB: tl.constexpr):
+    """Start fetching every weight row's words and scale bytes at `blocks` into L2 (clamped to the
+    row: a prefetch past K re-reads the row's last line)."""
+    b = tl.minimum(blocks, KB - 1)
+    for i in tl.static_range(len(wps)):
+        _prefetch_l2(wps[i] + b * 2)
+        _prefetch_l2(sps[i] + b)
+
+
 @triton.jit
 def _block_dot(wa, wb, xs, X_ROWS: tl.constexpr):
     """Per block and row of x: sum over the block's 16 codes of code * 2^-14 * x, fp32 [BB, XR]
@@ -436,7 +459,7 @@ def _hfma_step(accs, ws, xs, X_ROWS: tl.constexpr):
 
 @triton.jit
 def _rows_dot(X32, stride_x32, wps, sps, KW: tl.constexpr, BLOCK_W: tl.constexpr, X_ROWS: tl.constexpr,
-              XR: tl.constexpr, USE_PDL: tl.constexpr):
+              XR: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = 0):
     """The packed-fp16 dot of every weight row (pointers wps to its KW words, sps to its KW / 2 scale
     bytes) with X_ROWS rows of x (X32: bf16 pairs as int32, rows stride_x32 apart): a tuple of
     [XR] fp32 sums, each to be multiplied by 2^120 * 2^14 * the row's row scale. Per step BLOCK_W
@@ -444,7 +467,10 @@ def _rows_dot(X32, stride_x32, wps, sps, KW: tl.constexpr, BLOCK_W: tl.constexpr
     of x; the next step's loads issued before this step's math (two steps in flight per thread).
     KW is a compile-time constant, so every row's address is a constant offset from one pointer;
     EVEN_K (BLOCK_W divides KW): no masks. Under PDL the first step's weights are loaded while the
-    kernel before still runs (weights are constants); x only after pdl_wait."""
+    kernel before still runs (weights are constants); x only after pdl_wait. PREFETCH > 0: the
+    weights PREFETCH steps ahead are prefetched into L2 (the first ones before pdl_wait), so more
+    bytes are in flight than two steps of registers hold: what a short kernel or a kernel's last,
+    thin wave of programs lacks."""
     BB: tl.constexpr = BLOCK_W // 2
     KB: tl.constexpr = KW // 2
     EVEN_K: tl.constexpr = KW % BLOCK_W == 0
@@ -453,9 +479,13 @@ def _rows_dot(X32, stride_x32, wps, sps, KW: tl.constexpr, BLOCK_W: tl.constexpr
     for _i in tl.static_range(len(wps)):
         accs = accs + (tl.zeros([BB, XR], dtype=tl.float32),)
     ws = _w_blocks(wps, sps, blocks, KB, EVEN_K)
+    for d in tl.static_range(1, PREFETCH + 1):
+        _prefetch_blocks(wps, sps, blocks + d * BB, KB)
     pdl_wait(USE_PDL)
     xs = _x_blocks(X32, blocks, KB, stride_x32, EVEN_K, X_ROWS)
     for t in tl.range(BB, KB, BB, loop_unroll_factor=HFMA_UNROLL):  # prefetch step t, compute step t - 1
+        if PREFETCH > 0:
+            _prefetch_blocks(wps, sps, t + PREFETCH * BB + blocks, KB)
         xs_next = _x_blocks(X32, t + blocks, KB, stride_x32, EVEN_K, X_ROWS)
         ws_next = _w_blocks(wps, sps, t + blocks, KB, EVEN_K)
         accs = _hfma_step(accs, ws, xs, X_ROWS)
@@ -473,7 +503,7 @@ def _gemv_hfma_kernel(
     X32, W, S, RS, Y,
     N, stride_x32, stride_ym,
     KW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_N: tl.constexpr, X_ROWS: tl.constexpr,
-    XR: tl.constexpr, USE_PDL: tl.constexpr = False,
+    XR: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     """One program per BLOCK_N weight rows and all of K (_rows_dot), for X_ROWS (1..4; XR = X_ROWS
     rounded up to a power of two) rows of x. W, S: contiguous rows of KW words and KW / 2 scale
@@ -489,7 +519,7 @@ def _gemv_hfma_kernel(
             n = tl.minimum(n, N - 1)  # rows past N read the last row; they are not stored
         wps = wps + (W + n.to(tl.int64) * KW,)
         sps = sps + (S + n.to(tl.int64) * (KW // 2),)
-    sums = _rows_dot(X32, stride_x32, wps, sps, KW, BLOCK_W, X_ROWS, XR, USE_PDL)
+    sums = _rows_dot(X32, stride_x32, wps, sps, KW, BLOCK_W, X_ROWS, XR, USE_PDL, PREFETCH)
     m = tl.arange(0, XR)
     for i in tl.static_range(BLOCK_N):
         n = n0 + i
@@ -514,10 +544,13 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
     fastest tiles (bench/results/2026-11-30-h200-s4)."""
     if m <= HFMA_MAX_M:  # the packed-fp16 GEMV; BLOCK_W words per step = two per thread and weight row
         if m == 1 and n < 8192:  # few rows (N = 5120): wide steps keep enough warps in flight
-            return dict(kind="hfma", BLOCK_N=8, BLOCK_W=256, num_warps=4)
-        if m == 2:
-            return dict(kind="hfma", BLOCK_N=4, BLOCK_W=128, num_warps=2)
-        return dict(kind="hfma", BLOCK_N=8, BLOCK_W=128, num_warps=2)
+            cfg = dict(kind="hfma", BLOCK_N=8, BLOCK_W=256, num_warps=4)
+        elif m == 2:
+            cfg = dict(kind="hfma", BLOCK_N=4, BLOCK_W=128, num_warps=2)
+        else:
+            cfg = dict(kind="hfma", BLOCK_N=8, BLOCK_W=128, num_warps=2)
+        prefetch = os.environ.get("NINFER_NVFP4_PREFETCH")  # a tuning knob for benchmarks: L2 prefetch distance
+        return cfg | ({"PREFETCH": int(prefetch)} if prefetch else {})
     return dict(kind="dot", BLOCK_M=16, BLOCK_N=64 if n >= 8192 else 32, BLOCK_W=16, num_warps=4)
 
 
@@ -555,6 +588,8 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
             # each pass takes its own row count's tiles: the same compiled variants as M = 1..4
             tiles = cfg if config is not None or m <= HFMA_ROWS_PER_PASS else _gemv_config(rows, n, k)
             tiles = {key: v for key, v in tiles.items() if key not in ("kind", "BLOCK_M")}
+            if interpreting():
+                tiles.pop("PREFETCH", None)  # no L2 to prefetch into; the emulator runs only the dot's PTX
             _gemv_hfma_kernel[(triton.cdiv(n, tiles["BLOCK_N"]),)](
                 x32[r0:], words, sbytes, row_scale, y[r0:], n, x32.stride(0), y.stride(0),
                 KW=k // 8, EVEN_N=n % tiles["BLOCK_N"] == 0, X_ROWS=rows, XR=triton.next_power_of_2(rows),
