@@ -51,7 +51,7 @@ def check_nvfp4(device, dtype, *, shapes: dict | None = None, ms=(1, 2, 3, 4, 5,
             diffs[f"{name}_m{m}"] = (got - ref).abs().max().item()
             absmax = max(absmax, ref.abs().max().item())
             if m == 1 and x.is_cuda:  # every packed-fp16 GEMV candidate
-                for cfg in HFMA_CONFIGS:
+                for cfg in HFMA_CONFIGS + PREFETCH_CONFIGS:
                     got = triton_nvfp4.nvfp4_gemv(x, *q, config=cfg).float()
                     diffs[f"{name}_m{m}_{_short(cfg)}"] = (got - ref).abs().max().item()
         del w

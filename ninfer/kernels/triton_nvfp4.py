@@ -539,16 +539,29 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
     return packed.view(torch.int32)
 
 
+def _hfma(block_n: int, num_warps: int, prefetch: int = 0) -> dict:
+    return dict(kind="hfma", BLOCK_N=block_n, BLOCK_W=64 * num_warps, num_warps=num_warps, PREFETCH=prefetch)
+
+
 def _gemv_config(m: int, n: int, k: int) -> dict:
-    """Launch parameters by shape only (CUDA-graph capturable; no autotuning): the H200 sweep's
-    fastest tiles (bench/results/2026-11-30-h200-s4)."""
+    """Launch parameters by shape only (CUDA-graph capturable; no autotuning): the H200 sweeps'
+    fastest tiles (bench/results/2026-11-30-h200-s4, and -s7 for the L2 prefetch distances at
+    M = 1, 2). Few rows (N < 8192, e.g. 5120) want wide steps or prefetch to keep bytes in flight;
+    prefetch pays only with long rows (K >= 4096), never at M >= 3."""
     if m <= HFMA_MAX_M:  # the packed-fp16 GEMV; BLOCK_W words per step = two per thread and weight row
-        if m == 1 and n < 8192:  # few rows (N = 5120): wide steps keep enough warps in flight
-            cfg = dict(kind="hfma", BLOCK_N=8, BLOCK_W=256, num_warps=4)
+        long_k = k >= 4096
+        if m == 1:
+            if n >= 8192:
+                cfg = _hfma(8, 2)
+            else:  # the MLP down projection (K = 17408): 21.2 us at (4, 2, 2) against 23.1 at (8, 4)
+                cfg = _hfma(4, 2, 2) if k > 8192 else _hfma(8, 4)
         elif m == 2:
-            cfg = dict(kind="hfma", BLOCK_N=4, BLOCK_W=128, num_warps=2)
+            if n >= 8192:
+                cfg = _hfma(8, 2, 2 if long_k else 0)
+            else:  # down 20.4 us at (8, 4) against 27.7 at (4, 2); out projection 9.3 at (4, 2, 2) against 11.8
+                cfg = _hfma(8, 4) if k > 8192 else _hfma(4, 2, 2 if long_k else 0)
         else:
-            cfg = dict(kind="hfma", BLOCK_N=8, BLOCK_W=128, num_warps=2)
+            cfg = _hfma(8, 2)
         prefetch = os.environ.get("NINFER_NVFP4_PREFETCH")  # a tuning knob for benchmarks: L2 prefetch distance
         return cfg | ({"PREFETCH": int(prefetch)} if prefetch else {})
     return dict(kind="dot", BLOCK_M=16, BLOCK_N=64 if n >= 8192 else 32, BLOCK_W=16, num_warps=4)
