@@ -6,7 +6,7 @@
 #   bash bench/h200_session.sh bench27 bench35 # call 2 (~8 min): the issue-10 figures, ninfer beside transformers
 #   bash bench/h200_session.sh profile         # decode + chunked-prefill profile of the 27B shape (profile35: 35B-A3B,
 #                                              # profile_nvfp4: 27B with NVFP4 weights)
-# Single stages: fused gemv nvfp4 kv moe pytest_pdl prefetch decode27_nvfp4 (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
+# Single stages: fused gemv nvfp4 kv moe pytest_pdl pytest_nvfp4_kernels prefetch decode27_nvfp4 (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
 # (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), pytest_nvfp4, pytest_graphs (the CUDA-graph tests),
 # sampled35 (35B-A3B bf16 decode, greedy and sampled), sampled35_torch (the same with the torch sampler),
 # engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the suffix _nopdl runs
@@ -50,6 +50,9 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     pytest_graphs)  # the CUDA-graph and sampler tests: graphs against eager, no host sync, fused sampler check
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_graphs.py \
         tests/test_kernels.py tests/test_triton_sampler.py -k "graph or sync or sampl or dependent" > $out/pytest_graphs.log 2>&1 ;;
+    pytest_nvfp4_kernels)  # the NVFP4 GEMV against its reference at every tile the table uses (prefetch ones included)
+      timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py -k kernels_on_cuda \
+        > $out/pytest_nvfp4_kernels.log 2>&1 ;;
     pytest_pdl)  # PDL against no PDL (engine greedy, CUDA graphs), then graphs against eager with PDL on
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_kernels.py \
         -k "dependent or identical" > $out/pytest_pdl.log 2>&1 ;;
@@ -73,9 +76,9 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     prefetch)  # the NVFP4 GEMV tiles with L2 prefetch distances 0 / 2 / 4 (M = 1, 2; 27B shapes)
       timeout $(( $(left) - 10 )) python3 -m ninfer.kernels.selfcheck_nvfp4 --sweep-prefetch --out $out/nvfp4_prefetch.json \
         > $out/nvfp4_prefetch.log 2>&1 ;;
-    decode27_nvfp4)  # 27B NVFP4 decode only (NINFER_NVFP4_PREFETCH from the caller's environment, if set)
+    decode27_nvfp4)  # 27B NVFP4 decode only; NINFER_NVFP4_PREFETCH and DECODE_ARGS (e.g. --nvfp4-lm-head) from the caller
       timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-27b --weights nvfp4 --decode-only \
-        --concurrency 1 2 4 8 --skip-transformers > $out/qwen27b_nvfp4_decode.log 2>&1 ;;
+        --concurrency 1 2 4 8 --skip-transformers ${DECODE_ARGS:-} > $out/qwen27b_nvfp4_decode.log 2>&1 ;;
     decode27)  # decode only, NVFP4 and bf16, no transformers: the quick check of a GEMV change
       timeout 300 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights nvfp4 bf16 --decode-only \
         --concurrency 1 2 3 4 8 --skip-transformers > $out/qwen27b_decode.log 2>&1 ;;
