@@ -373,12 +373,32 @@ def test_kernels_on_cuda_bf16():
         pytest.skip("triton is not importable")
     from ninfer.kernels import selfcheck_nvfp4
 
-    # long rows take the tiles with L2 prefetch (K > 8192 at M = 1, K >= 4096 at M = 2)
-    shapes = {"small": (384, 1040), "wide": (4096, 512), "long_k": (320, 8704), "mid_k": (256, 4352)}
+    shapes = {"small": (384, 1040), "wide": (4096, 512)}
     result = selfcheck_nvfp4.check_nvfp4("cuda", torch.bfloat16, shapes=shapes)
     for key, diff in result["max_abs_diff"].items():
         bound = 0.0 if key.endswith("dequant") else 1e-2 * result["ref_absmax"]
         assert diff <= bound, (key, diff, result["ref_absmax"])
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("n,k,m", [(320, 8704, 1), (256, 4352, 2), (320, 8704, 2)])
+def test_prefetch_tiles_on_cuda(n, k, m):
+    """The table's tiles for long rows (L2 prefetch at K > 8192 and M = 1, K >= 4096 and M = 2) and a
+    deeper prefetch than the table uses: prefetches only warm L2, so results equal the tiles without."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not importable")
+    from ninfer.kernels import triton_nvfp4
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
+    q = nvfp4.quantize_nvfp4(torch.randn(n, k, generator=gen, device="cuda") * 0.02)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    table = triton_nvfp4._gemv_config(m, n, k)
+    plain = triton_nvfp4.nvfp4_gemv(x, *q, config=table | {"PREFETCH": 0})
+    assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q), plain)
+    assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=table | {"PREFETCH": 4}), plain)
+    ref = x.float() @ nvfp4.dequantize_nvfp4(*q).T
+    assert (plain.float() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
 
 
 @pytest.mark.cuda
