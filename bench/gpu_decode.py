@@ -26,8 +26,9 @@ In order, in this one process:
    max_new_tokens; decode rate = extra tokens over the time beyond a 1-token generate), prefill
    tok/s at every prompt length (one forward with logits_to_keep=1). One model at a time: ninfer's
    is freed first.
-Weight formats (--weights): bf16 and NVFP4 (the random bf16 weights quantized on the device); the
-summary line puts each beside transformers and the rooflines, and checks the issue's goals.
+Weight formats (--weights): bf16 and NVFP4 (the random bf16 weights quantized on the device;
+--nvfp4-lm-head also quantizes the lm_head, which stays bf16 otherwise); the summary line puts each
+beside transformers and the rooflines, and checks the issue's goals.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def weight_stats(model: torch.nn.Module, cfg: dict) -> dict:
             routed += nbytes
             if not name.endswith("_scale"):
                 matmul_params += p.numel() * (2 if name.endswith("_packed") else 1) * top_k / experts
-        elif name.endswith("weight_packed"):
+        elif name.endswith("weight_packed") and "lm_head" not in name:  # the head: last token only, as in bf16
             matmul_params += 2 * p.numel()
         elif p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name and "conv1d" not in name \
                 and not name.endswith("weight_scale"):
@@ -172,7 +173,7 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
     if weights == "nvfp4":
         from ninfer.quant.nvfp4 import quantize_model_
 
-        quantize_model_(model)  # on the device, one linear at a time
+        quantize_model_(model, lm_head=args.nvfp4_lm_head)  # on the device, one linear at a time
         free_memory()
     prepare_for_inference_(model)
     sync(device)
@@ -191,7 +192,9 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
             "weight_floor_ms_b1": ws["decode_bytes_b1"] / bw * 1e3}
     R["roofline"] = roof
     R["weights"] = ws
-    emit(kind="ninfer_setup", shape=args.model, weights=weights, kv_dtype=args.kv_dtype, dtype=str(dtype).removeprefix("torch."), build_s=build_s,
+    lm_head = "nvfp4" if weights == "nvfp4" and args.nvfp4_lm_head else "bf16"
+    emit(kind="ninfer_setup", shape=args.model, weights=weights, lm_head=lm_head, kv_dtype=args.kv_dtype,
+         dtype=str(dtype).removeprefix("torch."), build_s=build_s,
          capture_s=capture_s, graph_status=runner.graph_status, sampler=runner.sampler_status,
          backends=backend.describe(device.type),
          weights_allocated_bytes=weights_alloc, prefill_chunk=chunk, **ws, **roof)
@@ -464,9 +467,9 @@ def summary(args, ceil) -> None:
         goals["nvfp4_b1_ge_3x_bf16"] = {"value": n4[1] / nd[1], "met": n4[1] / nd[1] >= 3}
     else:
         goals["nvfp4_b1_ge_3x_bf16"] = {"value": None, "met": False, "reason": "bf16 and nvfp4 not both measured"}
-    emit(kind="summary", shape=args.model, kv_dtype=args.kv_dtype, copy_gbps=ceil.get("copy_gbps"),
-         gemm_tflops=ceil.get("gemm_tflops"), formats=per_format, hf_peak_bytes=RESULTS.get("hf_peak_bytes"),
-         goals=goals, total_wall_s=elapsed())
+    emit(kind="summary", shape=args.model, kv_dtype=args.kv_dtype, nvfp4_lm_head=args.nvfp4_lm_head,
+         copy_gbps=ceil.get("copy_gbps"), gemm_tflops=ceil.get("gemm_tflops"), formats=per_format,
+         hf_peak_bytes=RESULTS.get("hf_peak_bytes"), goals=goals, total_wall_s=elapsed())
 
 
 def main() -> None:
@@ -481,6 +484,9 @@ def main() -> None:
     ap.add_argument("--no-long", action="store_true", help="skip the 32k prompt")
     ap.add_argument("--weights", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"],
                     help="ninfer weight formats to run, in order (NVFP4: the random weights quantized on the device)")
+    ap.add_argument("--nvfp4-lm-head", action="store_true",
+                    help="the nvfp4 format also quantizes the lm_head (bf16 otherwise); the env, ninfer_setup "
+                         "(lm_head) and summary lines record which head ran")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8], help="decode lanes to measure")
     ap.add_argument("--decode-only", action="store_true", help="skip ninfer's prefill/TTFT part (time budget)")
     ap.add_argument("--sampled", action="store_true",
@@ -490,6 +496,8 @@ def main() -> None:
     ap.add_argument("--long-formats", nargs="*", default=["bf16"],
                     help="weight formats that also run the 32k prompt (time budget)")
     args = ap.parse_args()
+    if args.nvfp4_lm_head and "nvfp4" not in args.weights:
+        ap.error("--nvfp4-lm-head needs nvfp4 in --weights")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
@@ -520,7 +528,7 @@ def main() -> None:
     emit(kind="env", device=torch.cuda.get_device_name() if device.type == "cuda" else (platform.processor() or "cpu"),
          torch=torch.__version__, triton=version("triton"), fla_core=version("fla-core"),
          transformers=version("transformers"), shape=args.model, requested_shape=args.shape, quick=args.quick,
-         command=" ".join(sys.argv))
+         nvfp4_lm_head=args.nvfp4_lm_head, command=" ".join(sys.argv))
     ceil = copy_bandwidth(device, copy_bytes, 5)
     ceil["gemm_tflops"] = gemm_tflops(device, gemm_n, dtype, 5)
     ceil["gemm_n"] = gemm_n

@@ -255,7 +255,8 @@ def copy_bandwidth() -> float:
 
 
 @guarded
-def profile_model(shape: str = "qwen3.6-27b", batches=(1, 8), prompt=128, weights: str = "bf16"):
+def profile_model(shape: str = "qwen3.6-27b", batches=(1, 8), prompt=128, weights: str = "bf16",
+                  nvfp4_lm_head: bool = False):
     from types import SimpleNamespace
 
     from ninfer.artifact.presets import instantiate
@@ -267,11 +268,11 @@ def profile_model(shape: str = "qwen3.6-27b", batches=(1, 8), prompt=128, weight
     if weights == "nvfp4":  # as bench/gpu_decode.py builds it: quantize, then merge the projections
         from ninfer.quant.nvfp4 import quantize_model_
 
-        quantize_model_(model)
+        quantize_model_(model, lm_head=nvfp4_lm_head)
         torch.cuda.empty_cache()
     prepare_for_inference_(model)
     tag = shape.removeprefix("qwen3.6-").replace("-", "_")  # "27b", "35b_a3b"
-    tag += "_nvfp4" if weights == "nvfp4" else ""
+    tag += ("_nvfp4" + ("_lm_head" if nvfp4_lm_head else "")) if weights == "nvfp4" else ""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gpu_decode import weight_stats  # NVFP4 weights are buffers, not parameters: counted there
 
@@ -435,7 +436,10 @@ def main():
     ap.add_argument("--shape", default="qwen3.6-27b", choices=["qwen3.6-27b", "qwen3.6-35b-a3b"],
                     help="the preset the profile part builds")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "nvfp4"], help="the profile part's weight format")
+    ap.add_argument("--nvfp4-lm-head", action="store_true", help="NVFP4 weights: the lm_head quantized too")
     args = ap.parse_args()
+    if args.nvfp4_lm_head and args.weights != "nvfp4":
+        ap.error("--nvfp4-lm-head needs --weights nvfp4")
     import importlib.metadata as md
 
     def version(pkg):
@@ -450,7 +454,7 @@ def main():
     for part in args.only:
         start = time.perf_counter()
         {"checks": checks, "timings": timings, "engine": engine_checks,
-         "profile": lambda: profile_model(args.shape, weights=args.weights)}[part]()
+         "profile": lambda: profile_model(args.shape, weights=args.weights, nvfp4_lm_head=args.nvfp4_lm_head)}[part]()
         emit(section=part, wall_s=time.perf_counter() - start)
     emit(total_wall_s=time.perf_counter() - t0)
 

@@ -5,12 +5,15 @@
 #   bash bench/h200_session.sh checks pytest   # call 1 (~5 min): every kernel vs its reference, the CUDA tests
 #   bash bench/h200_session.sh bench27 bench35 # call 2 (~8 min): the issue-10 figures, ninfer beside transformers
 #   bash bench/h200_session.sh profile         # decode + chunked-prefill profile of the 27B shape (profile35: 35B-A3B,
-#                                              # profile_nvfp4: 27B with NVFP4 weights)
-# Single stages: fused gemv nvfp4 kv moe pytest_pdl pytest_nvfp4_kernels prefetch decode27_nvfp4 (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
-# (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), pytest_nvfp4, pytest_graphs (the CUDA-graph tests),
-# sampled35 (35B-A3B bf16 decode, greedy and sampled), sampled35_torch (the same with the torch sampler),
-# engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the suffix _nopdl runs
-# with NINFER_PDL=0 (kernels launched without programmatic dependent launch), its files under $OUT/nopdl.
+#                                              # profile_nvfp4: 27B with NVFP4 weights,
+#                                              # profile_nvfp4_lm_head: its lm_head in NVFP4 too)
+# Single stages: fused gemv nvfp4 kv moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
+# (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), decode27_nvfp4 (NVFP4 only), pytest_nvfp4,
+# pytest_nvfp4_kernels, pytest_pdl, pytest_graphs (the CUDA-graph tests), prefetch (the NVFP4 GEMV's L2
+# prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and sampled), sampled35_torch (the same with the
+# torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
+# suffix _nopdl runs with NINFER_PDL=0 (kernels launched without programmatic dependent launch), its files
+# under $OUT/nopdl.
 # A stage past DEADLINE seconds (default 540) is skipped with a line saying so.
 set -u
 python3 -m pip install -q --no-index --no-deps --target .site .whl/fla_core-*.whl || exit 1
@@ -86,6 +89,9 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       timeout 200 python3 bench/gpu_kernels.py --only profile > $out/profile_27b.jsonl 2>&1 ;;
     profile_nvfp4)  # the 27B decode + prefill profile with NVFP4 weights
       timeout 240 python3 bench/gpu_kernels.py --only profile --weights nvfp4 > $out/profile_27b_nvfp4.jsonl 2>&1 ;;
+    profile_nvfp4_lm_head)  # the same with the lm_head in NVFP4 too
+      timeout 240 python3 bench/gpu_kernels.py --only profile --weights nvfp4 --nvfp4-lm-head \
+        > $out/profile_27b_nvfp4_lm_head.jsonl 2>&1 ;;
     profile35)
       timeout 200 python3 bench/gpu_kernels.py --only profile --shape qwen3.6-35b-a3b > $out/profile_35b.jsonl 2>&1 ;;
     *) echo "unknown stage $stage" ;;

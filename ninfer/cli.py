@@ -48,11 +48,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         from ninfer.artifact.convert_hf import convert_hf
 
         convert_hf(args.input, out, dtype=args.dtype, name=args.name, progress=not args.quiet,
-                   keep_template=args.keep_template, weights=args.weights)
+                   keep_template=args.keep_template, weights=args.weights, nvfp4_lm_head=args.nvfp4_lm_head)
     elif args.source == "synthetic":
         from ninfer.artifact.presets import write_preset
 
-        write_preset(args.preset, out, seed=args.seed, dtype=args.dtype, weights=args.weights)
+        write_preset(args.preset, out, seed=args.seed, dtype=args.dtype, weights=args.weights,
+                     nvfp4_lm_head=args.nvfp4_lm_head)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -94,10 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices = ["auto", "bf16", "nvfp4"] if checkpoint else ["bf16", "nvfp4"]
         p.add_argument("--weights", choices=choices, default=choices[0],
                        help="decoder linear weights: bf16 = unquantized (stored in --dtype), nvfp4 = quantized at "
-                            "conversion (E2M1 + E4M3 scale per 16 + fp32 scale; embeddings, lm_head, MoE router "
-                            "and experts stay in --dtype)" + (
+                            "conversion (E2M1 + E4M3 scale per 16 + fp32 scale; embeddings, lm_head unless "
+                            "--nvfp4-lm-head, the MoE router and shared-expert gate, GDN's in_proj_a/b stay in "
+                            "--dtype)" + (
                                 "; auto (default) keeps the checkpoint's: an NVFP4 checkpoint (ModelOpt or "
                                 "compressed-tensors) stays NVFP4, bf16 = dequantize it" if checkpoint else ""))
+        p.add_argument("--nvfp4-lm-head", action="store_true",
+                       help="with --weights nvfp4: also quantize the output projection (lm_head) to NVFP4: a "
+                            "smaller, faster decode step, but the logits carry the 4-bit error (ModelOpt "
+                            "checkpoints usually keep lm_head in bf16). A tied lm_head (the embedding table) "
+                            "stays in --dtype")
 
     g = csub.add_parser("gguf", help="GGUF file -> .ninfer, dequantized (the embedded default's path)")
     g.add_argument("input", help="path to a .gguf file (Llama architecture)")
@@ -135,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "nvfp4_lm_head", False) and args.weights != "nvfp4":
+        parser.error(f"convert {args.source}: --nvfp4-lm-head needs --weights nvfp4 (got --weights {args.weights})")
     commands = {"convert": _cmd_convert, "info": _cmd_info, "serve": _cmd_serve}
     try:
         return commands[args.command](args)

@@ -1,6 +1,7 @@
-"""The GPU benchmark's CPU dry run (`bench/gpu_decode.py --quick`): tiny shapes, both weight formats,
-greedy and sampled decode, so the script the device sessions depend on keeps running between them.
-Figures are not checked: speed is measured on the device, never asserted in tests."""
+"""The GPU benchmark's CPU dry run (`bench/gpu_decode.py --quick`): tiny shapes, both weight formats
+(and NVFP4 with its lm_head quantized), greedy and sampled decode, so the script the device sessions
+depend on keeps running between them. Figures are not checked: speed is measured on the device, never
+asserted in tests."""
 
 from __future__ import annotations
 
@@ -36,3 +37,18 @@ def test_gpu_engine_quick_reports_both_sampling_modes():
     decode = [r for r in records if r["kind"] == "engine_decode"]
     assert {(r["sampling"], r["concurrency"]) for r in decode} == {(m, c) for m in ("greedy", "sampled") for c in (1, 2)}
     assert all(r["window_tokens"] > 0 and r["tok_s"] > 0 for r in decode), decode
+
+
+def test_gpu_decode_quick_nvfp4_lm_head_is_recorded():
+    """--nvfp4-lm-head: the NVFP4 model's head is quantized too, and the JSON says so."""
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_decode.py"), "--quick", "--decode-only", "--concurrency", "1",
+           "--skip-transformers", "--weights", "nvfp4", "--nvfp4-lm-head", "--no-long"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert not [r for r in records if r["kind"] == "error"], records
+    kinds = {r["kind"]: r for r in records}
+    assert kinds["env"]["nvfp4_lm_head"] and kinds["summary"]["nvfp4_lm_head"]
+    assert kinds["ninfer_setup"]["lm_head"] == "nvfp4" and kinds["ninfer_decode"]["weights"] == "nvfp4"
+    bad = subprocess.run(cmd[:-3] + ["bf16", "--nvfp4-lm-head"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and "--nvfp4-lm-head needs nvfp4 in --weights" in bad.stderr

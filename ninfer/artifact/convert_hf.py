@@ -124,17 +124,21 @@ _NVFP4_AUX = ("weight_scale_2", "weight_global_scale", "input_scale", "input_glo
               "weight_zero_point")
 
 
-def _nvfp4_target(module: str) -> bool:
+def _nvfp4_target(module: str, lm_head: bool = False) -> bool:
     """A checkpoint-quantized module kept as NVFP4: a linear of a text decoder layer (the routed
-    experts are fused bf16 parameters in ninfer, so their quantized weights are dequantized)."""
+    experts are fused bf16 parameters in ninfer, so their quantized weights are dequantized), and
+    with lm_head=True (--nvfp4-lm-head) a quantized lm_head, kept rather than re-rounded."""
+    if lm_head and module == "lm_head":
+        return True
     return re.match(r"^layers\.\d+\.", module) is not None and ".mlp.experts." not in module
 
 
-def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: str,
-                   dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str], set[str]]:
+def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: str, dtype: torch.dtype,
+                   lm_head: bool = False) -> tuple[dict[str, torch.Tensor], list[str], set[str]]:
     """Checkpoint NVFP4 modules -> ninfer's NVFP4 tensors (or dequantized weights), and with
-    weights="nvfp4" the quantizable bf16 linears quantized. Returns the tensors, the NVFP4 modules
-    and the routed experts ("layers.N.mlp.experts") that arrived as NVFP4 and were dequantized."""
+    weights="nvfp4" the quantizable bf16 linears quantized (lm_head too with lm_head=True). Returns
+    the tensors, the NVFP4 modules and the routed experts ("layers.N.mlp.experts") that arrived as
+    NVFP4 and were dequantized."""
     from ninfer.quant.nvfp4 import (
         GROUP_SIZE,
         dequantize_nvfp4,
@@ -165,7 +169,7 @@ def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: st
         packed, scale = positive_block_scales(packed, scale)
         per_tensor = 1.0 / global_scale.float() if global_scale is not None else multiplier.float()
         row_scale = per_tensor.reshape(-1).expand(n).clone() if per_tensor.numel() == 1 else per_tensor.reshape(n)
-        if weights != "bf16" and component == "text" and _nvfp4_target(module):
+        if weights != "bf16" and component == "text" and _nvfp4_target(module, lm_head):
             out[f"{module}.weight_packed"], out[f"{module}.weight_scale"] = packed, scale
             out[f"{module}.weight_row_scale"] = row_scale
             kept.append(module)
@@ -178,7 +182,7 @@ def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: st
             module = name[: -len(".weight")]
             if (name.endswith(".weight") and tensor.dim() == 2 and tensor.is_floating_point()
                     and ".mlp.experts." not in module  # per-expert: fused first, then _quantize_experts
-                    and quantizable(module, tensor.shape[0], tensor.shape[1])):
+                    and quantizable(module, tensor.shape[0], tensor.shape[1], lm_head=lm_head)):
                 q = quantize_nvfp4(out.pop(name))
                 out[f"{module}.weight_packed"], out[f"{module}.weight_scale"] = q.packed, q.scale
                 out[f"{module}.weight_row_scale"] = q.row_scale
@@ -188,16 +192,20 @@ def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: st
 
 def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                name: str | None = None, progress: bool = True, keep_template: bool = False,
-               weights: str = "auto") -> Path:
+               weights: str = "auto", nvfp4_lm_head: bool = False) -> Path:
     """Convert a checkpoint folder. Qwen3.5/3.6 artifacts get ninfer's maintained chat template
     (mid-conversation system/developer turns) unless keep_template asks for the checkpoint's own.
 
     weights: "auto" keeps the checkpoint's format (an NVFP4 ModelOpt / compressed-tensors checkpoint
     stays NVFP4), "bf16" dequantizes NVFP4 weights to `dtype`, "nvfp4" also quantizes the decoder's
     bf16 linears (ninfer.quant.nvfp4.quantizable decides which).
+    nvfp4_lm_head (with weights="nvfp4" only): the untied lm_head is NVFP4 too (quantized, or kept
+    as the checkpoint's NVFP4); a tied head is the embedding table and stays in `dtype`.
     """
     if weights not in ("auto", "bf16", "nvfp4"):
         raise ValueError(f"weights must be auto, bf16 or nvfp4, not {weights!r}")
+    if nvfp4_lm_head and weights != "nvfp4":
+        raise ValueError("nvfp4_lm_head needs weights='nvfp4'")
     from ninfer.quant.nvfp4 import manifest_entry, quantizable
 
     folder = Path(folder)
@@ -233,7 +241,8 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
             tensor = f.get_tensor(key)
         keep_precision = inner.endswith(("A_log", "dt_bias")) or inner.rpartition(".")[2] in _NVFP4_AUX or (
             weights == "nvfp4" and component == "text" and tensor.dim() == 2 and inner.endswith(".weight")
-            and quantizable(inner[: -len(".weight")], *tensor.shape))  # quantized from the checkpoint's values
+            and quantizable(inner[: -len(".weight")], *tensor.shape, lm_head=nvfp4_lm_head)
+        )  # kept at full precision: quantized from the checkpoint's values
         if tensor.is_floating_point() and tensor.element_size() >= 2 and not keep_precision:
             tensor = tensor.to(dtype)
         by_component[component][inner] = tensor
@@ -245,7 +254,7 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
     tensors = {}
     nvfp4_modules = []
     for component, group in by_component.items():
-        group, kept, dequantized_experts = _convert_nvfp4(group, component, weights, dtype)
+        group, kept, dequantized_experts = _convert_nvfp4(group, component, weights, dtype, nvfp4_lm_head)
         group = _fuse_experts(group)
         if weights == "nvfp4" and component == "text":
             group, experts = _quantize_experts(group, dequantized_experts)

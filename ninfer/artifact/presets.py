@@ -126,23 +126,26 @@ def tokenizer_json_for(preset: Preset) -> tuple[str, dict[str, Any]]:
 
 
 def write_preset(name: str, out_path: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 weights: str = "bf16") -> Path:
+                 weights: str = "bf16", nvfp4_lm_head: bool = False) -> Path:
     """Write a tiny preset as a .ninfer artifact (random weights, real tokenizer and template).
 
     weights="nvfp4" quantizes the decoder's linears (ninfer.quant.nvfp4) from the same random
-    weights that weights="bf16" (unquantized, stored in `dtype`) writes.
+    weights that weights="bf16" (unquantized, stored in `dtype`) writes; nvfp4_lm_head also the
+    untied lm_head (a tied preset has none: nothing more is quantized).
     """
     if name not in FILE_PRESETS:
         raise ValueError(f"preset {name!r} is a full-size shape: it is instantiated on the GPU, not written")
     if weights not in ("bf16", "nvfp4"):
         raise ValueError(f"weights must be bf16 or nvfp4, not {weights!r}")
+    if nvfp4_lm_head and weights != "nvfp4":
+        raise ValueError("nvfp4_lm_head needs weights='nvfp4'")
     preset = get_preset(name)
     model = instantiate(name, "cpu", dtype, seed, fuse=False)  # separate tensors, no shared storage to save
     quantization: dict[str, Any] = {"text": str(dtype).removeprefix("torch.")}
     if weights == "nvfp4":
         from ninfer.quant.nvfp4 import manifest_entry, quantize_model_
 
-        quantization.update(manifest_entry(quantize_model_(model)))
+        quantization.update(manifest_entry(quantize_model_(model, lm_head=nvfp4_lm_head)))
     tensors = unique_tensors(model.state_dict(), prefix="text.")
     tok_json, template, extra = _tokenizer_and_template(preset.tokenizer)
     manifest = Manifest(

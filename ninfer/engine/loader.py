@@ -71,7 +71,8 @@ def load_model(artifact: Artifact, device: torch.device, dtype: torch.dtype,
     """Build the module (parameters without storage) and adopt the artifact's tensors on the device.
 
     NVFP4 artifacts (manifest quantization {"weights": "nvfp4", "modules": [...]}): the listed
-    linears become NVFP4Linear before loading; their fp32 row scales keep fp32.
+    linears (the decoder's, and "lm_head" when the converter quantized it) become NVFP4Linear before
+    loading; their fp32 row scales keep fp32.
     """
     nvfp4_modules = _nvfp4_modules(artifact)
     if nvfp4_modules:
@@ -126,20 +127,24 @@ def load_engine(path: str | Path, settings: EngineSettings | None = None, *, dev
 
 
 def engine_from_preset(name: str, settings: EngineSettings | None = None, *, device: torch.device | None = None,
-                       dtype: str = "auto", seed: int = 0, start: bool = True, weights: str = "bf16") -> Engine:
+                       dtype: str = "auto", seed: int = 0, start: bool = True, weights: str = "bf16",
+                       nvfp4_lm_head: bool = False) -> Engine:
     """A random-weight preset built directly on the device (full-size shapes for benchmarks: no file).
 
     weights="nvfp4": the random weights are quantized in place on the device (one linear at a time,
-    so peak memory stays near the unquantized model's), then the model gets its run-time form.
+    so peak memory stays near the unquantized model's), then the model gets its run-time form;
+    nvfp4_lm_head also quantizes the (untied) lm_head.
     """
     if start:
         return Engine.build_and_start(
             lambda: engine_from_preset(name, settings, device=device, dtype=dtype, seed=seed, start=False,
-                                       weights=weights))
+                                       weights=weights, nvfp4_lm_head=nvfp4_lm_head))
     from ninfer.artifact.presets import get_preset, instantiate, tokenizer_json_for
 
     if weights not in ("bf16", "nvfp4"):
         raise ValueError(f"weights must be bf16 or nvfp4, not {weights!r}")
+    if nvfp4_lm_head and weights != "nvfp4":
+        raise ValueError("nvfp4_lm_head needs weights='nvfp4'")
     preset = get_preset(name)
     device = device or pick_device()
     torch_dtype = pick_dtype(dtype, device)
@@ -147,7 +152,7 @@ def engine_from_preset(name: str, settings: EngineSettings | None = None, *, dev
         from ninfer.quant.nvfp4 import quantize_model_
 
         model = instantiate(name, device, torch_dtype, seed, fuse=False)
-        quantize_model_(model)
+        quantize_model_(model, lm_head=nvfp4_lm_head)
         prepare_for_inference_(model)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # hand the freed bf16 weights back before the KV cache is sized

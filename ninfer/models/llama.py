@@ -17,6 +17,7 @@ from ninfer.kernels.attention import paged_attention
 from ninfer.kernels.linear import linear
 from ninfer.models.batch import CacheSpec, ForwardBatch, ModelCache
 from ninfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, fuse_projections_, project
+from ninfer.quant.nvfp4 import NVFP4Linear, nvfp4_head_logits
 
 # HF LlamaConfig defaults, for configs that leave a field out.
 _DEFAULTS: dict[str, Any] = {
@@ -150,6 +151,9 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def output_weight(self) -> torch.Tensor:
+        """The bf16 head weight; an NVFP4 lm_head has none (compute_logits calls the module)."""
+        if isinstance(getattr(self, "lm_head", None), NVFP4Linear):
+            raise TypeError("lm_head is NVFP4: it has no bf16 weight, call compute_logits")
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def cache_spec(self) -> CacheSpec:
@@ -179,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         return fuse_projections_(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(getattr(self, "lm_head", None), NVFP4Linear):  # opt-in quantized head: its own GEMV
+            return nvfp4_head_logits(self.lm_head, hidden)
         return linear(hidden, self.output_weight).float()  # the decode GEMV kernel on CUDA for small batches
 
     @torch.no_grad()

@@ -23,6 +23,7 @@ from ninfer.kernels.gdn import GDNMetadata, gated_delta_rule, short_conv
 from ninfer.kernels.linear import linear
 from ninfer.models.batch import CacheSpec, ForwardBatch, ModelCache
 from ninfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, fuse_projections_, project
+from ninfer.quant.nvfp4 import NVFP4Linear, nvfp4_head_logits
 
 _ROPE_QWEN3_6 = {
     "rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
@@ -398,6 +399,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         return fuse_projections_(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, NVFP4Linear):  # opt-in quantized head: no bf16 weight, its own GEMV
+            return nvfp4_head_logits(self.lm_head, hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight).float()  # the decode GEMV kernel on CUDA for small batches
 

@@ -215,6 +215,15 @@ class NVFP4Linear(nn.Module):
                 f"bias={self.bias is not None}, format=nvfp4")
 
 
+def nvfp4_head_logits(head: NVFP4Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits through an NVFP4 lm_head, in calls the GEMV takes (16 rows; one in fp16): a larger
+    call would dequantize the whole head (~2.5 GB at a 248k vocabulary) for one matmul."""
+    rows = 1 if hidden.dtype == torch.float16 else 16
+    if hidden.shape[0] <= rows:
+        return head(hidden).float()
+    return torch.cat([head(part).float() for part in hidden.split(rows)])
+
+
 def quantize_nvfp4_stack(weight: torch.Tensor) -> NVFP4Weight:
     """[E, N, K] (e.g. fused routed experts) -> NVFP4 with one global scale per matrix: packed
     [E, N, K/2], scales [E, N, K/16], row scales [E, N]."""
@@ -297,13 +306,16 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(name == p or name.endswith("." + p) for p in patterns)
 
 
-def quantizable(name: str, out_features: int, in_features: int, skip: Iterable[str] = DEFAULT_SKIP) -> bool:
+def quantizable(name: str, out_features: int, in_features: int, skip: Iterable[str] = DEFAULT_SKIP, *,
+                lm_head: bool = False) -> bool:
     """Whether the linear `name` (module path in the text model, e.g. "layers.3.mlp.down_proj") gets
-    NVFP4: inside a decoder layer, not skipped, K a multiple of 16. Shared by quantize_model_ and the
-    converter, which decides from tensor names alone."""
+    NVFP4: inside a decoder layer, not skipped, K a multiple of 16. lm_head=True also admits the
+    output projection "lm_head" (an untied one: callers never offer a tied head, which is the
+    embedding table). Shared by quantize_model_ and the converter, which decides from tensor names alone."""
     parts = name.split(".")
-    if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
-        return False  # embeddings, lm_head, final norm, ...
+    in_layer = len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit()
+    if not (in_layer or (lm_head and name == "lm_head")):
+        return False  # embeddings, final norm, lm_head unless asked for, ...
     return not _matches(name, skip) and in_features % GROUP_SIZE == 0 and out_features > 0
 
 
@@ -330,21 +342,26 @@ def _check_unfused(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def quantize_model_(model: nn.Module, skip: Iterable[str] = DEFAULT_SKIP) -> list[str]:
+def quantize_model_(model: nn.Module, skip: Iterable[str] = DEFAULT_SKIP, lm_head: bool = False) -> list[str]:
     """Replace, in place, every quantizable nn.Linear of the decoder layers with an NVFP4Linear
     (quantized on the weight's device), dropping the bf16 weight. Returns the replaced module names.
 
     Layer by layer, one linear at a time: peak memory stays at the unquantized model plus one
-    layer's temporaries. Embeddings, lm_head, the MoE router (`mlp.gate`), `shared_expert_gate` and
+    layer's temporaries. Embeddings, the MoE router (`mlp.gate`), `shared_expert_gate` and
     GDN's in_proj_a/in_proj_b stay unquantized. The routed MoE experts (`Experts`, fused
     gate_up_proj / down_proj) become NVFP4Experts.
+    lm_head=True also quantizes an untied `lm_head` (opt-in: its logits then carry the 4-bit error).
+    A model with tied embeddings has no head of its own (the logits read the embedding table, which
+    stays unquantized), so there lm_head=True quantizes nothing more.
     Call before `fuse_projections_` (the merged q/k/v, gate/up, ... are then NVFP4Linear.concat).
     """
     _check_unfused(model)
     skip = tuple(skip)
+    lm_head = lm_head and not getattr(model, "tie_word_embeddings", False)
     done = []
     for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear and quantizable(name, module.out_features, module.in_features, skip):
+        if type(module) is nn.Linear and quantizable(name, module.out_features, module.in_features, skip,
+                                                     lm_head=lm_head):
             _set_module(model, name, NVFP4Linear.from_linear(module))
             module.weight = None  # drop the bf16 storage now, not when the old module is collected
             done.append(name)
@@ -372,7 +389,10 @@ def replace_with_nvfp4_(model: nn.Module, names: Iterable[str]) -> None:
     ready for load_state_dict: the loader's path for quantized artifacts."""
     _check_unfused(model)
     for name in names:
-        module = model.get_submodule(name)
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:  # e.g. "lm_head" listed for a model that ties its embeddings
+            raise ValueError(f"quantized module {name!r} is not in the model") from None
         if isinstance(module, (NVFP4Linear, NVFP4Experts)):
             continue
         if _is_experts(module):
