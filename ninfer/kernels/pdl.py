@@ -27,22 +27,29 @@ import triton.language as tl
 
 from ninfer.kernels.triton_compat import interpreting
 
+_ON = {"USE_PDL": True, "launch_pdl": True}
+_OFF: dict = {}
+
 
 @functools.cache
-def _capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def _enabled(device_index: int | None, flag: str, interpret: bool) -> bool:
+    if flag == "0" or interpret:
+        return False
+    index = device_index if device_index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL (CUDA, compute capability >= 9, NINFER_PDL != 0)."""
-    if device.type != "cuda" or interpreting() or os.environ.get("NINFER_PDL", "1") == "0":
+    if device.type != "cuda":
         return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return _enabled(device.index, os.environ.get("NINFER_PDL", "1"), interpreting())
 
 
 def pdl_launch(device: torch.device) -> dict:
-    """Launch keywords: the kernel's USE_PDL flag and Triton's launch_pdl option, or none (defaults off)."""
-    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {}
+    """Launch keywords: the kernel's USE_PDL flag and Triton's launch_pdl option, or none (defaults off).
+    Called at every launch (eager steps issue hundreds): two environment reads and a cached answer."""
+    return _ON if pdl_enabled(device) else _OFF
 
 
 @triton.jit
