@@ -18,7 +18,9 @@ In order, in this one process:
    sampler preset: once replaying the sampler graph, once with the sampler run eagerly); TTFT
    (chunked prefill at the engine's default prefill_chunk, full chunks replayed from the prefill CUDA graph as in the engine, then the first token sampled and read back) and
    prefill tok/s at 1k and 8k prompts (8k also as one chunk, and eagerly chunked), 32k when the
-   --deadline leaves time for it (else a `skipped` line with the reason); peak GPU memory.
+   --deadline leaves time for it (else a `skipped` line with the reason); TTFT of prompts shorter
+   than a chunk (100, 1000 tokens: one eager forward, or with NINFER_PREFILL_PIECES=1 power-of-two
+   pieces from their graphs, then also the eager forward for comparison); peak GPU memory.
 3. transformers: Qwen3_5ForCausalLM (or the MoE class) built on the device in bf16 with random
    weights from the same HF-style config dict, sdpa attention (its default), default cache (fla's
    chunk / fused recurrent GDN kernels when fla-core is importable, else its torch fallbacks;
@@ -196,6 +198,7 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
     emit(kind="ninfer_setup", shape=args.model, weights=weights, lm_head=lm_head, kv_dtype=args.kv_dtype,
          dtype=str(dtype).removeprefix("torch."), build_s=build_s,
          capture_s=capture_s, graph_status=runner.graph_status, sampler=runner.sampler_status,
+         prefill_pieces=bool(runner.prefill_pieces),
          backends=backend.describe(device.type),
          weights_allocated_bytes=weights_alloc, prefill_chunk=chunk, **ws, **roof)
 
@@ -296,6 +299,10 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
         run_prefill(n8, n8, args.prefill_reps, f"{n8}-one-chunk")
         if runner.prefill_graph is not None:  # the same chunks without the prefill graph
             run_prefill(n8, chunk, args.prefill_reps, f"{n8}-eager", runner.forward_eager)
+    for n in args.short_prompts:  # shorter than a chunk: pieces (NINFER_PREFILL_PIECES=1) or one eager forward
+        run_prefill(n, chunk, args.prefill_reps, f"{n}")
+        if runner.prefill_pieces:
+            run_prefill(n, chunk, args.prefill_reps, f"{n}-eager", runner.forward_eager)
     if args.long_prompt and weights in args.long_formats:
         est = prefill_res[f"{n8}"]["ttft_s"] * (args.long_prompt / n8) * 1.6 + 5
         left = deadline - elapsed() - hf_reserve
@@ -505,12 +512,14 @@ def main() -> None:
     if args.quick:
         args.model = "tiny-qwen3.6-moe" if "a3b" in args.shape else "tiny-qwen3.6"
         args.prompts, args.long_prompt = [64, 256], (None if args.no_long else 1024)
+        args.short_prompts = [21]
         args.decode_prompt, args.decode_steps, args.decode_warmup = 16, 4, 2
         args.hf_new_tokens, args.prefill_reps, args.prefill_chunk = 4, 1, 32
         copy_bytes, gemm_n = 64 << 20, 256
     else:
         args.model = args.shape
         args.prompts, args.long_prompt = [1024, 8192], (None if args.no_long else 32768)
+        args.short_prompts = [100, 1000]
         args.decode_prompt, args.decode_steps, args.decode_warmup = 128, 32, 3
         args.hf_new_tokens, args.prefill_reps, args.prefill_chunk = 24, 2, None
         copy_bytes, gemm_n = 4 << 30, 8192

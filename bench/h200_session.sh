@@ -9,9 +9,9 @@
 #                                              # profile_nvfp4_lm_head: its lm_head in NVFP4 too)
 # Single stages: fused gemv nvfp4 kv moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
 # (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), decode27_nvfp4 (NVFP4 only), pytest_nvfp4,
-# pytest_nvfp4_kernels, pytest_pdl, pytest_graphs (the CUDA-graph tests), prefetch (the NVFP4 GEMV's L2
-# prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and sampled), sampled35_torch (the same with the
-# torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
+# pytest_nvfp4_kernels, pytest_pdl, pytest_pieces, pieces27 (prefill pieces), pytest_graphs (the CUDA-graph
+# tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
+# sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
 # suffix _nopdl runs with NINFER_PDL=0 (kernels launched without programmatic dependent launch), its files
 # under $OUT/nopdl.
 # A stage past DEADLINE seconds (default 540) is skipped with a line saying so.
@@ -82,6 +82,12 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     decode27_nvfp4)  # 27B NVFP4 decode only; NINFER_NVFP4_PREFETCH and DECODE_ARGS (e.g. --nvfp4-lm-head) from the caller
       timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-27b --weights nvfp4 --decode-only \
         --concurrency 1 2 4 8 --skip-transformers ${DECODE_ARGS:-} > $out/qwen27b_nvfp4_decode.log 2>&1 ;;
+    pieces27)  # NINFER_PREFILL_PIECES=1: short-prompt TTFT from piece graphs against one eager forward (27B bf16)
+      NINFER_PREFILL_PIECES=1 timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-27b --weights bf16 \
+        --concurrency 1 --no-long --skip-transformers > $out/qwen27b_prefill_pieces.log 2>&1 ;;
+    pytest_pieces)  # the piece graphs against eager pieces, engine greedy with and without graphs
+      timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_graphs.py \
+        tests/test_kernels.py -k "piece" > $out/pytest_pieces.log 2>&1 ;;
     decode27)  # decode only, NVFP4 and bf16, no transformers: the quick check of a GEMV change
       timeout 300 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights nvfp4 bf16 --decode-only \
         --concurrency 1 2 3 4 8 --skip-transformers > $out/qwen27b_decode.log 2>&1 ;;

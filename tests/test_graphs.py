@@ -135,6 +135,32 @@ def test_prefill_graph_logits_equal_eager(name, kv_dtype):
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("name", ["tiny-qwen3.6", "tiny-qwen3.6-moe"])
+def test_prefill_piece_graphs_equal_eager_pieces(name):
+    """NINFER_PREFILL_PIECES: a last chunk of 45 tokens (chunk 64) replays the piece graphs of 32, 8
+    and 4 tokens and the batch-1 decode graph; the same pieces run eagerly give the same logits, bit
+    for bit (tests/test_prefill_pieces.py checks the cut on CPU)."""
+    from ninfer.artifact.presets import get_preset, instantiate
+    from ninfer.kernels import backend
+
+    if not backend.triton_available():
+        pytest.skip("graphs need the Triton backend")
+    model = instantiate(name, "cuda", torch.bfloat16, seed=0)
+    vocab = get_preset(name).text_config()["vocab_size"]
+    prompt = [(37 * i + 11) % (vocab - 10) + 5 for i in range(64 + 45)]
+    kwargs = dict(num_pages=64, page_size=16, num_state_slots=4, num_lanes=2, vocab_size=vocab,
+                  device=torch.device("cuda"), dtype=torch.bfloat16, max_seq_len=512, prefill_pieces=True)
+    graphs, runner = _prefill_logits(model, kwargs | {"cuda_graphs": True}, prompt, 64)
+    eager, off = _prefill_logits(model, kwargs | {"cuda_graphs": False}, prompt, 64)
+    assert "prefill pieces of 2..32 tokens" in runner.graph_status, runner.graph_status
+    assert runner.prefill_replays == 1 + 3 and runner.graph_replays == 1, runner.graph_status
+    assert off.eager_steps == 1 + 4 and off.prefill_replays == 0
+    for g, e in zip(graphs, eager):
+        assert torch.equal(g, e)
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_sampler_graphs_draw_the_eager_samplers_tokens():
     """For every batch size, the sampler replayed over the decode graph's logits equals the same sampler
     run eagerly on the same logits (mixed greedy, sampled and penalised rows); the fused sampler is

@@ -8,6 +8,13 @@ shape has a graph fills its buffers from the host (pinned copies) and replays it
 (a shorter last prefill chunk, a sequence longer than the graphs' page-table width) runs eagerly.
 Graph and eager runs launch the same kernels with the same parameters, so outputs agree exactly.
 
+Prefill pieces (NINFER_PREFILL_PIECES=1, experimental: not yet measured on a GPU): a prefill
+shorter than the chunk (most prompts, and every prompt's last chunk) is cut into power-of-two
+pieces (its binary digits: 1000 = 512 + 256 + 128 + 64 + 32 + 8) and each piece replays a graph
+captured for that size (one token: the decode graph), instead of one eager forward whose ~2,500
+kernel launches cost the host more than the GPU work of a short prompt. The cut does not depend on
+whether graphs exist, so --no-cuda-graph still computes exactly what the graphs compute.
+
 Sampling: on CUDA the fused Triton sampler (ninfer.kernels.triton_sampler) when it draws the torch
 sampler's tokens in a start-up check on this device, else the torch sampler (ninfer.engine.sampler).
 
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -31,14 +39,36 @@ from ninfer.kernels.backend import use_triton
 from ninfer.models.batch import ForwardBatch, ModelCache
 
 log = logging.getLogger("ninfer.engine")
+PIECES_ENV = "NINFER_PREFILL_PIECES"
+
+
+def piece_sizes(chunk: int) -> list[int]:
+    """The powers of two below `chunk`, largest first: the sizes a shorter prefill is cut into."""
+    sizes = [1]
+    while sizes[-1] * 2 < chunk:
+        sizes.append(sizes[-1] * 2)
+    return sizes[::-1] if chunk > 1 else []
+
+
+def split_tokens(n: int, sizes: list[int]) -> list[int]:
+    """n as a sum of distinct `sizes` (powers of two from 1, largest first): n's binary digits."""
+    pieces = []
+    for size in sizes:
+        if n >= size:
+            pieces.append(size)
+            n -= size
+    if n:
+        raise ValueError(f"{sum(pieces) + n} tokens do not split into pieces of {sizes}")
+    return pieces
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_pages: int, page_size: int, num_state_slots: int,
                  num_lanes: int, vocab_size: int, device: torch.device, dtype: torch.dtype,
                  cuda_graphs: bool = True, max_seq_len: int | None = None, kv_dtype: str = "bf16",
-                 prefill_chunk: int | None = None):
-        """prefill_chunk: the engine's chunk length, for the prefill graph (None: no prefill graph)."""
+                 prefill_chunk: int | None = None, prefill_pieces: bool | None = None):
+        """prefill_chunk: the engine's chunk length, for the prefill graph (None: no prefill graph).
+        prefill_pieces: cut shorter prefills into power-of-two pieces (None: NINFER_PREFILL_PIECES=1)."""
         self.model = model
         self.device = torch.device(device)
         self.page_size = page_size
@@ -53,6 +83,12 @@ class ModelRunner:
         self.sampler_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.sampler_replays = 0
         self.prefill_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
+        if prefill_pieces is None:
+            prefill_pieces = os.environ.get(PIECES_ENV) == "1"
+        self.prefill_chunk = prefill_chunk or 0
+        self.prefill_pieces = piece_sizes(self.prefill_chunk) if prefill_pieces else []
+        # graphs of the pieces of 2 tokens and more (one token replays the batch-1 decode graph)
+        self.piece_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, PrefillInputs]] = {}
         self.prefill_replays = 0
         self.eager_steps = 0
         self._decode_inputs: DecodeInputs | None = None
@@ -180,7 +216,32 @@ class ModelRunner:
         except Exception as exc:  # e.g. a MoE routing step that reads group sizes back to the host
             self.prefill_graph = self._prefill_inputs = None
             return "prefill off: " + self._capture_failed("prefill", exc)
-        return f"prefill chunk of {tokens} tokens"
+        status = f"prefill chunk of {tokens} tokens"
+        if self.prefill_pieces:
+            status += "; " + self._capture_pieces(width)
+        return status
+
+    @torch.inference_mode()
+    def _capture_pieces(self, width: int) -> str:
+        """One graph per prefill piece size (2 tokens and more), in the prefill graph's memory pool:
+        pieces run one after another and each piece's temporaries die with it. A piece graph's
+        logits may share memory with another's temporaries: read them before the next forward."""
+        pool = self.prefill_graph[0].pool()
+        try:
+            for size in self.prefill_pieces:
+                if size == 1:
+                    continue
+                inputs = PrefillInputs(size, width, self.device)
+                inputs.placeholder(self.page_size)
+                batch = inputs.batch()
+                graph, logits = capture(lambda batch=batch: self._logits(batch), self.device, warmups=1, pool=pool)
+                self.piece_graphs[size] = (graph, logits, inputs)
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # no pieces then: a shorter prefill runs as one eager forward again
+            self.piece_graphs.clear()
+            self.prefill_pieces = []
+            return "prefill pieces off: " + self._capture_failed("prefill piece", exc)
+        return f"prefill pieces of {min(self.piece_graphs, default=1)}..{max(self.piece_graphs, default=1)} tokens"
 
     def _replay(self, seqs: list[Sequence], inputs: list[list[int]]) -> torch.Tensor | None:
         """Replay a captured graph when one fits this forward's shape; None when none does."""
@@ -193,13 +254,19 @@ class ModelRunner:
             graph.replay()
             self.graph_replays += 1
             return logits
-        prefill = self._prefill_inputs
-        if prefill is None or len(seqs) != 1 or len(inputs[0]) != prefill.tokens or len(seqs[0].pages) > prefill.width:
+        if len(seqs) != 1:
+            return None
+        if self._prefill_inputs is not None and len(inputs[0]) == self._prefill_inputs.tokens:
+            (graph, logits), prefill = self.prefill_graph, self._prefill_inputs
+        elif len(inputs[0]) in self.piece_graphs:
+            graph, logits, prefill = self.piece_graphs[len(inputs[0])]
+        else:
             return None
         seq = seqs[0]
+        if len(seq.pages) > prefill.width:
+            return None
         prefill.fill(inputs[0], seq.num_computed, seq.pages, seq.state_slot if seq.state_slot is not None else 0,
                      self.page_size)
-        graph, logits = self.prefill_graph
         graph.replay()
         self.prefill_replays += 1
         return logits
@@ -212,8 +279,25 @@ class ModelRunner:
         From a graph the logits are the graph's static output: read them (sample) before the next
         forward call.
         """
+        if self.prefill_pieces and len(seqs) == 1 and 1 < len(inputs[0]) < self.prefill_chunk:
+            return self._forward_pieces(seqs[0], inputs[0])
         logits = self._replay(seqs, inputs)
         return logits if logits is not None else self.forward_eager(seqs, inputs)
+
+    def _forward_pieces(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
+        """A shorter prefill as its power-of-two pieces, each replayed (or eager where no graph
+        fits); the logits of the last piece's last token."""
+        start, logits = 0, None
+        for size in split_tokens(len(tokens), self.prefill_pieces):
+            # the piece continues the sequence: same pages and state slot, `start` more tokens cached
+            piece = SimpleNamespace(num_computed=seq.num_computed + start, pages=seq.pages,
+                                    state_slot=seq.state_slot)
+            part = [tokens[start:start + size]]
+            logits = self._replay([piece], part)
+            if logits is None:
+                logits = self.forward_eager([piece], part)
+            start += size
+        return logits
 
     @torch.inference_mode()
     def forward_eager(self, seqs: list[Sequence], inputs: list[list[int]]) -> torch.Tensor:
