@@ -165,6 +165,15 @@ def test_silu_and_mul(tokens, n):
     assert _diff(_tf().silu_and_mul(gate, up), fused.silu_and_mul_ref(gate, up)) < ATOL
 
 
+@needs_interpreter
+@pytest.mark.parametrize("tokens,n", [(1, 37), (3, 2048)])
+def test_shared_expert_add(tokens, n):
+    g = _gen(n)
+    routed, shared = torch.randn(tokens, n, generator=g), torch.randn(tokens, n, generator=g)
+    gate = torch.randn(tokens, 9, generator=g)[:, 8:]  # a column of a merged projection
+    assert _diff(_tf().shared_expert_add(routed, shared, gate), fused.shared_expert_add_ref(routed, shared, gate)) < ATOL
+
+
 def test_dispatch_takes_the_reference_on_cpu(monkeypatch):
     x = torch.randn(2, 8)
     w = torch.randn(8)

@@ -105,6 +105,15 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_ref(gate, up)
 
 
+def shared_expert_add(routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """A MoE block's output: routed + sigmoid(gate) * shared. routed, shared: [T, H]; gate: [T, 1]."""
+    if use_triton(routed):
+        from ninfer.kernels import triton_fused
+
+        return triton_fused.shared_expert_add(routed, shared, gate)
+    return shared_expert_add_ref(routed, shared, gate)
+
+
 # ---------------------------------------------------------------------------------------------
 # Torch references: the models' previous code. Strided inputs (column views of a merged projection)
 # are made contiguous before a transcendental op: torch's CPU kernels take a different (vectorised
@@ -160,3 +169,7 @@ def sigmoid_gate_mul_ref(x, gate):
 
 def silu_and_mul_ref(gate, up):
     return F.silu(gate.contiguous()) * up
+
+
+def shared_expert_add_ref(routed, shared, gate):
+    return routed + torch.sigmoid(gate) * shared

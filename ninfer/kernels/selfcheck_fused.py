@@ -119,6 +119,14 @@ def check_fused(device="cuda", dtype=torch.bfloat16, tokens=(1, 8), seed=0, timi
         gu = _rand((t, 2 * i), gen, dtype, device, 2.0)
         record(f"silu_and_mul_t{t}", partial(tf.silu_and_mul, gu[:, :i], gu[:, i:]),
                partial(fused.silu_and_mul_ref, gu[:, :i], gu[:, i:]))
+
+        # MoE block output (35B-A3B: hidden 2048): routed + sigmoid(shared gate) * shared, the gate a
+        # column of the merged [router | shared gate | ...] projection
+        mh, experts = 2048, 256
+        routed, shared = _rand((t, mh), gen, dtype, device), _rand((t, mh), gen, dtype, device)
+        sgate = _rand((t, experts + 1), gen, dtype, device, 2.0)[:, experts:]
+        record(f"shared_expert_add_t{t}", partial(tf.shared_expert_add, routed, shared, sgate),
+               partial(fused.shared_expert_add_ref, routed, shared, sgate))
     return out
 
 

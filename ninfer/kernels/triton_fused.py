@@ -8,7 +8,9 @@ One kernel each, replacing a chain of 5-15 torch ops (and their dtype round trip
 - `rope_qk_write_kv`: per-head q/k RMSNorm, partial rotate-half RoPE and the K/V cache write, one
   program per (token, q head or kv head);
 - `sigmoid_gate_mul`: attention output * sigmoid(output gate);
-- `silu_and_mul`: SwiGLU's silu(gate) * up.
+- `silu_and_mul`: SwiGLU's silu(gate) * up;
+- `shared_expert_add`: a MoE block's output, routed + sigmoid(shared gate) * shared expert (three
+  torch launches before).
 
 Math in fp32; every value the torch reference rounds to the model dtype is rounded here too
 (`.to(dtype).to(fp32)`, or `_round_to` where the compiler could fold the rounding into an FMA), so
@@ -347,6 +349,36 @@ def _fused_silu_mul_kernel(G, U, Y, N, stride_gt, stride_ut, stride_yt, BLOCK: t
     u = tl.load(U + t * stride_ut + c, mask=mask, other=0.0).to(tl.float32)
     s = (g * tl.sigmoid(g)).to(G.dtype.element_ty).to(tl.float32)  # silu(gate) in the model dtype
     tl.store(Y + t * stride_yt + c, (s * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _shared_expert_add_kernel(R, S, G, Y, N, stride_rt, stride_st, stride_gt, stride_yt, BLOCK: tl.constexpr,
+                              USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < N
+    dt = Y.dtype.element_ty
+    g = tl.load(G + t * stride_gt).to(tl.float32)
+    gate = tl.sigmoid(g).to(dt).to(tl.float32)  # sigmoid(gate) in the model dtype
+    shared = tl.load(S + t * stride_st + c, mask=mask, other=0.0).to(tl.float32)
+    routed = tl.load(R + t * stride_rt + c, mask=mask, other=0.0).to(tl.float32)
+    # the product rounded before the add, as the reference's two ops (no FMA across the rounding)
+    tl.store(Y + t * stride_yt + c, (routed + _round_to(gate * shared, dt)).to(dt), mask=mask)
+
+
+def shared_expert_add(routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """routed, shared: [T, H]; gate: [T, 1] (a column of a merged projection is fine). -> [T, H]."""
+    tokens, n = routed.shape
+    r2, s2 = _rows(routed), _rows(shared)
+    y = torch.empty((tokens, n), dtype=routed.dtype, device=routed.device)
+    if tokens and n:
+        block = min(1024, triton.next_power_of_2(n))
+        _shared_expert_add_kernel[(tokens, triton.cdiv(n, block))](
+            r2, s2, gate, y, n, r2.stride(0), s2.stride(0), gate.stride(0), y.stride(0), BLOCK=block,
+            num_warps=4 if block >= 512 else 1, **pdl_launch(routed.device),
+        )
+    return y
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

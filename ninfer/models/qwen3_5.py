@@ -296,7 +296,7 @@ class SparseMoeBlock(nn.Module):
             top_weights = (top_weights / top_weights.sum(-1, keepdim=True)).to(x.dtype)  # always renormalised
         routed = self.experts(x, top_ids, top_weights)
         shared = self.shared_expert.down_proj(fused.silu_and_mul(gate, up))  # = self.shared_expert(x)
-        return routed + torch.sigmoid(shared_gate) * shared
+        return fused.shared_expert_add(routed, shared, shared_gate)  # routed + sigmoid(shared_gate) * shared
 
 
 class DecoderLayer(nn.Module):
