@@ -166,12 +166,19 @@ def test_silu_and_mul(tokens, n):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("tokens,n", [(1, 37), (3, 2048)])
-def test_shared_expert_add(tokens, n):
+@pytest.mark.parametrize("tokens,n,dtype", [(1, 37, torch.float32), (3, 2048, torch.float32),
+                                            (2, 2048, torch.bfloat16)])
+def test_shared_expert_add(tokens, n, dtype):
+    """The MoE block's output; in bf16 bit for bit the reference's three rounded ops."""
     g = _gen(n)
-    routed, shared = torch.randn(tokens, n, generator=g), torch.randn(tokens, n, generator=g)
-    gate = torch.randn(tokens, 9, generator=g)[:, 8:]  # a column of a merged projection
-    assert _diff(_tf().shared_expert_add(routed, shared, gate), fused.shared_expert_add_ref(routed, shared, gate)) < ATOL
+    routed, shared = (torch.randn(tokens, n, generator=g).to(dtype) for _ in range(2))
+    gate = torch.randn(tokens, 9, generator=g).to(dtype)[:, 8:]  # a column of a merged projection
+    got, ref = _tf().shared_expert_add(routed, shared, gate), fused.shared_expert_add_ref(routed, shared, gate)
+    assert got.dtype == ref.dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, ref)
+    else:
+        assert _diff(got, ref) < ATOL
 
 
 def test_dispatch_takes_the_reference_on_cpu(monkeypatch):

@@ -29,6 +29,9 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.pdl import pdl_enter, pdl_launch
+from ninfer.kernels.triton_compat import fix_interpreter
+
+fix_interpreter()  # TRITON_INTERPRET=1 only: bf16 rounds to nearest even as on the GPU (see triton_compat)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
