@@ -386,7 +386,8 @@ class Engine:
                 self.counters.prompt_tokens += seq.prompt_len
                 if seq.request.return_progress:
                     seq.emit(ProgressEvent(seq.prompt_len, seq.cached_tokens, seq.cached_tokens, 0.0))
-            self.runner.reset_lane(seq.lane, seq.output_ids)
+            if seq.sampling.penalized:  # only penalties read a lane's counts: the others never count
+                self.runner.reset_lane(seq.lane, seq.output_ids)
             if restored:
                 self._scheduling_event(seq, "restored", restored)
 
@@ -484,7 +485,9 @@ class Engine:
         self.counters.generation_tokens += 1
         if len(seq.output_ids) > 1:
             self.counters.decode_tokens += 1
-        if counted is None:
+        if not seq.sampling.penalized:
+            pass  # nothing reads its counts: no upload, no kernels
+        elif counted is None:
             self.runner.count_tokens([seq.lane], [token])  # uploaded through pinned memory: no host sync
         else:
             counted.append((seq.lane, token))

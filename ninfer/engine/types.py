@@ -34,6 +34,11 @@ class ResolvedSampling:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler reads this request's generated-token counts (presence/frequency)."""
+        return bool(self.presence_penalty or self.frequency_penalty)
+
 
 @dataclass
 class EngineRequest:
