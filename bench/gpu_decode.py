@@ -237,10 +237,11 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
                 runner.reset_lane(i, [])
                 prefill(s, prompt_ids(args.decode_prompt, i), chunk)
 
-            def step(seqs=seqs, sampler=sampler):
+            def step(seqs=seqs, sampler=sampler, penalized=bool(params.presence_penalty or params.frequency_penalty)):
                 logits = runner.forward(seqs, [[s.output_ids[-1]] for s in seqs])
                 toks = sampler(seqs, logits).tolist()
-                runner.count_tokens([s.lane for s in seqs], toks)  # as the engine does: penalties see them
+                if penalized:  # as the engine does: only penalties read the counts
+                    runner.count_tokens([s.lane for s in seqs], toks)
                 for s, t in zip(seqs, toks):
                     s.num_computed += 1
                     s.output_ids.append(t)
