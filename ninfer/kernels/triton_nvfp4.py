@@ -36,7 +36,7 @@ fp32-decode GEMV ~6.3). The tensor-core kernel runs at 0.4-0.9 TB/s. A packed-de
 variant was tried and ran slower still: its decoded tiles reach the tensor cores through shared
 memory 16 bits at a time.
 
-Configs: a fixed table by (M, N) (`_gemv_config`), not triton.autotune: autotune times candidates
+Configs: a fixed table by (M, N, K) (`_gemv_config`), not triton.autotune: autotune times candidates
 on the first call of each shape, which would slow start-up, run inside CUDA-graph capture, and make
 the chosen kernel depend on timing noise.
 """
