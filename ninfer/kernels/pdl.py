@@ -12,8 +12,8 @@ The rule that keeps this correct: a kernel launched with PDL calls `pdl_wait` on
 it reads anything an earlier kernel wrote and before it writes anything at all, so its completion
 still implies its predecessors' (the chain stays ordered through kernels that trigger early).
 Kernels take a `USE_PDL: tl.constexpr` flag; `pdl_launch(device)` gives the flag and the launch
-option together, or nothing where PDL is off: CPU, the interpreter, GPUs before Hopper, or
-NINFER_PDL=0.
+option together, or nothing where PDL is off: CPU, the interpreter, GPUs before Hopper, a Triton
+without PDL (before 3.3), or NINFER_PDL=0.
 """
 
 from __future__ import annotations
@@ -31,9 +31,19 @@ _ON = {"USE_PDL": True, "launch_pdl": True}
 _OFF: dict = {}
 
 
+def _triton_has_pdl() -> bool:
+    """Triton >= 3.3 has the griddepcontrol helpers and the launch option (pyproject allows 3.2)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except Exception:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 @functools.cache
 def _enabled(device_index: int | None, flag: str, interpret: bool) -> bool:
-    if flag == "0" or interpret:
+    if flag == "0" or interpret or not _triton_has_pdl():
         return False
     index = device_index if device_index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index)[0] >= 9
