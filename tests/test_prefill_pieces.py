@@ -1,5 +1,5 @@
-"""Prefill pieces (ninfer.engine.runner, NINFER_PREFILL_PIECES=1): a prefill shorter than the chunk is
-cut into power-of-two pieces, each of which can replay a CUDA graph of its size. Here, on CPU, the
+"""Prefill pieces (ninfer.engine.runner; on CUDA by default, NINFER_PREFILL_PIECES overrides): a prefill
+shorter than the chunk and of at most MAX_PIECES binary digits is cut into power-of-two pieces, each of which can replay a CUDA graph of its size. Here, on CPU, the
 cut itself: its sizes, that the pieces continue one sequence (pages, state slot, positions), and
 that the logits match one forward of the whole prefill. The graphs against eager pieces: the CUDA
 test in tests/test_graphs.py. serving.md, server options: `--prefill-chunk` (1024) is the
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ninfer.artifact.presets import get_preset, instantiate
-from ninfer.engine.runner import PIECES_ENV, ModelRunner, piece_sizes, split_tokens
+from ninfer.engine.runner import MAX_PIECES, PIECES_ENV, ModelRunner, piece_sizes, split_tokens, takes_pieces
 
 
 def test_piece_sizes_are_the_powers_of_two_below_the_chunk():
@@ -35,9 +35,17 @@ def test_a_prefill_past_the_pieces_is_refused():
         split_tokens(16, piece_sizes(16))  # a whole chunk is the chunk graph's, never pieces
 
 
-def _runner(model, vocab: int, pieces: bool) -> ModelRunner:
-    return ModelRunner(model, num_pages=16, page_size=4, num_state_slots=2, num_lanes=1, vocab_size=vocab,
-                       device=torch.device("cpu"), dtype=torch.float32, prefill_chunk=16, prefill_pieces=pieces)
+@pytest.mark.parametrize(("n", "pieces"), [(100, True), (31, True), (960, True), (1000, False), (63, False),
+                                           (1, False), (1024, False), (1023, False)])
+def test_many_pieces_run_as_one_forward(n, pieces):
+    """A piece reads every weight once: more than MAX_PIECES of them cost more than one eager forward."""
+    assert MAX_PIECES == 5
+    assert takes_pieces(n, 1024) is pieces
+
+
+def _runner(model, vocab: int, pieces: bool, chunk: int = 16) -> ModelRunner:
+    return ModelRunner(model, num_pages=32, page_size=4, num_state_slots=2, num_lanes=1, vocab_size=vocab,
+                       device=torch.device("cpu"), dtype=torch.float32, prefill_chunk=chunk, prefill_pieces=pieces)
 
 
 def _prefill(runner: ModelRunner, prompt: list[int]) -> list[torch.Tensor]:
@@ -67,7 +75,24 @@ def test_pieces_compute_what_one_forward_computes():
     assert ours[1].argmax(-1).tolist() == theirs[1].argmax(-1).tolist()
 
 
-def test_pieces_are_off_unless_asked(monkeypatch):
+def test_a_prefill_of_six_pieces_is_one_forward():
+    """63 tokens (chunk 64) would be six pieces: one eager forward instead, with the same logits."""
+    name = "tiny-qwen3.6"
+    vocab = get_preset(name).text_config()["vocab_size"]
+    model = instantiate(name, "cpu", torch.float32, seed=0)
+    runner = _runner(model, vocab, True, chunk=64)
+    seq = SimpleNamespace(num_computed=0, pages=list(range(2, 18)), state_slot=1, lane=0)
+    prompt = [(11 * i + 3) % (vocab - 10) + 5 for i in range(63)]
+    runner.forward([seq], [prompt])
+    assert runner.eager_steps == 1
+    seq.num_computed, runner.eager_steps = 0, 0
+    runner.forward([seq], [prompt[:62]])  # 32 + 16 + 8 + 4 + 2: five pieces
+    assert runner.eager_steps == 5
+
+
+def test_pieces_are_off_on_cpu_unless_asked(monkeypatch):
+    """On CPU there are no graphs for pieces to replay; NINFER_PREFILL_PIECES=1 / 0 turns them on / off
+    (on CUDA they are on by default: ModelRunner's docstring)."""
     name = "tiny-qwen3.6"
     vocab = get_preset(name).text_config()["vocab_size"]
     model = instantiate(name, "cpu", torch.float32, seed=0)
@@ -75,3 +100,5 @@ def test_pieces_are_off_unless_asked(monkeypatch):
     assert _runner(model, vocab, None).prefill_pieces == []
     monkeypatch.setenv(PIECES_ENV, "1")
     assert _runner(model, vocab, None).prefill_pieces == [8, 4, 2, 1]
+    monkeypatch.setenv(PIECES_ENV, "0")
+    assert _runner(model, vocab, None).prefill_pieces == []

@@ -8,12 +8,13 @@ shape has a graph fills its buffers from the host (pinned copies) and replays it
 (a shorter last prefill chunk, a sequence longer than the graphs' page-table width) runs eagerly.
 Graph and eager runs launch the same kernels with the same parameters, so outputs agree exactly.
 
-Prefill pieces (NINFER_PREFILL_PIECES=1, experimental: not yet measured on a GPU): a prefill
-shorter than the chunk (most prompts, and every prompt's last chunk) is cut into power-of-two
-pieces (its binary digits: 1000 = 512 + 256 + 128 + 64 + 32 + 8) and each piece replays a graph
-captured for that size (one token: the decode graph), instead of one eager forward whose ~2,500
-kernel launches cost the host more than the GPU work of a short prompt. The cut does not depend on
-whether graphs exist, so --no-cuda-graph still computes exactly what the graphs compute.
+Prefill pieces (on CUDA devices by default; NINFER_PREFILL_PIECES=0 or 1 overrides): a prefill
+shorter than the chunk (most prompts, and every prompt's last chunk) is cut into power-of-two pieces
+(its binary digits: 100 = 64 + 32 + 4) and each piece replays a graph captured for that size (one
+token: the decode graph), instead of one eager forward whose ~2,500 kernel launches cost the host
+more than the GPU work of a short prompt. Each piece reads every weight once, so a prefill of more
+than MAX_PIECES pieces runs as one eager forward. The cut does not depend on whether graphs exist,
+so --no-cuda-graph still computes exactly what the graphs compute.
 
 Sampling: on CUDA the fused Triton sampler (ninfer.kernels.triton_sampler) when it draws the torch
 sampler's tokens in a start-up check on this device, else the torch sampler (ninfer.engine.sampler).
@@ -40,6 +41,11 @@ from ninfer.models.batch import ForwardBatch, ModelCache
 
 log = logging.getLogger("ninfer.engine")
 PIECES_ENV = "NINFER_PREFILL_PIECES"
+# At most this many pieces per prefill: a piece costs about one read of the weights (27B bf16 on the
+# H200: ~15-18 ms for up to ~128 tokens) where one eager forward of a short prompt costs ~110-120 ms
+# of launches; measured there, 100 tokens (3 pieces) 56 ms vs 119 eager, 1000 tokens (6 pieces,
+# three of them compute-bound) 155 ms vs 112 eager (bench/results/2026-11-30-h200-s8).
+MAX_PIECES = 5
 
 
 def piece_sizes(chunk: int) -> list[int]:
@@ -62,13 +68,20 @@ def split_tokens(n: int, sizes: list[int]) -> list[int]:
     return pieces
 
 
+def takes_pieces(n: int, chunk: int) -> bool:
+    """Whether a one-sequence prefill of n tokens runs as pieces: shorter than a chunk, more than one
+    token, at most MAX_PIECES of them."""
+    return 1 < n < chunk and bin(n).count("1") <= MAX_PIECES
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_pages: int, page_size: int, num_state_slots: int,
                  num_lanes: int, vocab_size: int, device: torch.device, dtype: torch.dtype,
                  cuda_graphs: bool = True, max_seq_len: int | None = None, kv_dtype: str = "bf16",
                  prefill_chunk: int | None = None, prefill_pieces: bool | None = None):
         """prefill_chunk: the engine's chunk length, for the prefill graph (None: no prefill graph).
-        prefill_pieces: cut shorter prefills into power-of-two pieces (None: NINFER_PREFILL_PIECES=1)."""
+        prefill_pieces: cut shorter prefills into power-of-two pieces (None: NINFER_PREFILL_PIECES if set,
+        else on CUDA devices only: on CPU there are no graphs to replay)."""
         self.model = model
         self.device = torch.device(device)
         self.page_size = page_size
@@ -84,7 +97,8 @@ class ModelRunner:
         self.sampler_replays = 0
         self.prefill_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
         if prefill_pieces is None:
-            prefill_pieces = os.environ.get(PIECES_ENV) == "1"
+            env = os.environ.get(PIECES_ENV)
+            prefill_pieces = env == "1" if env in ("0", "1") else self.device.type == "cuda"
         self.prefill_chunk = prefill_chunk or 0
         self.prefill_pieces = piece_sizes(self.prefill_chunk) if prefill_pieces else []
         # graphs of the pieces of 2 tokens and more (one token replays the batch-1 decode graph)
@@ -279,7 +293,7 @@ class ModelRunner:
         From a graph the logits are the graph's static output: read them (sample) before the next
         forward call.
         """
-        if self.prefill_pieces and len(seqs) == 1 and 1 < len(inputs[0]) < self.prefill_chunk:
+        if self.prefill_pieces and len(seqs) == 1 and takes_pieces(len(inputs[0]), self.prefill_chunk):
             return self._forward_pieces(seqs[0], inputs[0])
         logits = self._replay(seqs, inputs)
         return logits if logits is not None else self.forward_eager(seqs, inputs)
