@@ -9,7 +9,7 @@
 #                                              # profile_nvfp4_lm_head: its lm_head in NVFP4 too)
 # Single stages: fused gemv nvfp4 kv moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
 # (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), decode27_nvfp4 (NVFP4 only), pytest_nvfp4,
-# pytest_nvfp4_kernels, pytest_pdl, pytest_pieces, pieces27 (prefill pieces), pytest_graphs (the CUDA-graph
+# pytest_nvfp4_kernels, pytest_pdl, pytest_pieces, pytest_mma, sweep_mma (the tensor-core NVFP4 GEMV), pieces27 (prefill pieces), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
 # sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
 # suffix _nopdl runs with NINFER_PDL=0 (kernels launched without programmatic dependent launch), its files
@@ -76,6 +76,12 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     bench35)
       timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 nvfp4 --no-long \
         --deadline $(( $(left) - 20 )) --hf-reserve 60 > $out/qwen35b_gpu_decode.log 2>&1 ;;
+    pytest_mma)  # the tensor-core NVFP4 GEMV against the reference (every sweep tile), the NVFP4 kernel checks
+      timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py \
+        -k "mma or kernels_on_cuda" > $out/pytest_mma.log 2>&1 ;;
+    sweep_mma)  # the tensor-core NVFP4 GEMV tiles against the packed-fp16 one at M = 1, 2, 4, 8 (27B shapes)
+      timeout $(( $(left) - 10 )) python3 -m ninfer.kernels.selfcheck_nvfp4 --sweep-mma --out $out/nvfp4_mma.json \
+        > $out/nvfp4_mma.log 2>&1 ;;
     prefetch)  # the NVFP4 GEMV tiles with L2 prefetch distances 0 / 2 / 4 (M = 1, 2; 27B shapes)
       timeout $(( $(left) - 10 )) python3 -m ninfer.kernels.selfcheck_nvfp4 --sweep-prefetch --out $out/nvfp4_prefetch.json \
         > $out/nvfp4_prefetch.log 2>&1 ;;

@@ -55,7 +55,7 @@ def loop_profile(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
     body = [op.split(".")[0] for addr, op, _ in instrs if loop[0] <= addr <= loop[1]]
     regs = re.search(r"REG:(\d+)", usage)
     return {"registers": int(regs.group(1)) if regs else None, "loop_instructions": len(body),
-            "top_ops": Counter(body).most_common(8)}
+            "top_ops": Counter(body).most_common(int(os.environ.get("SASS_TOP", "8")))}
 
 
 def nvfp4(kind: str, block_n: int, block_w: int, num_warps: int, x_rows: int = 1) -> dict:

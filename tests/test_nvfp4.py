@@ -201,6 +201,46 @@ def test_triton_kernels_match_the_reference(n, k):
             assert (got - ref).abs().max().item() <= tol, (m, cfg)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("n,k,tiles,warps", [(40, 512, 1, 2), (64, 256, 2, 1), (24, 256, 1, 4)])
+def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
+    """The register-fed tensor-core GEMV (triton_nvfp4_mma) under the interpreter, its mma.sync and
+    byte gathers run by ptx_emulator with the PTX lane layout: every M from 1 to 8, ragged N (40, 24:
+    rows past N read the last row and are not stored), tiny (E4M3 subnormal) and zero block scales,
+    several warps summing their K steps. Each row of x is computed on its own, so the first rows
+    of a larger M equal a smaller M's bit for bit."""
+    from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
+
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w[1] *= 1e-5
+    w[2, :48] = 0.0
+    q = quantize_nvfp4(w)
+    wf = dequantize_nvfp4(*q)
+    cfg = dict(kind="mma", TILES=tiles, WARPS=warps)
+    x = torch.randn(8, k, generator=gen).to(torch.bfloat16)
+    ref = x.float() @ wf.T
+    full = triton_nvfp4.nvfp4_gemv(x, *q, config=cfg)
+    assert full.dtype == torch.bfloat16 and full.shape == (8, n)
+    # bf16 output: half an ulp of the largest value, plus fp16 rounding of x (exact here: |x| >= 2^-14)
+    assert (full.float() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item()
+    for m in range(1, 8):
+        assert torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *q, config=cfg), full[:m]), m
+    assert triton_nvfp4_mma.mma_fits(8, k, warps) and not triton_nvfp4_mma.mma_fits(9, k, warps)
+    assert not triton_nvfp4_mma.mma_fits(3, k + 16, warps)
+    with pytest.raises(ValueError, match="mma GEMV"):
+        triton_nvfp4.nvfp4_gemv(torch.zeros(9, k, dtype=torch.bfloat16), *q, config=cfg)
+
+
+def test_gemv_table_takes_tensor_cores_from_three_rows():
+    from ninfer.kernels import triton_nvfp4 as t
+
+    assert t._gemv_config(1, 5120, 5120)["kind"] == t._gemv_config(2, 5120, 5120)["kind"] == "hfma"
+    assert all(t._gemv_config(m, 34816, 5120)["kind"] == "mma" for m in range(t.MMA_MIN_M, 9))
+    assert t._gemv_config(4, 40, 528)["kind"] == "hfma"  # K not whole steps of every warp
+    assert t._gemv_config(9, 5120, 5120)["kind"] == "dot"
+
+
 # ---- artifacts -------------------------------------------------------------------------------
 
 
@@ -378,6 +418,30 @@ def test_kernels_on_cuda_bf16():
     for key, diff in result["max_abs_diff"].items():
         bound = 0.0 if key.endswith("dequant") else 1e-2 * result["ref_absmax"]
         assert diff <= bound, (key, diff, result["ref_absmax"])
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_mma_tiles_on_cuda():
+    """Every tensor-core GEMV tile the sweep times (selfcheck_nvfp4.MMA_CONFIGS) against the reference
+    at M = 1..8 on the device (the lane layout the kernel assumes is Triton's, checked only here), and
+    each row of x computed on its own: the first rows of M = 8 equal smaller M's bit for bit."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not importable")
+    from ninfer.kernels import selfcheck_nvfp4, triton_nvfp4
+
+    n, k = 1000, 2048  # ragged N for every tile (16, 32, 64 rows per program)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    w = torch.randn(n, k, generator=gen, device="cuda") * 0.02
+    w[1] *= 1e-5
+    q = nvfp4.quantize_nvfp4(w)
+    x = torch.randn(8, k, generator=gen, device="cuda").to(torch.bfloat16)
+    ref = x.float() @ nvfp4.dequantize_nvfp4(*q).T
+    for cfg in selfcheck_nvfp4.MMA_CONFIGS:
+        full = triton_nvfp4.nvfp4_gemv(x, *q, config=cfg)
+        assert (full.float() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item(), cfg
+        for m in range(1, 8):
+            assert torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *q, config=cfg), full[:m]), (cfg, m)
 
 
 @pytest.mark.cuda

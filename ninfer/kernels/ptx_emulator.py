@@ -34,6 +34,15 @@ def _f32(v: np.ndarray) -> np.ndarray:
     return v.astype(np.uint32).view(np.float32)
 
 
+def _e4m3_values(byte: np.ndarray) -> np.ndarray:
+    """E4M3 (bias 7, no infinities; 0x7F / 0xFF are NaN) bytes -> float64."""
+    sign = np.where(byte & 0x80, -1.0, 1.0)
+    exp = (byte >> 3) & 0xF
+    man = (byte & 7).astype(np.float64)
+    mag = np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp.astype(np.float64) - 7))
+    return np.where((byte & 0x7F) == 0x7F, np.nan, sign * mag)
+
+
 def _lop3(a, b, c, lut: int) -> np.ndarray:
     out = np.zeros_like(a)
     for i in range(8):  # minterm i: a is bit 2 of the index (0xF0), b bit 1 (0xCC), c bit 0 (0xAA)
@@ -53,6 +62,29 @@ def _prmt(a, b, sel: np.ndarray) -> np.ndarray:
     return out
 
 
+def _mma_m16n8k16(a: list, b: list, c: list) -> list[np.ndarray]:
+    """mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 over whole warps: operand arrays are flat,
+    element i in lane i % 32 of warp i // 32 (the fragment layout of the PTX ISA: lane = 4 g + t)."""
+    shape = a[0].shape
+    warps = int(np.prod(shape)) // 32
+    lanes = np.arange(32)
+    g, t = lanes // 4, lanes % 4
+    A = np.zeros((warps, 16, 16))
+    B = np.zeros((warps, 16, 8))
+    for reg, row, col in ((a[0], g, 2 * t), (a[1], g + 8, 2 * t), (a[2], g, 2 * t + 8), (a[3], g + 8, 2 * t + 8)):
+        lo, hi = halves(reg.reshape(warps, 32))
+        A[:, row, col], A[:, row, col + 1] = lo, hi
+    for reg, k in ((b[0], 2 * t), (b[1], 2 * t + 8)):
+        lo, hi = halves(reg.reshape(warps, 32))
+        B[:, k, g], B[:, k + 1, g] = lo, hi
+    D = A @ B  # fp16 products are exact in float64; the sum rounds once, to fp32 below
+    out = []
+    for reg, row, col in ((c[0], g, 2 * t), (c[1], g, 2 * t + 1), (c[2], g + 8, 2 * t), (c[3], g + 8, 2 * t + 1)):
+        acc = _f32(reg.reshape(warps, 32)).astype(np.float64) + D[:, row, col]
+        out.append(acc.astype(np.float32).view(np.uint32).reshape(shape))
+    return out
+
+
 def run_ptx(asm: str, operands: list[np.ndarray], n_out: int) -> list[np.ndarray]:
     """Execute `asm` on uint32 arrays (operands are $n_out, $n_out + 1, ...); returns $0..$n_out-1."""
     shape = np.broadcast(*operands).shape
@@ -62,6 +94,8 @@ def run_ptx(asm: str, operands: list[np.ndarray], n_out: int) -> list[np.ndarray
     def val(tok: str) -> np.ndarray:
         if tok in regs:
             return regs[tok]
+        if tok.startswith("0f"):  # PTX's hex fp32 literal
+            return np.full(shape, int(tok[2:], 16), dtype=np.uint32)
         return np.full(shape, int(tok, 0), dtype=np.uint32)
 
     for statement in asm.replace("\n", " ").split(";"):
@@ -72,6 +106,12 @@ def run_ptx(asm: str, operands: list[np.ndarray], n_out: int) -> list[np.ndarray
         if op == "mov.b32" and args.startswith("{"):
             lo, hi, src = re.match(r"\{(\w+), (\w+)\}, (\S+)", args).groups()
             regs[lo], regs[hi] = val(src) & 0xFFFF, val(src) >> 16
+            continue
+        if op.startswith("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"):  # (the split ate a last "}")
+            groups = [[t.strip() for t in grp.split(",")] for grp in re.findall(r"\{([^}]*)\}?", args)]
+            outs = _mma_m16n8k16([val(t) for t in groups[1]], [val(t) for t in groups[2]], [val(t) for t in groups[3]])
+            for name, v in zip(groups[0], outs):
+                regs[name] = v
             continue
         a = [t.strip() for t in args.split(",")]
         d = a[0]
@@ -95,6 +135,14 @@ def run_ptx(asm: str, operands: list[np.ndarray], n_out: int) -> list[np.ndarray
             regs[d] = f16_bits(f16_values(val(a[1])) + f16_values(val(a[2])))
         elif op == "cvt.f32.f16":
             regs[d] = f16_values(val(a[1])).astype(np.float32).view(np.uint32)
+        elif op == "cvt.rn.f16x2.e4m3x2":  # two E4M3 bytes of a b16 -> fp16 pair, low byte to low half
+            src = val(a[1])
+            regs[d] = _pair(f16_bits(_e4m3_values(src & 0xFF)), f16_bits(_e4m3_values((src >> 8) & 0xFF)))
+        elif op == "mov.f32":
+            regs[d] = val(a[1])
+        elif op == "fma.rn.f32":
+            prod = _f32(val(a[1])).astype(np.float64) * _f32(val(a[2])) + _f32(val(a[3]))
+            regs[d] = prod.astype(np.float32).view(np.uint32)
         elif op == "add.f32":
             regs[d] = (_f32(val(a[1])) + _f32(val(a[2]))).view(np.uint32)
         elif op == "cvt.rn.satfinite.f16x2.f32":  # d = (high: a, low: b)

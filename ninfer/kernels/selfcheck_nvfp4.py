@@ -33,7 +33,8 @@ def _problem(n: int, k: int, m: int, device, dtype, seed: int = 0):
     return q, x
 
 
-def check_nvfp4(device, dtype, *, shapes: dict | None = None, ms=(1, 2, 3, 4, 5, 8, 16, 17, 64), seed: int = 0) -> dict:
+def check_nvfp4(device, dtype, *, shapes: dict | None = None, ms=(1, 2, 3, 4, 5, 8, 16, 17, 64), seed: int = 0,
+                configs: list[dict] | None = None) -> dict:
     """Kernel (nvfp4_linear: GEMV for M <= 16, dequantize + matmul above) vs x @ dequantize(W)^T in
     fp32. Returns {"max_abs_diff": {shape_mM: diff}, "ref_absmax": max |ref|}; also the
     dequantize kernel vs the torch dequantizer (exact in fp32)."""
@@ -50,8 +51,8 @@ def check_nvfp4(device, dtype, *, shapes: dict | None = None, ms=(1, 2, 3, 4, 5,
             got = triton_nvfp4.nvfp4_linear(x, *q).float()
             diffs[f"{name}_m{m}"] = (got - ref).abs().max().item()
             absmax = max(absmax, ref.abs().max().item())
-            if m == 1 and x.is_cuda:  # every packed-fp16 GEMV candidate
-                for cfg in HFMA_CONFIGS + PREFETCH_CONFIGS:
+            if configs is not None or (m == 1 and x.is_cuda):  # every packed-fp16 GEMV candidate, or `configs`
+                for cfg in configs if configs is not None else HFMA_CONFIGS + PREFETCH_CONFIGS:
                     got = triton_nvfp4.nvfp4_gemv(x, *q, config=cfg).float()
                     diffs[f"{name}_m{m}_{_short(cfg)}"] = (got - ref).abs().max().item()
         del w
@@ -159,6 +160,8 @@ HFMA_CONFIGS = [dict(kind="hfma", BLOCK_N=bn, BLOCK_W=64 * w, num_warps=w)
 RAGGED = {"ragged": (200, 5184)}
 
 
+# The register-fed tensor-core GEMV (triton_nvfp4_mma): 16-row tiles per program, warps splitting K
+MMA_CONFIGS = [dict(kind="mma", TILES=tiles, WARPS=w) for tiles, w in ((1, 4), (2, 4), (4, 4), (2, 2), (4, 2), (2, 8))]
 
 # L2 prefetch distances (steps ahead) on the tiles the config table uses, at the decode batch sizes
 PREFETCH_CONFIGS = [dict(kind="hfma", BLOCK_N=bn, BLOCK_W=64 * w, num_warps=w, PREFETCH=p)
@@ -252,10 +255,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the 27B batch-1 engine decode speed, NVFP4 then bf16 (needs ~60 GB)")
     parser.add_argument("--sweep-prefetch", action="store_true",
                         help="only time the GEMV tiles with L2 prefetch distances 0, 2, 4 at M = 1, 2")
+    parser.add_argument("--sweep-mma", action="store_true",
+                        help="only time the tensor-core GEMV tiles against the packed-fp16 ones at M = 1..8")
     parser.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args(argv)
     result = {"device": torch.cuda.get_device_name()}
-    if args.sweep_prefetch:
+    if args.sweep_mma:
+        result["check_mma"] = check_nvfp4("cuda", torch.bfloat16, ms=(1, 3, 8), configs=MMA_CONFIGS)
+        result["sweep_mma"] = sweep_gemv_configs("cuda", ms=(1, 2, 4, 8), configs=MMA_CONFIGS + [
+            dict(kind="hfma", BLOCK_N=8, BLOCK_W=128, num_warps=2)])
+    elif args.sweep_prefetch:
         result["sweep_prefetch"] = sweep_gemv_configs("cuda", ms=(1, 2), configs=PREFETCH_CONFIGS)
     elif args.decode:
         result["decode"] = [decode_tokens_per_s(weights="nvfp4"), decode_tokens_per_s(weights="bf16")]

@@ -61,6 +61,11 @@ HFMA_MAX_M = 8
 # Rows of x per packed-fp16 pass: M = 5..8 runs two passes over the weight (rows 0-3, then the
 # rest), which on the H200 still beats the tensor-core kernel.
 HFMA_ROWS_PER_PASS = 4
+# From this many rows of x (and whole 64 * MMA_WARPS K steps) the register-fed tensor-core GEMV
+# (triton_nvfp4_mma) runs instead: one decode for all rows; MMA_TILES 16-row tiles per program.
+MMA_MIN_M = 3
+MMA_TILES = 4
+MMA_WARPS = 4
 # Its K loop unrolled twice: the prefetched registers swap roles instead of being copied each step.
 HFMA_UNROLL = tl.constexpr(2)
 _SCALE_UP = tl.constexpr(2.0**120)  # E4M3 bits << 20 read as fp32 = scale * 2^-120
@@ -539,6 +544,12 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
     return packed.view(torch.int32)
 
 
+def _x_words(x: torch.Tensor) -> torch.Tensor:
+    """bf16 x [M, K] as int32 pairs [M, K / 2] (copied when its rows are not 4-byte aligned)."""
+    aligned = x.storage_offset() % 2 == 0 and x.stride(0) % 2 == 0
+    return (x if aligned else x.clone()).view(torch.int32)
+
+
 def _hfma(block_n: int, num_warps: int, prefetch: int = 0) -> dict:
     return dict(kind="hfma", BLOCK_N=block_n, BLOCK_W=64 * num_warps, num_warps=num_warps, PREFETCH=prefetch)
 
@@ -548,6 +559,13 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
     fastest tiles (bench/results/2026-11-30-h200-s4, and -s7 for the L2 prefetch distances at
     M = 1, 2). Few rows (N < 8192, e.g. 5120) want wide steps or prefetch to keep bytes in flight;
     prefetch pays only with long rows (K >= 4096), never at M >= 3."""
+    if MMA_MIN_M <= m <= HFMA_MAX_M and k % (64 * MMA_WARPS) == 0:  # tensor cores: triton_nvfp4_mma
+        return dict(kind="mma", TILES=MMA_TILES, WARPS=MMA_WARPS)
+    return _hfma_config(m, n, k)
+
+
+def _hfma_config(m: int, n: int, k: int) -> dict:
+    """The packed-fp16 GEMV's tiles (M <= HFMA_MAX_M), else the tensor-core dot kernel's."""
     if m <= HFMA_MAX_M:  # the packed-fp16 GEMV; BLOCK_W words per step = two per thread and weight row
         long_k = k >= 4096
         if m == 1:
@@ -583,6 +601,15 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
     kind = cfg.pop("kind")
     args = (x, words, sbytes, row_scale, y, m, n, k // 8, x.stride(0), words.stride(0), sbytes.stride(0),
             y.stride(0))
+    if kind == "mma" and x.dtype == torch.bfloat16 and (x.is_cuda or interpreting()):
+        from ninfer.kernels.triton_nvfp4_mma import gemv_mma
+
+        gemv_mma(_x_words(x), words.contiguous(), sbytes.contiguous(), row_scale, y, m, n, k, tiles=cfg["TILES"],
+                 warps=cfg["WARPS"], launch=pdl_launch(x.device))
+        return y
+    if kind == "mma":  # fp32 / fp16 x, or no GPU and no interpreter: the packed-fp16 GEMV's fallbacks
+        cfg = _hfma_config(m, n, k)
+        kind = cfg.pop("kind")
     if kind == "hfma" and (x.dtype != torch.bfloat16 or not (x.is_cuda or interpreting())):
         # PTX: bf16 x, on CUDA or in the interpreter (ptx_emulator); otherwise the fp32-decode kernels
         # (same rows and warps for one row)
@@ -593,13 +620,12 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
         if m > HFMA_MAX_M or cfg["BLOCK_W"] != 64 * cfg["num_warps"]:
             raise ValueError(f"the hfma GEMV takes up to {HFMA_MAX_M} rows of x and BLOCK_W = 64 * num_warps")
         cfg.pop("BLOCK_M", None)
-        aligned = x.storage_offset() % 2 == 0 and x.stride(0) % 2 == 0  # int32 view: 4-byte aligned rows
-        x32 = (x if aligned else x.clone()).view(torch.int32)
+        x32 = _x_words(x)
         words, sbytes = words.contiguous(), sbytes.contiguous()
         for r0 in range(0, m, HFMA_ROWS_PER_PASS):
             rows = min(HFMA_ROWS_PER_PASS, m - r0)
             # each pass takes its own row count's tiles: the same compiled variants as M = 1..4
-            tiles = cfg if config is not None or m <= HFMA_ROWS_PER_PASS else _gemv_config(rows, n, k)
+            tiles = cfg if config is not None or m <= HFMA_ROWS_PER_PASS else _hfma_config(rows, n, k)
             tiles = {key: v for key, v in tiles.items() if key not in ("kind", "BLOCK_M")}
             if interpreting():
                 tiles.pop("PREFETCH", None)  # no L2 to prefetch into; the emulator runs only the dot's PTX

@@ -1,0 +1,222 @@
+"""NVFP4 GEMV on Hopper's tensor cores for 1..8 rows of x: `mma.sync.m16n8k16` (fp16 in, fp32
+accumulate) fed straight from registers, so the decoded weights never pass through shared memory.
+
+Why: the packed-fp16 GEMV (triton_nvfp4._gemv_hfma_kernel) pays one HFMA2 per two weights per row of
+x, so its instructions per weight grow with M (~2.6 at M = 1, ~5.3 at M = 4, two passes at M = 8),
+and NVFP4 decode at C = 8 ran slower than bf16. Here the weights are the mma's A operand (16 weight
+rows x 16 K) and x^T its B operand (16 K x 8 tokens): one decode serves all eight tokens, and the
+multiply-adds cost the tensor cores, not the issue slots.
+
+Layout. An mma's 16 K values are one scale block, so its partial sums take the block scale in one
+fp32 FMA each (acc += partial * scale; the scale never touches the fp16 operands). Lane l = 4g + t
+holds rows g and g + 8 of a 16-row tile; of each block (two words) it takes byte t of both words,
+i.e. codes 2t, 2t + 1 (word 0) and 8 + 2t, 9 + 2t (word 1). Any order of K that A and B share leaves
+the dot product unchanged, so the decode's pairs (c0, c2), (c1, c3) are the A fragment's a0 / a2,
+and x is paired to match: (x[2t], x[8 + 2t]) and (x[2t + 1], x[9 + 2t]). Three `prmt` gather a
+lane's bytes of two blocks into one word, which decodes as in the packed-fp16 GEMV (11 instructions
+for 8 codes, worth code * 2^-14). Each warp takes 4 blocks (32 bytes of every row) per step; the
+warps of a program interleave their steps along K and are summed at the end, so the result is
+deterministic (no atomics).
+
+This relies on Triton giving a 1-D tensor of 32 * num_warps elements one element per thread, element
+i in lane i % 32 of warp i // 32 (its default blocked layout; the [.., 4] loads keep a row in one
+thread). Under Triton's CPU interpreter ninfer.kernels.ptx_emulator runs the PTX with the same lane
+mapping; the CUDA tests check the kernel against the reference on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.pdl import pdl_release, pdl_wait
+from ninfer.kernels.triton_nvfp4 import _F16_UNSCALE, _x_pairs
+
+K_STEP = 64  # codes of every row one warp takes per step: 4 scale blocks, 32 bytes
+
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+_DECODE = """shl.b32 e, {w}, 1; shl.b32 u, {w}, 4; and.b32 u, u, 0x80808080; lop3.b32 e, e, 0x0E0E0E0E, u, 0xEA;
+shr.b32 o, {w}, 3; and.b32 u, {w}, 0x80808080; lop3.b32 o, o, 0x0E0E0E0E, u, 0xEA;
+prmt.b32 {r}0, e, z, 0x1404; prmt.b32 {r}1, e, z, 0x3424; prmt.b32 {r}2, o, z, 0x1404; prmt.b32 {r}3, o, z, 0x3424;"""
+
+
+def _pair_mma_asm(pair: int) -> str:
+    """PTX for two scale blocks (2 pair, 2 pair + 1 of the step) of a 16-row tile against 8 tokens.
+    Outputs $0..$3: acc + partials * scales for D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1].
+    Inputs: $4..$7 row g's four words of the two blocks, $8..$11 row g + 8's; $12 the byte
+    selector t | (t + 4) << 4; $13..$16 x pairs (block 0's b0, block 1's b0, block 0's b1, block 1's
+    b1: _x_pairs' order); $17, $18 the step's scale bytes of rows g and g + 8; $19..$22 acc."""
+    lines = ["{", ".reg .b32 e, o, u, z, p, q, G, H, sc, g<4>, h<4>, s01, s23;", ".reg .b16 c0, c1, c2, c3;",
+             ".reg .f32 d<4>, f, sg0, sh0, sg1, sh1;", "mov.b32 z, 0;", "mov.f32 f, 0f00000000;"]
+    for word, first in (("G", 4), ("H", 8)):  # byte t of each of the four words -> one word of 8 codes
+        lines.append(f"prmt.b32 p, ${first}, ${first + 1}, $12; prmt.b32 q, ${first + 2}, ${first + 3}, $12; "
+                     f"prmt.b32 {word}, p, q, 0x5410;")
+    lines.append(_DECODE.format(w="G", r="g"))  # g0 = (c0, c2) block 0, g1 block 1, g2 = (c1, c3) block 0, g3
+    lines.append(_DECODE.format(w="H", r="h"))
+    # the scales of blocks 2 pair and 2 pair + 1: bytes (g, g + 8) of each -> fp16 pairs -> fp32
+    b = 2 * pair
+    lines.append(f"prmt.b32 sc, $17, $18, {hex(b | (4 + b) << 4 | (b + 1) << 8 | (5 + b) << 12)};")
+    lines.append("mov.b32 {c0, c1}, sc; cvt.rn.f16x2.e4m3x2 s01, c0; cvt.rn.f16x2.e4m3x2 s23, c1;")
+    lines.append("mov.b32 {c0, c1}, s01; mov.b32 {c2, c3}, s23; cvt.f32.f16 sg0, c0; cvt.f32.f16 sh0, c1; "
+                 "cvt.f32.f16 sg1, c2; cvt.f32.f16 sh1, c3;")
+    for blk, (a0, a2, b0, b1, sg, sh) in enumerate((("0", "2", "$13", "$15", "sg0", "sh0"),
+                                                     ("1", "3", "$14", "$16", "sg1", "sh1"))):
+        lines.append(f"{_MMA} {{d0, d1, d2, d3}}, {{g{a0}, h{a0}, g{a2}, h{a2}}}, {{{b0}, {b1}}}, {{f, f, f, f}};")
+        acc = ("$19", "$20", "$21", "$22") if blk == 0 else ("$0", "$1", "$2", "$3")
+        lines.append(f"fma.rn.f32 $0, d0, {sg}, {acc[0]}; fma.rn.f32 $1, d1, {sg}, {acc[1]}; "
+                     f"fma.rn.f32 $2, d2, {sh}, {acc[2]}; fma.rn.f32 $3, d3, {sh}, {acc[3]};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_PAIR_MMA0 = tl.constexpr(_pair_mma_asm(0))
+_PAIR_MMA1 = tl.constexpr(_pair_mma_asm(1))
+
+
+@triton.jit
+def _pair_mma(acc, ws, sel, xs, sgw, shw, PAIR: tl.constexpr):
+    """acc (4 [L] fp32) += blocks 2 PAIR, 2 PAIR + 1 of one row tile. ws: rows g's then g + 8's four
+    words of those blocks; xs: the pair's four x pairs; sgw / shw: the step's scale bytes (int32)."""
+    args = ws + (sel,) + xs + (sgw, shw) + acc
+    if PAIR == 0:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(_PAIR_MMA0, "=f,=f,=f,=f" + ",r" * 15 + ",f" * 4, args,
+                                                   dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(_PAIR_MMA1, "=f,=f,=f,=f" + ",r" * 15 + ",f" * 4, args,
+                                                   dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    return o0, o1, o2, o3
+
+
+@triton.jit
+def _load4(ptr):
+    """16 bytes per lane ([L] int32 pointers) -> four [L] int32 words, in order."""
+    v = tl.load(ptr[:, None] + tl.arange(0, 4)[None, :])
+    a, b = tl.split(tl.reshape(v, [v.shape[0], 2, 2]))
+    w0, w2 = tl.split(a)
+    w1, w3 = tl.split(b)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _load_step(wrows, srows, xrow, xok, kb):
+    """One step's operands for this lane (kb: the step's first scale block): per weight row its 8
+    words (32 bytes, the same for the 4 lanes of a row) and 4 scale bytes as one int32, and token
+    g's x pairs of the 4 blocks (the words 8b + t and 8b + 4 + t: x[16b + 2t ..] and x[16b + 8 + 2t ..])."""
+    words = ()
+    scales = ()
+    for j in tl.static_range(len(wrows)):
+        words = words + _load4(wrows[j] + kb * 2) + _load4(wrows[j] + kb * 2 + 4)
+        scales = scales + (tl.load(srows[j] + kb // 4),)
+    return words, scales, _load_x(xrow, xok, kb)
+
+
+@triton.jit
+def _load_x(xrow, xok, kb):
+    """Token g's x pairs of the step's 4 blocks, in the order _pair_mma takes them per block pair."""
+    xs = ()
+    for pair in tl.static_range(2):
+        b = kb + 2 * pair
+        q0 = tl.load(xrow + b * 8, mask=xok, other=0)
+        q1 = tl.load(xrow + b * 8 + 4, mask=xok, other=0)
+        r0 = tl.load(xrow + b * 8 + 8, mask=xok, other=0)
+        r1 = tl.load(xrow + b * 8 + 12, mask=xok, other=0)
+        xs = xs + _x_pairs(q0, q1, r0, r1)
+    return xs
+
+
+@triton.jit
+def _step_mma(accs, words, scales, xs, sel, TILES: tl.constexpr):
+    """accs (4 per row tile) += one step (4 blocks) of every row tile."""
+    out = ()
+    for i in tl.static_range(TILES):
+        acc = (accs[4 * i], accs[4 * i + 1], accs[4 * i + 2], accs[4 * i + 3])
+        for pair in tl.static_range(2):
+            # row g's words at 16 i, row g + 8's at 16 i + 8; the pair's four at 4 pair
+            ws = (words[16 * i + 4 * pair], words[16 * i + 4 * pair + 1], words[16 * i + 4 * pair + 2],
+                  words[16 * i + 4 * pair + 3], words[16 * i + 4 * pair + 8], words[16 * i + 4 * pair + 9],
+                  words[16 * i + 4 * pair + 10], words[16 * i + 4 * pair + 11])
+            x = (xs[4 * pair], xs[4 * pair + 1], xs[4 * pair + 2], xs[4 * pair + 3])
+            acc = _pair_mma(acc, ws, sel, x, scales[2 * i], scales[2 * i + 1], pair)
+        out = out + acc
+    return out
+
+
+@triton.jit
+def _gemv_mma_kernel(
+    X32, W32, S32, RS, Y,
+    M, N, stride_x32, stride_ym,
+    KW: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """One program per 16 * TILES weight rows and all of K, its WARPS warps interleaving their steps;
+    M <= 8 rows of x (X32: bf16 pairs as int32). W32: rows of KW words; S32: rows of KW / 8 int32
+    (4 scale bytes each); KW a multiple of 8 * WARPS (K of 64 * WARPS)."""
+    pdl_release(USE_PDL)
+    LANES: tl.constexpr = 32 * WARPS
+    STEPS: tl.constexpr = KW // 8 // WARPS
+    idx = tl.arange(0, LANES)
+    lane = idx % 32
+    warp = idx // 32
+    g = lane // 4
+    t = lane % 4
+    sel = t | (t + 4) << 4
+    n0 = tl.program_id(0) * (16 * TILES)
+    wrows = ()
+    srows = ()
+    for i in tl.static_range(TILES):
+        for h in tl.static_range(2):
+            n = n0 + 16 * i + 8 * h + g
+            if not EVEN_N:
+                n = tl.minimum(n, N - 1)  # rows past N read the last row; they are not stored
+            wrows = wrows + (W32 + n.to(tl.int64) * KW,)
+            srows = srows + (S32 + n.to(tl.int64) * (KW // 8),)
+    xok = g < M
+    xrow = X32 + g * stride_x32 + t
+    accs = ()
+    for _i in tl.static_range(4 * TILES):
+        accs = accs + (tl.zeros([LANES], dtype=tl.float32),)
+    kb = warp * 4  # this warp's first step: scale blocks 4 w .. 4 w + 3
+    words = ()
+    scales = ()
+    for j in tl.static_range(2 * TILES):  # the first step's weights before waiting on the kernel before
+        words = words + _load4(wrows[j] + kb * 2) + _load4(wrows[j] + kb * 2 + 4)
+        scales = scales + (tl.load(srows[j] + kb // 4),)
+    pdl_wait(USE_PDL)
+    xs = _load_x(xrow, xok, kb)
+    for step in tl.range(1, STEPS, loop_unroll_factor=2):  # load step `step` while computing step `step - 1`
+        words_next, scales_next, xs_next = _load_step(wrows, srows, xrow, xok, (step * WARPS + warp) * 4)
+        accs = _step_mma(accs, words, scales, xs, sel, TILES)
+        words = words_next
+        scales = scales_next
+        xs = xs_next
+    accs = _step_mma(accs, words, scales, xs, sel, TILES)
+    # sum the warps' steps; lane l = 4 g + t holds rows g, g + 8 and tokens 2t, 2t + 1
+    rl = tl.arange(0, 32)
+    rg = rl // 4
+    tok = 2 * (rl % 4)
+    for i in tl.static_range(TILES):
+        for h in tl.static_range(2):
+            n = n0 + 16 * i + 8 * h + rg
+            rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
+            for c in tl.static_range(2):
+                part = tl.sum(tl.reshape(accs[4 * i + 2 * h + c], [WARPS, 32]), axis=0)
+                tl.store(Y + (tok + c) * stride_ym + n, (part * rs).to(Y.dtype.element_ty),
+                         mask=(tok + c < M) & (n < N))
+
+
+def mma_fits(m: int, k: int, warps: int) -> bool:
+    """Whether the mma GEMV takes this shape: 1..8 rows of x, whole K tiles for every warp."""
+    return 1 <= m <= 8 and k % (K_STEP * warps) == 0
+
+
+def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles: int, warps: int,
+             launch: dict) -> None:
+    """y[:m] = x @ W^T: x32 the bf16 rows of x as int32 pairs, words / sbytes W's codes and scale bytes
+    (contiguous rows), launch: the PDL launch options (ninfer.kernels.pdl)."""
+    if not mma_fits(m, k, warps):
+        raise ValueError(f"the mma GEMV takes 1..8 rows of x and K a multiple of {K_STEP * warps}; got M={m}, K={k}")
+    s32 = sbytes.view(torch.int32)
+    grid = (triton.cdiv(n, 16 * tiles),)
+    _gemv_mma_kernel[grid](x32, words, s32, row_scale, y, m, n, x32.stride(0), y.stride(0), KW=k // 8, TILES=tiles,
+                           WARPS=warps, EVEN_N=n % (16 * tiles) == 0, num_warps=warps, **launch)
