@@ -232,12 +232,14 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
         triton_nvfp4.nvfp4_gemv(torch.zeros(9, k, dtype=torch.bfloat16), *q, config=cfg)
 
 
-def test_gemv_table_takes_tensor_cores_from_three_rows():
+def test_gemv_table_takes_tensor_cores_where_the_packed_fp16_gemv_needs_two_passes():
     from ninfer.kernels import triton_nvfp4 as t
 
-    assert t._gemv_config(1, 5120, 5120)["kind"] == t._gemv_config(2, 5120, 5120)["kind"] == "hfma"
-    assert all(t._gemv_config(m, 34816, 5120)["kind"] == "mma" for m in range(t.MMA_MIN_M, 9))
-    assert t._gemv_config(4, 40, 528)["kind"] == "hfma"  # K not whole steps of every warp
+    assert t.MMA_MIN_M == t.HFMA_ROWS_PER_PASS + 1
+    assert all(t._gemv_config(m, 5120, 5120)["kind"] == "hfma" for m in range(1, t.MMA_MIN_M))
+    assert all(t._gemv_config(m, 34816, 5120) == dict(kind="mma", TILES=2, WARPS=8) for m in range(t.MMA_MIN_M, 9))
+    assert t._gemv_config(8, 512, 768)["WARPS"] == 4  # K = 768: whole steps of 4 warps, not of 8
+    assert t._gemv_config(8, 40, 528)["kind"] == "hfma"  # K not whole steps of every warp
     assert t._gemv_config(9, 5120, 5120)["kind"] == "dot"
 
 

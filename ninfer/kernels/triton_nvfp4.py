@@ -61,11 +61,12 @@ HFMA_MAX_M = 8
 # Rows of x per packed-fp16 pass: M = 5..8 runs two passes over the weight (rows 0-3, then the
 # rest), which on the H200 still beats the tensor-core kernel.
 HFMA_ROWS_PER_PASS = 4
-# From this many rows of x (and whole 64 * MMA_WARPS K steps) the register-fed tensor-core GEMV
-# (triton_nvfp4_mma) runs instead: one decode for all rows; MMA_TILES 16-row tiles per program.
-MMA_MIN_M = 3
-MMA_TILES = 4
-MMA_WARPS = 4
+# From this many rows of x the register-fed tensor-core GEMV (triton_nvfp4_mma) runs instead, where
+# the packed-fp16 GEMV would take two passes: on the H200 the five 27B GEMVs at M = 8 take 234 us
+# against 344, at M = 4 206 against 174, at M = 1 176 against 103 (bench/results/2026-11-30-h200-s8).
+# Two 16-row tiles per program; 8 warps splitting K where K is whole steps of 8 warps (512), else 4.
+MMA_MIN_M = 5
+MMA_TILES = 2
 # Its K loop unrolled twice: the prefetched registers swap roles instead of being copied each step.
 HFMA_UNROLL = tl.constexpr(2)
 _SCALE_UP = tl.constexpr(2.0**120)  # E4M3 bits << 20 read as fp32 = scale * 2^-120
@@ -559,8 +560,8 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
     fastest tiles (bench/results/2026-11-30-h200-s4, and -s7 for the L2 prefetch distances at
     M = 1, 2). Few rows (N < 8192, e.g. 5120) want wide steps or prefetch to keep bytes in flight;
     prefetch pays only with long rows (K >= 4096), never at M >= 3."""
-    if MMA_MIN_M <= m <= HFMA_MAX_M and k % (64 * MMA_WARPS) == 0:  # tensor cores: triton_nvfp4_mma
-        return dict(kind="mma", TILES=MMA_TILES, WARPS=MMA_WARPS)
+    if MMA_MIN_M <= m <= HFMA_MAX_M and k % 256 == 0:  # tensor cores: triton_nvfp4_mma
+        return dict(kind="mma", TILES=MMA_TILES, WARPS=8 if k % 512 == 0 else 4)
     return _hfma_config(m, n, k)
 
 
