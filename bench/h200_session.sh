@@ -78,7 +78,7 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
         --deadline $(( $(left) - 20 )) --hf-reserve 60 > $out/qwen35b_gpu_decode.log 2>&1 ;;
     pytest_mma)  # the tensor-core NVFP4 GEMV against the reference (every sweep tile), the NVFP4 kernel checks
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py \
-        -k "mma or kernels_on_cuda or greedy" > $out/pytest_mma.log 2>        -k "mma or kernels_on_cuda" > $out/pytest_mma.log 2>&1 ;;1 ;;
+        -k "mma or kernels_on_cuda or greedy" > $out/pytest_mma.log 2>&1 ;;
     sweep_mma)  # the tensor-core NVFP4 GEMV tiles against the packed-fp16 one at M = 1, 2, 4, 8 (27B shapes)
       timeout $(( $(left) - 10 )) python3 -m ninfer.kernels.selfcheck_nvfp4 --sweep-mma --out $out/nvfp4_mma.json \
         > $out/nvfp4_mma.log 2>&1 ;;
