@@ -19,8 +19,8 @@ In order, in this one process:
    (chunked prefill at the engine's default prefill_chunk, full chunks replayed from the prefill CUDA graph as in the engine, then the first token sampled and read back) and
    prefill tok/s at 1k and 8k prompts (8k also as one chunk, and eagerly chunked), 32k when the
    --deadline leaves time for it (else a `skipped` line with the reason); TTFT of prompts shorter
-   than a chunk (100, 960, 1000 tokens: power-of-two pieces from their graphs where the runner takes
-   pieces (CUDA default: at most 5; 1000 has 6 and runs as one eager forward), then also the eager
+   than a chunk (100, 520, 960 tokens: power-of-two pieces from their graphs where the runner takes
+   pieces (runner.takes_pieces: 100 and 520 do, 960 runs as one eager forward), then also the eager
    forward for comparison; NINFER_PREFILL_PIECES=0: eager only); peak GPU memory.
 3. transformers: Qwen3_5ForCausalLM (or the MoE class) built on the device in bf16 with random
    weights from the same HF-style config dict, sdpa attention (its default), default cache (fla's
@@ -521,7 +521,7 @@ def main() -> None:
     else:
         args.model = args.shape
         args.prompts, args.long_prompt = [1024, 8192], (None if args.no_long else 32768)
-        args.short_prompts = [100, 960, 1000]
+        args.short_prompts = [100, 520, 960]
         args.decode_prompt, args.decode_steps, args.decode_warmup = 128, 32, 3
         args.hf_new_tokens, args.prefill_reps, args.prefill_chunk = 24, 2, None
         copy_bytes, gemm_n = 4 << 30, 8192

@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from ninfer.artifact.presets import get_preset, instantiate
-from ninfer.engine.runner import MAX_PIECES, PIECES_ENV, ModelRunner, piece_sizes, split_tokens, takes_pieces
+from ninfer.engine.runner import (
+    LONG_PIECE,
+    MAX_PIECES,
+    MAX_PIECES_LONG,
+    PIECES_ENV,
+    ModelRunner,
+    piece_sizes,
+    split_tokens,
+    takes_pieces,
+)
 
 
 def test_piece_sizes_are_the_powers_of_two_below_the_chunk():
@@ -35,11 +44,13 @@ def test_a_prefill_past_the_pieces_is_refused():
         split_tokens(16, piece_sizes(16))  # a whole chunk is the chunk graph's, never pieces
 
 
-@pytest.mark.parametrize(("n", "pieces"), [(100, True), (31, True), (960, True), (1000, False), (63, False),
-                                           (1, False), (1024, False), (1023, False)])
+@pytest.mark.parametrize(("n", "pieces"), [(100, True), (31, True), (496, True), (511, False), (63, False),
+                                           (520, True), (768, True), (960, False), (1000, False), (1, False),
+                                           (1024, False), (1023, False)])
 def test_many_pieces_run_as_one_forward(n, pieces):
-    """A piece reads every weight once: more than MAX_PIECES of them cost more than one eager forward."""
-    assert MAX_PIECES == 5
+    """A piece reads every weight once: more than MAX_PIECES of them cost more than one eager forward,
+    and from LONG_PIECE tokens (a compute-bound piece) more than MAX_PIECES_LONG."""
+    assert (MAX_PIECES, LONG_PIECE, MAX_PIECES_LONG) == (5, 512, 2)
     assert takes_pieces(n, 1024) is pieces
 
 

@@ -13,7 +13,7 @@ shorter than the chunk (most prompts, and every prompt's last chunk) is cut into
 (its binary digits: 100 = 64 + 32 + 4) and each piece replays a graph captured for that size (one
 token: the decode graph), instead of one eager forward whose ~2,500 kernel launches cost the host
 more than the GPU work of a short prompt. Each piece reads every weight once, so a prefill of more
-than MAX_PIECES pieces runs as one eager forward. The cut does not depend on whether graphs exist,
+than MAX_PIECES pieces (MAX_PIECES_LONG from LONG_PIECE tokens) runs as one eager forward. The cut does not depend on whether graphs exist,
 so --no-cuda-graph still computes exactly what the graphs compute.
 
 Sampling: on CUDA the fused Triton sampler (ninfer.kernels.triton_sampler) when it draws the torch
@@ -42,10 +42,14 @@ from ninfer.models.batch import ForwardBatch, ModelCache
 log = logging.getLogger("ninfer.engine")
 PIECES_ENV = "NINFER_PREFILL_PIECES"
 # At most this many pieces per prefill: a piece costs about one read of the weights (27B bf16 on the
-# H200: ~15-18 ms for up to ~128 tokens) where one eager forward of a short prompt costs ~110-120 ms
-# of launches; measured there, 100 tokens (3 pieces) 56 ms vs 119 eager, 1000 tokens (6 pieces,
-# three of them compute-bound) 155 ms vs 112 eager (bench/results/2026-11-30-h200-s8).
+# H200: ~18 ms for up to ~200 tokens) where one eager forward of a short prompt costs ~110-150 ms of
+# launches. From LONG_PIECE tokens on, the biggest piece is compute-bound by itself, so every further
+# piece is a weight read the eager forward does not pay: at most MAX_PIECES_LONG pieces there. Measured
+# (bench/results/2026-11-30-h200-s8): 100 tokens (3 pieces) 55 ms vs 150 eager; 960 (4 pieces) 115 vs
+# 104; 1000 (6 pieces) 155 vs 112.
 MAX_PIECES = 5
+LONG_PIECE = 512
+MAX_PIECES_LONG = 2
 
 
 def piece_sizes(chunk: int) -> list[int]:
@@ -70,8 +74,8 @@ def split_tokens(n: int, sizes: list[int]) -> list[int]:
 
 def takes_pieces(n: int, chunk: int) -> bool:
     """Whether a one-sequence prefill of n tokens runs as pieces: shorter than a chunk, more than one
-    token, at most MAX_PIECES of them."""
-    return 1 < n < chunk and bin(n).count("1") <= MAX_PIECES
+    token, at most MAX_PIECES of them (MAX_PIECES_LONG from LONG_PIECE tokens on)."""
+    return 1 < n < chunk and bin(n).count("1") <= (MAX_PIECES if n < LONG_PIECE else MAX_PIECES_LONG)
 
 
 class ModelRunner:
