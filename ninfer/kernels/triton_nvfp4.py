@@ -4,13 +4,16 @@ scale), for Hopper, which has no FP4 tensor cores: weights are decoded in regist
 
 Regimes (chosen by M, which a CUDA graph fixes, so every launch depends on shapes only; no host
 syncs, no data-dependent allocation):
-- M <= 8 (decode of up to eight streams): `_gemv_hfma_kernel`, CUDA cores with packed fp16
+- M <= 4 (decode of up to four streams): `_gemv_hfma_kernel`, CUDA cores with packed fp16
   arithmetic (inline PTX; bf16 x), below. Each program owns 4-16 weight rows and walks all of K,
-  one 16-weight scale block per thread and row per step, decoded once for up to four rows of x;
-  M = 5..8 takes two passes. Elsewhere (fp32 x, or no GPU and no interpreter) one row runs
-  `_gemv_fma_kernel`, which decodes to fp32, and more rows the tensor-core kernel. Under Triton's
-  CPU interpreter the PTX runs through ninfer.kernels.ptx_emulator.
-- 8 < M <= 16: `_gemv_dot_kernel`, tensor cores: the decoded, scaled tile (exact in bf16) @ x^T.
+  one 16-weight scale block per thread and row per step, decoded once for up to four rows of x.
+  Elsewhere (fp32 x, or no GPU and no interpreter) one row runs `_gemv_fma_kernel`, which decodes
+  to fp32, and more rows the tensor-core kernel. Under Triton's CPU interpreter the PTX runs
+  through ninfer.kernels.ptx_emulator.
+- 5 <= M <= 8 with K a multiple of 256: ninfer.kernels.triton_nvfp4_mma, tensor cores fed from
+  registers (one decode for all rows); otherwise the packed-fp16 GEMV in two passes.
+- 8 < M <= 16: `_gemv_dot_kernel`, tensor cores through shared memory: the decoded, scaled tile
+  (exact in bf16) @ x^T.
 - M > 16 (prefill, compute-bound): `_dequant_kernel` writes the weight in x.dtype to a scratch
   tensor, then torch's matmul (cuBLAS). Simpler than an in-kernel dequantizing GEMM; on the H200 the
   27B shapes at M = 1024 run at ~0.78x of bf16 F.linear (dequantize ~3.4 TB/s + cuBLAS).
@@ -55,11 +58,11 @@ from ninfer.kernels.triton_compat import fix_interpreter, interpreting
 fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
 
 GEMV_MAX_M = 16
-# Rows of x up to which the packed-fp16 GEMV (each word decoded once, then multiplied with every row)
-# runs rather than the tensor-core kernel.
+# Rows of x up to which the register-fed kernels (packed fp16, or from MMA_MIN_M the mma GEMV) run
+# rather than the shared-memory tensor-core kernel.
 HFMA_MAX_M = 8
-# Rows of x per packed-fp16 pass: M = 5..8 runs two passes over the weight (rows 0-3, then the
-# rest), which on the H200 still beats the tensor-core kernel.
+# Rows of x per packed-fp16 pass: where the mma GEMV cannot run (K not whole 256-code steps), M = 5..8
+# takes two passes over the weight (rows 0-3, then the rest), which still beats the dot kernel.
 HFMA_ROWS_PER_PASS = 4
 # From this many rows of x the register-fed tensor-core GEMV (triton_nvfp4_mma) runs instead, where
 # the packed-fp16 GEMV would take two passes: on the H200 the five 27B GEMVs at M = 8 take 234 us
