@@ -476,6 +476,8 @@ def summary(args, ceil) -> None:
         goals["nvfp4_b1_ge_3x_bf16"] = {"value": n4[1] / nd[1], "met": n4[1] / nd[1] >= 3}
     else:
         goals["nvfp4_b1_ge_3x_bf16"] = {"value": None, "met": False, "reason": "bf16 and nvfp4 not both measured"}
+    if args.model != "qwen3.6-27b":  # the issue's goals are stated for the 27B shape
+        goals = {"applies": False, "reason": "the issue-10 goals are defined on qwen3.6-27b", "would_be": goals}
     emit(kind="summary", shape=args.model, kv_dtype=args.kv_dtype, nvfp4_lm_head=args.nvfp4_lm_head,
          copy_gbps=ceil.get("copy_gbps"), gemm_tflops=ceil.get("gemm_tflops"), formats=per_format,
          hf_peak_bytes=RESULTS.get("hf_peak_bytes"), goals=goals, total_wall_s=elapsed())

@@ -26,7 +26,9 @@ def test_gpu_decode_quick_runs_both_weight_formats():
     assert modes == {"greedy", "sampled", "sampled_eager_sampler"}
     summary = next(r for r in records if r["kind"] == "summary")
     assert set(summary["formats"]) == {"bf16", "nvfp4"}
-    assert summary["goals"]["nvfp4_b1_ge_3x_bf16"]["value"] is not None
+    # the goals are stated for qwen3.6-27b: on the tiny quick shape they are computed but marked so
+    assert summary["goals"]["applies"] is False
+    assert summary["goals"]["would_be"]["nvfp4_b1_ge_3x_bf16"]["value"] is not None
 
 
 def test_gpu_engine_quick_reports_both_sampling_modes():
