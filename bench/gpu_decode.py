@@ -410,6 +410,13 @@ def hf_bench(args, device, dtype, ceil: dict) -> None:
     prompts = args.prompts + ([args.long_prompt] if args.long_prompt else [])
     for n in prompts:
         reps = args.prefill_reps if n <= args.prompts[-1] else 1
+        last = str(args.prompts[-1])
+        if n > args.prompts[-1] and last in hf_prefill:  # the long prompt: only if it fits before the deadline
+            est = n / hf_prefill[last] * (n / args.prompts[-1]) + 5  # attention grows with n^2: a generous bound
+            if est > args.deadline - elapsed():
+                emit(kind="skipped", what=f"transformers prefill {n}", reason=f"time budget: estimated {est:.0f} s > "
+                     f"{args.deadline - elapsed():.0f} s left before the deadline (--deadline {args.deadline})")
+                continue
         inp = ids(1, n)
         times = [fwd(inp) for _ in range(reps)]
         best = min(times)
@@ -504,8 +511,9 @@ def main() -> None:
                     help="also time decode with the shape's non-thinking sampler preset (Qwen: temperature 0.7, "
                          "top-p 0.8, top-k 20, presence penalty 1.5): the full sampler instead of the greedy argmax")
     ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8", "int8"], help="ninfer KV-cache storage")
-    ap.add_argument("--long-formats", nargs="*", default=["bf16"],
-                    help="weight formats that also run the 32k prompt (time budget)")
+    ap.add_argument("--long-formats", nargs="*", default=["bf16", "nvfp4"],
+                    help="weight formats that also run the 32k prompt (each skipped with a line when the --deadline "
+                         "leaves no time for it)")
     args = ap.parse_args()
     if args.nvfp4_lm_head and "nvfp4" not in args.weights:
         ap.error("--nvfp4-lm-head needs nvfp4 in --weights")

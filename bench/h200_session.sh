@@ -74,7 +74,7 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       timeout 330 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights bf16 nvfp4 --deadline 300 \
         --hf-reserve 80 > $out/qwen27b_gpu_decode.log 2>&1 ;;
     bench35)
-      timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 nvfp4 --no-long \
+      timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-35b-a3b --weights bf16 nvfp4 \
         --deadline $(( $(left) - 20 )) --hf-reserve 60 > $out/qwen35b_gpu_decode.log 2>&1 ;;
     pytest_mma)  # the tensor-core NVFP4 GEMV against the reference (every sweep tile), the NVFP4 kernel checks
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py \
