@@ -198,7 +198,7 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
     lm_head = "nvfp4" if weights == "nvfp4" and args.nvfp4_lm_head else "bf16"
     emit(kind="ninfer_setup", shape=args.model, weights=weights, lm_head=lm_head, kv_dtype=args.kv_dtype,
          dtype=str(dtype).removeprefix("torch."), build_s=build_s,
-         capture_s=capture_s, graph_status=runner.graph_status, sampler=runner.sampler_status,
+         capture_s=capture_s, graph_status=runner.graph_status, sampler=runner.sampler_status, nvfp4_gemv=runner.nvfp4_status,
          prefill_pieces=bool(runner.prefill_pieces),
          backends=backend.describe(device.type),
          weights_allocated_bytes=weights_alloc, prefill_chunk=chunk, **ws, **roof)

@@ -232,6 +232,24 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
         triton_nvfp4.nvfp4_gemv(torch.zeros(9, k, dtype=torch.bfloat16), *q, config=cfg)
 
 
+@needs_interpreter
+def test_mma_start_up_check(monkeypatch):
+    """The runner's start-up check (triton_nvfp4.use_mma): it passes where the kernel agrees with the
+    reference (here under the interpreter); a failing check, or NINFER_NVFP4_MMA=0, leaves the
+    packed-fp16 GEMV for every M and says why."""
+    from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
+
+    assert triton_nvfp4_mma.check_against_reference(torch.device("cpu")) is None
+    monkeypatch.setattr(triton_nvfp4, "MMA_ENABLED", True)
+    assert triton_nvfp4.use_mma(torch.device("cpu")) == "tensor cores from 5 rows"
+    assert triton_nvfp4._gemv_config(8, 5120, 5120)["kind"] == "mma"
+    monkeypatch.setattr(triton_nvfp4_mma, "check_against_reference", lambda device: "max error 1 over the bound 0.1")
+    status = triton_nvfp4.use_mma(torch.device("cpu"))
+    assert "failed its check: max error 1" in status and not triton_nvfp4.MMA_ENABLED
+    assert triton_nvfp4._gemv_config(8, 5120, 5120)["kind"] == "hfma"
+    assert triton_nvfp4.use_mma(torch.device("cpu")).startswith("packed fp16 only")  # stays off, no re-check
+
+
 def test_gemv_table_takes_tensor_cores_where_the_packed_fp16_gemv_needs_two_passes():
     from ninfer.kernels import triton_nvfp4 as t
 

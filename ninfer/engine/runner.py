@@ -115,6 +115,9 @@ class ModelRunner:
         self.fused_sampler = False
         self.sampler_status = self._choose_sampler()
         log.info("sampler: %s", self.sampler_status)
+        self.nvfp4_status = self._choose_nvfp4_gemv()
+        if self.nvfp4_status:
+            log.info("NVFP4 GEMV: %s", self.nvfp4_status)
         if self.device.type != "cuda":
             self.graph_status = "off: not a CUDA device"
         elif not cuda_graphs:
@@ -154,6 +157,17 @@ class ModelRunner:
             return f"torch (fused sampler failed its check: {problem})"
         self.fused_sampler = True
         return "fused Triton kernels"
+
+    def _choose_nvfp4_gemv(self) -> str | None:
+        """With NVFP4 weights on CUDA: whether the tensor-core GEMV passes its check on this device
+        (once, before any graph is captured); None without NVFP4 weights."""
+        from ninfer.quant.nvfp4 import NVFP4Linear
+
+        if not use_triton(self.device) or not any(isinstance(m, NVFP4Linear) for m in self.model.modules()):
+            return None
+        from ninfer.kernels.triton_nvfp4 import use_mma
+
+        return use_mma(self.device)
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:

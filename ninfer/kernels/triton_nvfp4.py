@@ -70,6 +70,8 @@ HFMA_ROWS_PER_PASS = 4
 # Two 16-row tiles per program; 8 warps splitting K where K is whole steps of 8 warps (512), else 4.
 MMA_MIN_M = 5
 MMA_TILES = 2
+# Off when NINFER_NVFP4_MMA=0 or when its start-up check failed (use_mma below; the runner calls it).
+MMA_ENABLED = os.environ.get("NINFER_NVFP4_MMA", "1") != "0"
 # Its K loop unrolled twice: the prefetched registers swap roles instead of being copied each step.
 HFMA_UNROLL = tl.constexpr(2)
 _SCALE_UP = tl.constexpr(2.0**120)  # E4M3 bits << 20 read as fp32 = scale * 2^-120
@@ -563,9 +565,25 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
     fastest tiles (bench/results/2026-11-30-h200-s4, and -s7 for the L2 prefetch distances at
     M = 1, 2). Few rows (N < 8192, e.g. 5120) want wide steps or prefetch to keep bytes in flight;
     prefetch pays only with long rows (K >= 4096), never at M >= 3."""
-    if MMA_MIN_M <= m <= HFMA_MAX_M and k % 256 == 0:  # tensor cores: triton_nvfp4_mma
+    if MMA_ENABLED and MMA_MIN_M <= m <= HFMA_MAX_M and k % 256 == 0:  # tensor cores: triton_nvfp4_mma
         return dict(kind="mma", TILES=MMA_TILES, WARPS=8 if k % 512 == 0 else 4)
     return _hfma_config(m, n, k)
+
+
+def use_mma(device: torch.device) -> str:
+    """Decide once, before graphs are captured, whether the tensor-core GEMV serves on `device`:
+    its start-up check against the reference (triton_nvfp4_mma.check_against_reference). Returns
+    a status line for the log."""
+    global MMA_ENABLED
+    if not MMA_ENABLED:
+        return "packed fp16 only (NINFER_NVFP4_MMA=0 or an earlier failed check)"
+    from ninfer.kernels.triton_nvfp4_mma import check_against_reference
+
+    problem = check_against_reference(device)
+    if problem is not None:
+        MMA_ENABLED = False
+        return f"packed fp16 only (the tensor-core GEMV failed its check: {problem})"
+    return f"tensor cores from {MMA_MIN_M} rows"
 
 
 def _hfma_config(m: int, n: int, k: int) -> dict:

@@ -220,3 +220,31 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
     grid = (triton.cdiv(n, 16 * tiles),)
     _gemv_mma_kernel[grid](x32, words, s32, row_scale, y, m, n, x32.stride(0), y.stride(0), KW=k // 8, TILES=tiles,
                            WARPS=warps, EVEN_N=n % (16 * tiles) == 0, num_warps=warps, **launch)
+
+
+def check_against_reference(device: torch.device) -> str | None:
+    """The kernel beside the dequantized reference on one fixed problem on `device` (8 rows of x,
+    ragged N, the table's tile): None when it agrees, else why not. The runner calls this at
+    start-up, before capturing graphs, when the model has NVFP4 weights: the lane layout the kernel
+    assumes is Triton's, so a Triton that lays 1-D tensors out otherwise must not serve from it."""
+    from ninfer.kernels.pdl import pdl_launch
+    from ninfer.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(99)
+        n, k, m = 80, 1024, 8
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(device)
+        packed, scale, row_scale = quantize_nvfp4(w)
+        x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+        want = x.float() @ dequantize_nvfp4(packed, scale, row_scale).T
+        got = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+        words = packed.contiguous().view(torch.int32)
+        gemv_mma(x.view(torch.int32), words, scale.view(torch.uint8).contiguous(), row_scale, got, m, n, k,
+                 tiles=2, warps=8, launch=pdl_launch(x.device))
+        err = (got.float() - want).abs().max().item()
+        bound = 2**-8 * want.abs().max().item()
+    except Exception as exc:  # a Triton build that cannot compile it: the packed-fp16 GEMV runs
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if not err <= bound:
+        return f"max error {err:.3g} over the bound {bound:.3g}"
+    return None
