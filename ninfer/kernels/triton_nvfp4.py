@@ -329,6 +329,18 @@ and.b32 c, $6, 0xFFFF0000; and.b32 d, $7, 0xFFFF0000; cvt.rn.satfinite.f16x2.f32
 """)
 
 
+def decode_word_ptx(word: str, regs: list[str]) -> list[str]:
+    """PTX lines turning the int32 `word` (8 codes) into 4 fp16 pairs (c0, c2), (c4, c6), (c1, c3),
+    (c5, c7) in `regs`, each worth code * 2^-14; scratch registers e, o, u and z (= 0) declared by the
+    caller. e: the even codes (0, 2, 4, 6: each byte's low nibble) as bytes sign << 7 | magnitude << 1,
+    o: the odd codes likewise; each byte becomes the high byte of an fp16 (zero low bytes from z)."""
+    return [f"shl.b32 e, {word}, 1; shl.b32 u, {word}, 4; and.b32 u, u, 0x80808080; "
+            f"lop3.b32 e, e, 0x0E0E0E0E, u, 0xEA;",
+            f"shr.b32 o, {word}, 3; and.b32 u, {word}, 0x80808080; lop3.b32 o, o, 0x0E0E0E0E, u, 0xEA;",
+            f"prmt.b32 {regs[0]}, e, z, 0x1404; prmt.b32 {regs[1]}, e, z, 0x3424; "
+            f"prmt.b32 {regs[2]}, o, z, 0x1404; prmt.b32 {regs[3]}, o, z, 0x3424;"]
+
+
 def _block_dot_asm(rows: int) -> str:
     """PTX for one 16-weight block (two words) against `rows` rows of x: the block's 8 code pairs
     decoded once, then per row one HMUL2 + seven HFMA2 and the fp32 sum of the two halves.
@@ -336,16 +348,7 @@ def _block_dot_asm(rows: int) -> str:
     (x0, x2), (x4, x6), (x1, x3), (x5, x7): the first word's columns, then the second's."""
     lines = ["{", ".reg .b32 t<8>, e, o, u, z;", ".reg .f16 lo, hi;", "mov.b32 z, 0;"]
     for w in range(2):
-        word = f"${rows + w}"
-        # e: the even codes (0, 2, 4, 6: each byte's low nibble) as bytes sign << 7 | magnitude << 1,
-        # o: the odd codes likewise; each byte is the high byte of an fp16 worth code * 2^-14
-        lines.append(f"shl.b32 e, {word}, 1; shl.b32 u, {word}, 4; and.b32 u, u, 0x80808080; "
-                     f"lop3.b32 e, e, 0x0E0E0E0E, u, 0xEA;")
-        lines.append(f"shr.b32 o, {word}, 3; and.b32 u, {word}, 0x80808080; lop3.b32 o, o, 0x0E0E0E0E, u, 0xEA;")
-        # bytes to fp16 pairs (zero low bytes from z): (c0, c2), (c4, c6), (c1, c3), (c5, c7)
-        t = [f"t{4 * w + i}" for i in range(4)]
-        lines.append(f"prmt.b32 {t[0]}, e, z, 0x1404; prmt.b32 {t[1]}, e, z, 0x3424; "
-                     f"prmt.b32 {t[2]}, o, z, 0x1404; prmt.b32 {t[3]}, o, z, 0x3424;")
+        lines += decode_word_ptx(f"${rows + w}", [f"t{4 * w + i}" for i in range(4)])
     for r in range(rows):
         x = [f"${rows + 2 + 8 * r + j}" for j in range(8)]
         lines.append(" ".join([f"mul.rn.f16x2 u, t0, {x[0]};"] + [f"fma.rn.f16x2 u, t{j}, {x[j]}, u;" for j in range(1, 8)]))

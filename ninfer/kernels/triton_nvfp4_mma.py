@@ -31,14 +31,11 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.pdl import pdl_release, pdl_wait
-from ninfer.kernels.triton_nvfp4 import _F16_UNSCALE, _x_pairs
+from ninfer.kernels.triton_nvfp4 import _F16_UNSCALE, _x_pairs, decode_word_ptx
 
 K_STEP = 64  # codes of every row one warp takes per step: 4 scale blocks, 32 bytes
 
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-_DECODE = """shl.b32 e, {w}, 1; shl.b32 u, {w}, 4; and.b32 u, u, 0x80808080; lop3.b32 e, e, 0x0E0E0E0E, u, 0xEA;
-shr.b32 o, {w}, 3; and.b32 u, {w}, 0x80808080; lop3.b32 o, o, 0x0E0E0E0E, u, 0xEA;
-prmt.b32 {r}0, e, z, 0x1404; prmt.b32 {r}1, e, z, 0x3424; prmt.b32 {r}2, o, z, 0x1404; prmt.b32 {r}3, o, z, 0x3424;"""
 
 
 def _pair_mma_asm(pair: int) -> str:
@@ -52,8 +49,8 @@ def _pair_mma_asm(pair: int) -> str:
     for word, first in (("G", 4), ("H", 8)):  # byte t of each of the four words -> one word of 8 codes
         lines.append(f"prmt.b32 p, ${first}, ${first + 1}, $12; prmt.b32 q, ${first + 2}, ${first + 3}, $12; "
                      f"prmt.b32 {word}, p, q, 0x5410;")
-    lines.append(_DECODE.format(w="G", r="g"))  # g0 = (c0, c2) block 0, g1 block 1, g2 = (c1, c3) block 0, g3
-    lines.append(_DECODE.format(w="H", r="h"))
+    lines += decode_word_ptx("G", [f"g{i}" for i in range(4)])  # g0 = (c0, c2) block 0, g1 block 1, g2 = (c1, c3) block 0
+    lines += decode_word_ptx("H", [f"h{i}" for i in range(4)])
     # the scales of blocks 2 pair and 2 pair + 1: bytes (g, g + 8) of each -> fp16 pairs -> fp32
     b = 2 * pair
     lines.append(f"prmt.b32 sc, $17, $18, {hex(b | (4 + b) << 4 | (b + 1) << 8 | (5 + b) << 12)};")
