@@ -13,8 +13,9 @@ shorter than the chunk (most prompts, and every prompt's last chunk) is cut into
 (its binary digits: 100 = 64 + 32 + 4) and each piece replays a graph captured for that size (one
 token: the decode graph), instead of one eager forward whose ~2,500 kernel launches cost the host
 more than the GPU work of a short prompt. Each piece reads every weight once, so a prefill of more
-than MAX_PIECES pieces (MAX_PIECES_LONG from LONG_PIECE tokens) runs as one eager forward. The cut does not depend on whether graphs exist,
-so --no-cuda-graph still computes exactly what the graphs compute.
+than MAX_PIECES pieces (MAX_PIECES_LONG from LONG_PIECE tokens) runs as one eager forward. The cut
+does not depend on whether graphs exist, so --no-cuda-graph still computes exactly what the graphs
+compute.
 
 Sampling: on CUDA the fused Triton sampler (ninfer.kernels.triton_sampler) when it draws the torch
 sampler's tokens in a start-up check on this device, else the torch sampler (ninfer.engine.sampler).
