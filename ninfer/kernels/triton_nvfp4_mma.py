@@ -224,7 +224,7 @@ def check_against_reference(device: torch.device) -> str | None:
     ragged N, the table's tile): None when it agrees, else why not. The runner calls this at
     start-up, before capturing graphs, when the model has NVFP4 weights: the lane layout the kernel
     assumes is Triton's, so a Triton that lays 1-D tensors out otherwise must not serve from it."""
-    from ninfer.kernels.pdl import pdl_launch
+    from ninfer.kernels.triton_nvfp4 import nvfp4_gemv
     from ninfer.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
     try:
@@ -234,10 +234,7 @@ def check_against_reference(device: torch.device) -> str | None:
         packed, scale, row_scale = quantize_nvfp4(w)
         x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
         want = x.float() @ dequantize_nvfp4(packed, scale, row_scale).T
-        got = torch.empty(m, n, dtype=torch.bfloat16, device=device)
-        words = packed.contiguous().view(torch.int32)
-        gemv_mma(x.view(torch.int32), words, scale.view(torch.uint8).contiguous(), row_scale, got, m, n, k,
-                 tiles=2, warps=8, launch=pdl_launch(x.device))
+        got = nvfp4_gemv(x, packed, scale, row_scale, config=dict(kind="mma", TILES=2, WARPS=8))
         err = (got.float() - want).abs().max().item()
         bound = 2**-8 * want.abs().max().item()
     except Exception as exc:  # a Triton build that cannot compile it: the packed-fp16 GEMV runs
