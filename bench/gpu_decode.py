@@ -19,8 +19,8 @@ In order, in this one process:
    (chunked prefill at the engine's default prefill_chunk, full chunks replayed from the prefill CUDA graph as in the engine, then the first token sampled and read back) and
    prefill tok/s at 1k and 8k prompts (8k also as one chunk, and eagerly chunked), 32k when the
    --deadline leaves time for it (else a `skipped` line with the reason); TTFT of prompts shorter
-   than a chunk (100, 520, 960 tokens: power-of-two pieces from their graphs where the runner takes
-   pieces (runner.takes_pieces: 100 and 520 do, 960 runs as one eager forward), then also the eager
+   than a chunk (100, 300, 520, 700, 960 tokens, by the runner's prefill plan: runner.prefill_plan,
+   e.g. 100 -> the 128-token graph padded, 520 -> 512 + 8, 960 -> the chunk's graph padded), then the eager
    forward for comparison; NINFER_PREFILL_PIECES=0: eager only); peak GPU memory.
 3. transformers: Qwen3_5ForCausalLM (or the MoE class) built on the device in bf16 with random
    weights from the same HF-style config dict, sdpa attention (its default), default cache (fla's
@@ -155,7 +155,7 @@ def prefill_flops(cfg: dict, matmul_params: float, tokens: int) -> float:
 def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: float, weights: str = "bf16") -> None:
     from ninfer.artifact.presets import get_preset, instantiate
     from ninfer.engine.engine import EngineSettings
-    from ninfer.engine.runner import ModelRunner
+    from ninfer.engine.runner import ModelRunner, prefill_plan
     from ninfer.kernels import backend
     from ninfer.models import prepare_for_inference_
 
@@ -272,7 +272,7 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
     base_page = lanes * lane_pages
     prefill_res = {}
 
-    def run_prefill(n: int, step: int, reps: int, label: str, forward=runner.forward) -> dict:
+    def run_prefill(n: int, step: int, reps: int, label: str, forward=runner.forward, **extra) -> dict:
         times = []
         replays0 = runner.prefill_replays
         for r in range(reps):
@@ -288,7 +288,7 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
         rec = emit(kind="ninfer_prefill", shape=args.model, weights=weights, label=label, prompt_tokens=n, chunk=step, reps=reps,
                    ttft_s=ttft, ttft_s_all=[round(x, 4) for x in times], prefill_tok_s=n / ttft,
                    graph_chunks=runner.prefill_replays - replays0,
-                   tflops=flops / ttft / 1e12, fraction_of_gemm=flops / ttft / 1e12 / ceil["gemm_tflops"])
+                   tflops=flops / ttft / 1e12, fraction_of_gemm=flops / ttft / 1e12 / ceil["gemm_tflops"], **extra)
         prefill_res[label] = rec
         return rec
 
@@ -301,8 +301,9 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
         run_prefill(n8, n8, args.prefill_reps, f"{n8}-one-chunk")
         if runner.prefill_graph is not None:  # the same chunks without the prefill graph
             run_prefill(n8, chunk, args.prefill_reps, f"{n8}-eager", runner.forward_eager)
-    for n in args.short_prompts:  # shorter than a chunk: pieces (runner.takes_pieces) or one eager forward
-        run_prefill(n, chunk, args.prefill_reps, f"{n}")
+    for n in args.short_prompts:  # shorter than a chunk: the runner's prefill plan (pieces on) or one eager forward
+        plan = prefill_plan(n, runner.prefill_pieces, chunk) if runner.prefill_pieces else None
+        run_prefill(n, chunk, args.prefill_reps, f"{n}", plan=plan)
         if runner.prefill_pieces:
             run_prefill(n, chunk, args.prefill_reps, f"{n}-eager", runner.forward_eager)
     if args.long_prompt and weights in args.long_formats:
@@ -531,7 +532,7 @@ def main() -> None:
     else:
         args.model = args.shape
         args.prompts, args.long_prompt = [1024, 8192], (None if args.no_long else 32768)
-        args.short_prompts = [100, 520, 960]
+        args.short_prompts = [100, 300, 520, 700, 960]
         args.decode_prompt, args.decode_steps, args.decode_warmup = 128, 32, 3
         args.hf_new_tokens, args.prefill_reps, args.prefill_chunk = 24, 2, None
         copy_bytes, gemm_n = 4 << 30, 8192

@@ -9,7 +9,7 @@
 #                                              # profile_nvfp4_lm_head: its lm_head in NVFP4 too)
 # Single stages: fused gemv nvfp4 kv moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
 # (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), decode27_nvfp4 (NVFP4 only), pytest_nvfp4,
-# pytest_nvfp4_kernels, pytest_pdl, pytest_pieces, pytest_mma, sweep_mma (the tensor-core NVFP4 GEMV), pieces27 (prefill pieces), pytest_graphs (the CUDA-graph
+# pytest_nvfp4_kernels, pytest_pdl, pytest_pieces, pytest_mma, sweep_mma (the tensor-core NVFP4 GEMV), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
 # sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
 # suffix _nopdl runs with NINFER_PDL=0 (kernels launched without programmatic dependent launch), its files
@@ -88,12 +88,14 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     decode27_nvfp4)  # 27B NVFP4 decode only; NINFER_NVFP4_PREFETCH and DECODE_ARGS (e.g. --nvfp4-lm-head) from the caller
       timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-27b --weights nvfp4 --decode-only \
         --concurrency 1 2 4 8 --skip-transformers ${DECODE_ARGS:-} > $out/qwen27b_nvfp4_decode.log 2>&1 ;;
-    pieces27)  # NINFER_PREFILL_PIECES=1: short-prompt TTFT from piece graphs against one eager forward (27B bf16)
-      NINFER_PREFILL_PIECES=1 timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-27b --weights bf16 \
-        --concurrency 1 --no-long --skip-transformers > $out/qwen27b_prefill_pieces.log 2>&1 ;;
-    pytest_pieces)  # the piece graphs against eager pieces, engine greedy with and without graphs
+    pieces27|pieces35)  # short-prompt TTFT by the prefill plan against one eager forward (PIECES_WEIGHTS, default bf16)
+      shape=qwen3.6-27b; [ "${stage%_nopdl}" = pieces35 ] && shape=qwen3.6-35b-a3b
+      timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape $shape --weights ${PIECES_WEIGHTS:-bf16} \
+        --concurrency 1 --no-long --skip-transformers > $out/${stage%_nopdl}_prefill_pieces.log 2>&1 ;;
+    pytest_pieces)  # the (padded) piece graphs against eager pieces, the chunk graph against eager chunks, engine
+      # greedy with and without graphs, the fused kernels (KV writes skip padding) against their references
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_graphs.py \
-        tests/test_kernels.py -k "piece" > $out/pytest_pieces.log 2>&1 ;;
+        tests/test_kernels.py tests/test_fused.py -k "piece or prefill_graph or fused or rope" > $out/pytest_pieces.log 2>&1 ;;
     decode27)  # decode only, NVFP4 and bf16, no transformers: the quick check of a GEMV change
       timeout 300 python3 bench/gpu_decode.py --shape qwen3.6-27b --weights nvfp4 bf16 --decode-only \
         --concurrency 1 2 3 4 8 --skip-transformers > $out/qwen27b_decode.log 2>&1 ;;

@@ -39,6 +39,22 @@ def test_prefill_inputs_match_the_eager_batch():
         _assert_same_batch(inputs.batch(), eager, [pages])
 
 
+def test_padded_prefill_inputs_match_the_eager_batch():
+    """A prefill graph of 10 tokens taking 4 (ForwardBatch.num_valid): the padding as the eager padded
+    batch has it, after a full fill (the host images keep nothing of it)."""
+    inputs = PrefillInputs(tokens=10, width=8, device=torch.device("cpu"))
+    for tokens, start, pages in (([1] * 10, 0, [5, 2, 7]), ([9, 8, 7, 6], 10, [5, 2, 7, 0]),
+                                 ([4] * 10, 0, [1, 2, 3]), ([3, 2], 20, [1, 2, 3, 4, 5, 0])):
+        inputs.fill(tokens, start, pages, 2, PAGE)
+        eager = ForwardBatch.build([tokens], [start], [pages], PAGE, state_slots=[2], pad_to=10)
+        ours = inputs.batch()
+        padded_pages = eager.page_table[0].tolist()
+        _assert_same_batch(ours, eager, [padded_pages])
+        assert ours.num_valid.tolist() == eager.num_valid.tolist() == [len(tokens)]
+        assert ours.last_token_indices().tolist() == [len(tokens) - 1]
+    assert not inputs.fits(31, [1] * 8, PAGE) and inputs.fits(22, [1] * 8, PAGE)
+
+
 def test_decode_inputs_match_the_eager_batch():
     from types import SimpleNamespace
 
@@ -136,28 +152,47 @@ def test_prefill_graph_logits_equal_eager(name, kv_dtype):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("name", ["tiny-qwen3.6", "tiny-qwen3.6-moe"])
-def test_prefill_piece_graphs_equal_eager_pieces(name):
-    """NINFER_PREFILL_PIECES: a last chunk of 45 tokens (chunk 64) replays the piece graphs of 32, 8
-    and 4 tokens and the batch-1 decode graph; the same pieces run eagerly give the same logits, bit
-    for bit (tests/test_prefill_pieces.py checks the cut on CPU)."""
+@pytest.mark.parametrize("name,kv_dtype", [("tiny-qwen3.6", "bf16"), ("tiny-qwen3.6", "fp8"),
+                                           ("tiny-qwen3.6-moe", "bf16")])
+def test_prefill_piece_graphs_equal_eager_pieces(name, kv_dtype):
+    """NINFER_PREFILL_PIECES, chunk 1024: prompts of 1624 tokens (the chunk's graph, then 512 and 88
+    padded to 128), 100 (padded to 128) and 520 (512 + 8) replay the graphs of their plans; the same
+    plans run eagerly give the same logits, bit for bit; and they stay close to the prompts' unpadded
+    eager prefill (tests/test_prefill_pieces.py checks the plans and the padding on CPU)."""
+    from types import SimpleNamespace
+
     from ninfer.artifact.presets import get_preset, instantiate
+    from ninfer.engine.runner import ModelRunner
     from ninfer.kernels import backend
 
     if not backend.triton_available():
         pytest.skip("graphs need the Triton backend")
     model = instantiate(name, "cuda", torch.bfloat16, seed=0)
     vocab = get_preset(name).text_config()["vocab_size"]
-    prompt = [(37 * i + 11) % (vocab - 10) + 5 for i in range(64 + 45)]
-    kwargs = dict(num_pages=64, page_size=16, num_state_slots=4, num_lanes=2, vocab_size=vocab,
-                  device=torch.device("cuda"), dtype=torch.bfloat16, max_seq_len=512, prefill_pieces=True)
-    graphs, runner = _prefill_logits(model, kwargs | {"cuda_graphs": True}, prompt, 64)
-    eager, off = _prefill_logits(model, kwargs | {"cuda_graphs": False}, prompt, 64)
-    assert "prefill pieces of 2..32 tokens" in runner.graph_status, runner.graph_status
-    assert runner.prefill_replays == 1 + 3 and runner.graph_replays == 1, runner.graph_status
-    assert off.eager_steps == 1 + 4 and off.prefill_replays == 0
-    for g, e in zip(graphs, eager):
+    kwargs = dict(num_pages=256, page_size=16, num_state_slots=4, num_lanes=2, vocab_size=vocab,
+                  device=torch.device("cuda"), dtype=torch.bfloat16, max_seq_len=2048, kv_dtype=kv_dtype,
+                  prefill_chunk=1024)
+    runners = {"graphs": ModelRunner(model, prefill_pieces=True, **kwargs),
+               "eager": ModelRunner(model, prefill_pieces=True, cuda_graphs=False, **kwargs),
+               "unpadded": ModelRunner(model, prefill_pieces=False, cuda_graphs=False, **kwargs)}
+    assert "prefill pieces of 2..512 tokens" in runners["graphs"].graph_status, runners["graphs"].graph_status
+    logits = {key: [] for key in runners}
+    for n, length in enumerate((1624, 100, 520)):
+        prompt = [(37 * i + 11 * n) % (vocab - 10) + 5 for i in range(length)]
+        for key, runner in runners.items():
+            seq = SimpleNamespace(num_computed=0, pages=list(range(3 + 110 * n, 3 + 110 * n + -(-length // 16) + 1)),
+                                  state_slot=1 + n, lane=0)
+            for i in range(0, length, 1024):
+                part = prompt[i:i + 1024]
+                logits[key].append(runner.forward([seq], [part]).clone())
+                seq.num_computed += len(part)
+            logits[key].append(runner.forward([seq], [[7]]).clone())  # reads the cache the pieces wrote
+    assert runners["graphs"].prefill_replays == (1 + 2) + 1 + 2, runners["graphs"].graph_status
+    assert runners["eager"].eager_steps == runners["unpadded"].eager_steps + 2 and runners["eager"].prefill_replays == 0
+    for g, e in zip(logits["graphs"], logits["eager"]):
         assert torch.equal(g, e)
+    for g, u in zip(logits["graphs"], logits["unpadded"]):  # other GEMM shapes: bf16 rounding apart
+        torch.testing.assert_close(g, u, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.cuda

@@ -4,9 +4,10 @@ A graph replays fixed launches over fixed device buffers, so each graph owns sta
 the host refills before every replay:
 - decode (batch b = 1..lanes): token ids, positions, KV slots, state slots, sequence lengths and
   page tables of b sequences that append one token each;
-- prefill (one sequence, exactly `--prefill-chunk` new tokens): the same fields for that chunk.
-  A long prompt is a run of such chunks; its shorter last chunk, and prefill batches of any other
-  shape, run eagerly. Replaying a chunk costs the host one small upload and one launch, where the
+- prefill (one sequence, `--prefill-chunk` new tokens, or a prefill piece's power of two; fewer
+  tokens are padded up to it): the same fields for that chunk. A long prompt is a run of such
+  chunks; its shorter last chunk goes through the runner's prefill plan (ninfer.engine.runner), and
+  prefill batches of any other shape run eagerly. Replaying a chunk costs the host one small upload and one launch, where the
   eager forward issues ~2,600 kernel launches and their Python around them; at 1024 tokens that
   host work took as long as the GPU's (H200 profile, bench/results/2026-11-30-h200-s4);
 - sampler (batch b): the per-row sampler settings of a decode batch, sampled from decode graph
@@ -123,11 +124,12 @@ class DecodeInputs(StaticInputs):
 
 
 class PrefillInputs(StaticInputs):
-    """The prefill graph's inputs: one sequence appending exactly `tokens` tokens. int64: input_ids,
-    positions, slot_mapping (each `tokens` long), then the state slot; int32: seq_len, page table."""
+    """A prefill graph's inputs: one sequence appending `tokens` tokens, or fewer padded up to `tokens`
+    (ForwardBatch.num_valid). int64: input_ids, positions, slot_mapping (each `tokens` long), then the
+    state slot and the number of real tokens; int32: seq_len, page table."""
 
     def __init__(self, tokens: int, width: int, device: torch.device):
-        super().__init__(3 * tokens + 1, 1 + width, device)
+        super().__init__(3 * tokens + 2, 1 + width, device)
         self.tokens, self.width = tokens, width
         self.qsl = torch.tensor([0, tokens], dtype=torch.int32, device=device)
 
@@ -136,23 +138,35 @@ class PrefillInputs(StaticInputs):
         pages = list(range(-(-self.tokens // page_size)))
         self.fill([0] * self.tokens, 0, pages, 0, page_size)
 
+    def fits(self, start: int, pages: list[int], page_size: int) -> bool:
+        """Whether the page table holds the sequence's pages and those of the padding's positions."""
+        return max(len(pages), -(-(start + self.tokens) // page_size)) <= self.width
+
     def fill(self, token_ids: list[int], start: int, pages: list[int], state_slot: int, page_size: int) -> None:
-        n = self.tokens
+        n, real = self.tokens, len(token_ids)
         h64, h32 = self.host()
         positions = np.arange(start, start + n, dtype=np.int64)
-        h64[:n] = token_ids
+        h64[:real] = token_ids
+        h64[real:n] = 0
         h64[n: 2 * n] = positions
-        h64[2 * n: 3 * n] = np.asarray(pages, dtype=np.int64)[positions // page_size] * page_size + positions % page_size
+        slots = h64[2 * n: 3 * n]
+        slots[:real] = np.asarray(pages, dtype=np.int64)[positions[:real] // page_size] * page_size \
+            + positions[:real] % page_size
+        slots[real:] = -1  # padding: no KV written
         h64[3 * n] = state_slot
+        h64[3 * n + 1] = real
         h32[0] = start + n
+        used = max(len(pages), -(-(start + n) // page_size))
         h32[1: 1 + len(pages)] = pages
-        self.upload(n32=1 + len(pages))  # table entries past the sequence's pages are not read
+        h32[1 + len(pages): 1 + used] = 0  # the padding's positions: any valid page (padding queries read it)
+        self.upload(n32=1 + used)  # table entries past these are not read
 
     def batch(self) -> ForwardBatch:
         n, i64 = self.tokens, self.i64
         return ForwardBatch(
             input_ids=i64[:n], positions=i64[n: 2 * n], query_start_loc=self.qsl, seq_lens=self.i32[:1],
-            page_table=self.i32[1:].view(1, self.width), slot_mapping=i64[2 * n: 3 * n], state_slots=i64[3 * n:],
+            page_table=self.i32[1:].view(1, self.width), slot_mapping=i64[2 * n: 3 * n],
+            state_slots=i64[3 * n: 3 * n + 1], num_valid=i64[3 * n + 1:],
             query_lens_cpu=[n], seq_lens_cpu=DeviceOnlyLengths([0]),
         )
 

@@ -9,13 +9,14 @@ shape has a graph fills its buffers from the host (pinned copies) and replays it
 Graph and eager runs launch the same kernels with the same parameters, so outputs agree exactly.
 
 Prefill pieces (on CUDA devices by default; NINFER_PREFILL_PIECES=0 or 1 overrides): a prefill
-shorter than the chunk (most prompts, and every prompt's last chunk) is cut into power-of-two pieces
-(its binary digits: 100 = 64 + 32 + 4) and each piece replays a graph captured for that size (one
-token: the decode graph), instead of one eager forward whose ~2,500 kernel launches cost the host
-more than the GPU work of a short prompt. Each piece reads every weight once, so a prefill of more
-than MAX_PIECES pieces (MAX_PIECES_LONG from LONG_PIECE tokens) runs as one eager forward. The cut
-does not depend on whether graphs exist, so --no-cuda-graph still computes exactly what the graphs
-compute.
+shorter than the chunk (most prompts, and every prompt's last chunk) replays graphs of power-of-two
+sizes (and the chunk's), the last one padded (ForwardBatch.num_valid: padding writes no KV and leaves
+the recurrent state alone), instead of one eager forward whose ~2,500 kernel launches cost the host
+more than the GPU work of a short prompt. `prefill_plan` picks the sizes by a cost model: a forward
+costs about one read of the weights up to PIECE_KNEE tokens and its compute beyond, so 100 tokens
+replay the 128-token graph once, 520 tokens the 512 graph and then the 8, 960 tokens the chunk's
+graph. The plan does not depend on whether graphs exist, so --no-cuda-graph computes exactly what
+the graphs compute (each planned piece as one eager forward).
 
 Sampling: on CUDA the fused Triton sampler (ninfer.kernels.triton_sampler) when it draws the torch
 sampler's tokens in a start-up check on this device, else the torch sampler (ninfer.engine.sampler).
@@ -42,41 +43,43 @@ from ninfer.models.batch import ForwardBatch, ModelCache
 
 log = logging.getLogger("ninfer.engine")
 PIECES_ENV = "NINFER_PREFILL_PIECES"
-# At most this many pieces per prefill: a piece costs about one read of the weights (27B bf16 on the
-# H200: ~18 ms for up to ~200 tokens) where one eager forward of a short prompt costs ~110-150 ms of
-# launches. From LONG_PIECE tokens on, the biggest piece is compute-bound by itself, so every further
-# piece is a weight read the eager forward does not pay: at most MAX_PIECES_LONG pieces there. Measured
-# (bench/results/2026-11-30-h200-s8): 100 tokens (3 pieces) 55 ms vs 150 eager; 960 (4 pieces) 115 vs
-# 104; 1000 (6 pieces) 155 vs 112.
-MAX_PIECES = 5
-LONG_PIECE = 512
-MAX_PIECES_LONG = 2
+# The prefill plan's cost model, in tokens: a forward of up to PIECE_KNEE tokens costs about one read
+# of the weights (H200, bf16: 2 bytes per weight at ~4.2 TB/s against 2 FLOPs per weight and token at
+# ~750 TFLOP/s: ~180 tokens), beyond that its compute; each replay adds REPLAY_COST (the step's small
+# kernels and launch). Measured on the 27B shape (bench/results/2026-11-30-h200-s8, -s9): 100 tokens in
+# 3 pieces 56 ms; 520 (512 + 8) 64 ms; the 1024 chunk 93 ms against 960 tokens as 4 pieces 115 ms.
+PIECE_KNEE = 128
+REPLAY_COST = 16
 
 
 def piece_sizes(chunk: int) -> list[int]:
-    """The powers of two below `chunk`, largest first: the sizes a shorter prefill is cut into."""
+    """The powers of two below `chunk`, largest first: the piece graphs' sizes."""
     sizes = [1]
     while sizes[-1] * 2 < chunk:
         sizes.append(sizes[-1] * 2)
     return sizes[::-1] if chunk > 1 else []
 
 
-def split_tokens(n: int, sizes: list[int]) -> list[int]:
-    """n as a sum of distinct `sizes` (powers of two from 1, largest first): n's binary digits."""
-    pieces = []
-    for size in sizes:
-        if n >= size:
-            pieces.append(size)
-            n -= size
-    if n:
-        raise ValueError(f"{sum(pieces) + n} tokens do not split into pieces of {sizes}")
-    return pieces
+def prefill_plan(n: int, sizes: list[int], chunk: int) -> list[int]:
+    """The forwards that prefill n tokens (0 < n <= chunk) of one sequence: sizes from `sizes` (powers of
+    two, largest first) or the chunk, each taking that many tokens except the last, which may take
+    fewer (padded). The cheapest plan under the cost model above."""
+    def cost(size: int) -> int:
+        return max(size, PIECE_KNEE) + REPLAY_COST
 
+    def best(m: int) -> tuple[int, list[int]]:
+        up = min((s for s in [chunk, *sizes] if s >= m), default=chunk)  # one forward, padded
+        plan = (cost(up), [up])
+        down = max((s for s in sizes if s < m), default=0)  # the biggest piece, then the rest
+        if down:
+            rest_cost, rest = best(m - down)
+            if cost(down) + rest_cost < plan[0]:
+                plan = (cost(down) + rest_cost, [down, *rest])
+        return plan
 
-def takes_pieces(n: int, chunk: int) -> bool:
-    """Whether a one-sequence prefill of n tokens runs as pieces: shorter than a chunk, more than one
-    token, at most MAX_PIECES of them (MAX_PIECES_LONG from LONG_PIECE tokens on)."""
-    return 1 < n < chunk and bin(n).count("1") <= (MAX_PIECES if n < LONG_PIECE else MAX_PIECES_LONG)
+    if not 0 < n <= chunk:
+        raise ValueError(f"a prefill plan covers 1..{chunk} tokens, not {n}")
+    return best(n)[1]
 
 
 class ModelRunner:
@@ -248,6 +251,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # e.g. a MoE routing step that reads group sizes back to the host
             self.prefill_graph = self._prefill_inputs = None
+            self.prefill_pieces = []  # nothing to replay: a shorter prefill is one eager forward
             return "prefill off: " + self._capture_failed("prefill", exc)
         status = f"prefill chunk of {tokens} tokens"
         if self.prefill_pieces:
@@ -276,9 +280,10 @@ class ModelRunner:
             return "prefill pieces off: " + self._capture_failed("prefill piece", exc)
         return f"prefill pieces of {min(self.piece_graphs, default=1)}..{max(self.piece_graphs, default=1)} tokens"
 
-    def _replay(self, seqs: list[Sequence], inputs: list[list[int]]) -> torch.Tensor | None:
-        """Replay a captured graph when one fits this forward's shape; None when none does."""
-        if all(len(t) == 1 for t in inputs):
+    def _replay(self, seqs: list[Sequence], inputs: list[list[int]], pad_to: int | None = None) -> torch.Tensor | None:
+        """Replay a captured graph when one fits this forward's shape (one sequence padded to `pad_to`
+        tokens: the graph of that size); None when none does."""
+        if pad_to is None and all(len(t) == 1 for t in inputs):
             entry, decode = self.graphs.get(len(seqs)), self._decode_inputs
             if entry is None or decode is None or any(len(s.pages) > decode.width for s in seqs):
                 return None
@@ -289,14 +294,15 @@ class ModelRunner:
             return logits
         if len(seqs) != 1:
             return None
-        if self._prefill_inputs is not None and len(inputs[0]) == self._prefill_inputs.tokens:
+        size = pad_to or len(inputs[0])
+        if self._prefill_inputs is not None and size == self._prefill_inputs.tokens:
             (graph, logits), prefill = self.prefill_graph, self._prefill_inputs
-        elif len(inputs[0]) in self.piece_graphs:
-            graph, logits, prefill = self.piece_graphs[len(inputs[0])]
+        elif size in self.piece_graphs:
+            graph, logits, prefill = self.piece_graphs[size]
         else:
             return None
         seq = seqs[0]
-        if len(seq.pages) > prefill.width:
+        if not prefill.fits(seq.num_computed, seq.pages, self.page_size):
             return None
         prefill.fill(inputs[0], seq.num_computed, seq.pages, seq.state_slot if seq.state_slot is not None else 0,
                      self.page_size)
@@ -312,29 +318,31 @@ class ModelRunner:
         From a graph the logits are the graph's static output: read them (sample) before the next
         forward call.
         """
-        if self.prefill_pieces and len(seqs) == 1 and takes_pieces(len(inputs[0]), self.prefill_chunk):
+        if self.prefill_pieces and len(seqs) == 1 and 1 < len(inputs[0]) < self.prefill_chunk:
             return self._forward_pieces(seqs[0], inputs[0])
         logits = self._replay(seqs, inputs)
         return logits if logits is not None else self.forward_eager(seqs, inputs)
 
     def _forward_pieces(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
-        """A shorter prefill as its power-of-two pieces, each replayed (or eager where no graph
-        fits); the logits of the last piece's last token."""
+        """A shorter prefill by its plan: each piece replayed (or eager where no graph fits), the last
+        one padded where the plan says so; the logits of the last real token."""
         start, logits = 0, None
-        for size in split_tokens(len(tokens), self.prefill_pieces):
+        for size in prefill_plan(len(tokens), self.prefill_pieces, self.prefill_chunk):
             # the piece continues the sequence: same pages and state slot, `start` more tokens cached
             piece = SimpleNamespace(num_computed=seq.num_computed + start, pages=seq.pages,
                                     state_slot=seq.state_slot)
             part = [tokens[start:start + size]]
-            logits = self._replay([piece], part)
+            pad_to = size if len(part[0]) < size else None
+            logits = self._replay([piece], part, pad_to)
             if logits is None:
-                logits = self.forward_eager([piece], part)
+                logits = self.forward_eager([piece], part, pad_to)
             start += size
         return logits
 
     @torch.inference_mode()
-    def forward_eager(self, seqs: list[Sequence], inputs: list[list[int]]) -> torch.Tensor:
-        """`forward` without graphs (benchmarks compare the two)."""
+    def forward_eager(self, seqs: list[Sequence], inputs: list[list[int]], pad_to: int | None = None) -> torch.Tensor:
+        """`forward` without graphs (benchmarks compare the two); pad_to: one sequence padded to that many
+        tokens (ForwardBatch.build)."""
         self.eager_steps += 1
         batch = ForwardBatch.build(
             tokens=inputs,
@@ -343,11 +351,13 @@ class ModelRunner:
             page_size=self.page_size,
             state_slots=[s.state_slot if s.state_slot is not None else 0 for s in seqs],
             device="cpu",
+            pad_to=pad_to,
         )
         if self.device.type != "cpu":
             for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "slot_mapping",
-                         "state_slots"):
-                setattr(batch, name, self._upload(getattr(batch, name)))
+                         "state_slots", "num_valid"):
+                if getattr(batch, name) is not None:
+                    setattr(batch, name, self._upload(getattr(batch, name)))
         return self._logits(batch)
 
     def reset_lane(self, lane: int, output_ids: list[int]) -> None:

@@ -55,17 +55,22 @@ def _check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
-    """k_cache/v_cache: [S, Hkv, D] (one layer); k/v: [T, Hkv, D]; slots: [T]. With the layer's scales
-    ([S, Hkv], fp8/int8 caches) the new tokens are quantized."""
+    """k_cache/v_cache: [S, Hkv, D] (one layer); k/v: [T, Hkv, D]; slots: [T], -1 for padding (not
+    written). With the layer's scales ([S, Hkv], fp8/int8 caches) the new tokens are quantized."""
     _check_scales(k_cache, k_scale, v_scale)
+    if k_scale is not None and use_triton(k):
+        from ninfer.kernels import triton_attention
+
+        triton_attention.write_kv_quantized(k_cache, v_cache, k_scale, v_scale, k, v, slots)  # masks padding
+        return
+    # below, torch ops (the fused Triton kernel writes an unquantized cache itself on CUDA): drop the
+    # padding first (a host sync, never inside a CUDA graph: graphs need the Triton kernels)
+    if slots.numel() and bool((slots < 0).any()):
+        keep = slots >= 0
+        k, v, slots = k[keep], v[keep], slots[keep]
     if k_scale is None:
         k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
-        return
-    if use_triton(k):
-        from ninfer.kernels import triton_attention
-
-        triton_attention.write_kv_quantized(k_cache, v_cache, k_scale, v_scale, k, v, slots)
         return
     for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
         values, scale = quantize_kv(x, cache.dtype)

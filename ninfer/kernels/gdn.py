@@ -47,6 +47,11 @@ class GDNMetadata:
     # so that its 48 GDN layers neither rebuild it nor upload it (each pageable upload stalls the host)
     cu_seqlens_long: torch.Tensor | None = None  # [N+1] int64, the one object every layer passes
     chunk_indices: torch.Tensor | None = None  # [num_chunks, 2] int64 (sequence, chunk within it)
+    # a padded one-sequence prefill (ForwardBatch.num_valid): [T, 1] bool, the real tokens; padding
+    # gets beta = 0 and g = 0 (the delta rule then leaves the state as it is) and the conv state is
+    # taken at the last real token (state_cu_seqlens: [0, num_valid])
+    valid: torch.Tensor | None = None
+    state_cu_seqlens: torch.Tensor | None = None
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch) -> "GDNMetadata":
@@ -58,6 +63,10 @@ class GDNMetadata:
         seq_idx = torch.repeat_interleave(seqs, query_lens, output_size=num_tokens)
         pos_in_seq = torch.arange(num_tokens, device=qsl.device) - qsl.long()[seq_idx]
         is_decode = batch.is_decode
+        valid = state_cu_seqlens = None
+        if batch.num_valid is not None:
+            valid = (torch.arange(num_tokens, device=qsl.device) < batch.num_valid)[:, None]
+            state_cu_seqlens = torch.cat([qsl[:1].to(torch.int32), batch.num_valid.to(torch.int32)])
         return cls(
             cu_seqlens=qsl.to(torch.int32),
             state_slots=batch.state_slots.long(),
@@ -68,6 +77,8 @@ class GDNMetadata:
             is_decode=is_decode,
             cu_seqlens_long=None if is_decode else qsl.long(),
             chunk_indices=None if is_decode else _chunk_indices(batch.query_lens_cpu, qsl),
+            valid=valid,
+            state_cu_seqlens=state_cu_seqlens,
         )
 
 
@@ -114,7 +125,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, 
     if meta.is_decode:
         out, final = causal_conv1d_update(x, weight, initial)
     else:
-        out, final = causal_conv1d_fn(x, weight, initial, meta.cu_seqlens, meta.seq_idx, meta.pos_in_seq)
+        out, final = causal_conv1d_fn(x, weight, initial, meta.cu_seqlens, meta.seq_idx, meta.pos_in_seq,
+                                      state_cu_seqlens=meta.state_cu_seqlens)
     conv_cache.index_copy_(0, meta.state_slots, final.to(conv_cache.dtype))
     return out
 
@@ -142,6 +154,9 @@ def gated_delta_rule(
         )
         out = out[:, 0]
     else:
+        if meta.valid is not None:  # padding: no decay, no update (torch.where keeps real rows bit for bit)
+            g = torch.where(meta.valid, g, torch.zeros((), dtype=g.dtype, device=g.device))
+            beta = torch.where(meta.valid, beta, torch.zeros((), dtype=beta.dtype, device=beta.device))
         out, final = chunk_gated_delta_rule(
             q[None], k[None], v[None], g[None], beta[None],
             initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
@@ -159,15 +174,19 @@ def gated_delta_rule(
 
 def causal_conv1d_fn(
     x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor, cu_seqlens: torch.Tensor,
-    seq_idx: torch.Tensor, pos_in_seq: torch.Tensor,
+    seq_idx: torch.Tensor, pos_in_seq: torch.Tensor, state_cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Varlen conv + SiLU. x: [T, C]; weight: [C, K]; initial_state: [N, C, K-1]. -> (y [T, C], final [N, C, K-1])."""
+    """Varlen conv + SiLU. x: [T, C]; weight: [C, K]; initial_state: [N, C, K-1]. -> (y [T, C], final [N, C, K-1]).
+    state_cu_seqlens: where each sequence's final state is taken (default cu_seqlens; padding ends earlier)."""
     if use_triton(x):
         from ninfer.kernels import triton_gdn
 
         out = triton_gdn.conv1d_varlen(x, weight, initial_state, seq_idx, pos_in_seq)
-        return out, _conv_final_state(x, initial_state, cu_seqlens)
-    return causal_conv1d_ref(x, weight, initial_state, cu_seqlens, seq_idx, pos_in_seq)
+    else:
+        out, final = causal_conv1d_ref(x, weight, initial_state, cu_seqlens, seq_idx, pos_in_seq)
+        if state_cu_seqlens is None:
+            return out, final
+    return out, _conv_final_state(x, initial_state, cu_seqlens if state_cu_seqlens is None else state_cu_seqlens)
 
 
 def causal_conv1d_update(

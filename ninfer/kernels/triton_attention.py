@@ -401,7 +401,7 @@ def _write_kv_quant_kernel(
     slot = tl.load(SLOTS + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    hmask = offs_h < HEADS
+    hmask = (offs_h < HEADS) & (slot >= 0)  # slot -1: a padding token, nothing written
     mask = hmask[:, None] & (offs_d < HEAD_DIM)[None, :]
     h2, d2 = offs_h[:, None], offs_d[None, :]
     _quantize_rows(K + t * stride_kt + h2 * stride_kh + d2, KC + slot * stride_kcs + h2 * stride_kch + d2,
@@ -414,8 +414,8 @@ def write_kv_quantized(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
     k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
 ) -> None:
-    """Quantize k/v [T, Hkv, D] per (token, head) into the fp8 / int8 caches [S, Hkv, D] at `slots` [T],
-    with their fp32 scales into k_scale / v_scale [S, Hkv]. Bit-identical to
+    """Quantize k/v [T, Hkv, D] per (token, head) into the fp8 / int8 caches [S, Hkv, D] at `slots` [T]
+    (-1: padding, skipped), with their fp32 scales into k_scale / v_scale [S, Hkv]. Bit-identical to
     `ninfer.kernels.attention.quantize_kv`."""
     tokens, hkv, head_dim = k.shape
     if tokens == 0:

@@ -262,10 +262,11 @@ def _fused_rope_qk_kernel(
     else:
         kv_head = head - HQ
         slot = tl.load(SLOTS + t).to(tl.int64)
-        tl.store(K_CACHE + slot * stride_kcs + kv_head * stride_kch + d, y.to(K_CACHE.dtype.element_ty), mask=dmask)
-        v = tl.load(V + t * stride_vt + kv_head * stride_vh + d, mask=dmask, other=0.0)
+        keep = dmask & (slot >= 0)  # slot -1: a padding token, nothing written
+        tl.store(K_CACHE + slot * stride_kcs + kv_head * stride_kch + d, y.to(K_CACHE.dtype.element_ty), mask=keep)
+        v = tl.load(V + t * stride_vt + kv_head * stride_vh + d, mask=keep, other=0.0)
         tl.store(V_CACHE + slot * stride_vcs + kv_head * stride_vch + d, v.to(V_CACHE.dtype.element_ty),
-                 mask=dmask)
+                 mask=keep)
 
 
 def _plain_cache(cache: torch.Tensor) -> bool:

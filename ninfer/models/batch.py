@@ -35,6 +35,10 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     logits_indices: torch.Tensor | None = None  # rows to compute logits for; None = last token of each sequence
     inputs_embeds: torch.Tensor | None = None  # [T, H] replaces the embedding lookup (media spans)
+    # [1] int64, a padded one-sequence prefill only: its first num_valid tokens are real, the rest
+    # padding (KV slot -1: nothing written; no recurrent-state change; no logits), so that a prompt
+    # can replay the CUDA graph of a longer forward
+    num_valid: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -46,6 +50,8 @@ class ForwardBatch:
         return all(n == 1 for n in self.query_lens_cpu)
 
     def last_token_indices(self) -> torch.Tensor:
+        if self.num_valid is not None:
+            return self.num_valid.long() - 1
         return self.query_start_loc[1:].long() - 1
 
     @classmethod
@@ -57,13 +63,25 @@ class ForwardBatch:
         page_size: int,
         state_slots: list[int] | None = None,
         device: torch.device | str = "cpu",
+        pad_to: int | None = None,
     ) -> "ForwardBatch":
-        """Build a batch from host lists: sequence i appends tokens[i] after cached_lens[i] cached tokens."""
+        """Build a batch from host lists: sequence i appends tokens[i] after cached_lens[i] cached tokens.
+        pad_to (one sequence only): append padding tokens up to that many (see `num_valid`)."""
+        num_valid = None
+        if pad_to is not None:
+            if len(tokens) != 1 or pad_to < len(tokens[0]):
+                raise ValueError("pad_to needs one sequence of at most pad_to tokens")
+            num_valid = len(tokens[0])
+            cached, pages = cached_lens[0], page_tables[0]
+            tokens = [list(tokens[0]) + [0] * (pad_to - num_valid)]
+            # the padding's positions need page-table entries (their keys are read by padding queries only)
+            page_tables = [pages + [0] * max(0, -(-(cached + pad_to) // page_size) - len(pages))]
         positions, slots, starts = [], [], [0]
         for toks, cached, pages in zip(tokens, cached_lens, page_tables):
             for p in range(cached, cached + len(toks)):
                 positions.append(p)
-                slots.append(pages[p // page_size] * page_size + p % page_size)
+                real = num_valid is None or p < cached + num_valid
+                slots.append(pages[p // page_size] * page_size + p % page_size if real else -1)
             starts.append(starts[-1] + len(toks))
         width = max((len(p) for p in page_tables), default=0) or 1
         table = [pages + [0] * (width - len(pages)) for pages in page_tables]
@@ -82,6 +100,7 @@ class ForwardBatch:
             state_slots=t(state_slots if state_slots is not None else list(range(len(tokens))), torch.long),
             query_lens_cpu=[len(x) for x in tokens],
             seq_lens_cpu=seq_lens,
+            num_valid=None if num_valid is None else t([num_valid], torch.long),
         )
 
 
