@@ -156,13 +156,14 @@ def test_prefill_graph_logits_equal_eager(name, kv_dtype):
                                            ("tiny-qwen3.6-moe", "bf16")])
 def test_prefill_piece_graphs_equal_eager_pieces(name, kv_dtype):
     """NINFER_PREFILL_PIECES, chunk 1024: prompts of 1624 tokens (the chunk's graph, then 512 and 88
-    padded to 128), 100 (padded to 128) and 520 (512 + 8) replay the graphs of their plans; the same
+    padded to 128; MoE: 600 padded to 1024), 100 (padded to 128) and 520 (512 + 8; MoE: padded to
+    1024) replay the graphs of their plans; the same
     plans run eagerly give the same logits, bit for bit; and they stay close to the prompts' unpadded
     eager prefill (tests/test_prefill_pieces.py checks the plans and the padding on CPU)."""
     from types import SimpleNamespace
 
     from ninfer.artifact.presets import get_preset, instantiate
-    from ninfer.engine.runner import ModelRunner
+    from ninfer.engine.runner import ModelRunner, piece_sizes, prefill_plan
     from ninfer.kernels import backend
 
     if not backend.triton_available():
@@ -187,8 +188,12 @@ def test_prefill_piece_graphs_equal_eager_pieces(name, kv_dtype):
                 logits[key].append(runner.forward([seq], [part]).clone())
                 seq.num_computed += len(part)
             logits[key].append(runner.forward([seq], [[7]]).clone())  # reads the cache the pieces wrote
-    assert runners["graphs"].prefill_replays == (1 + 2) + 1 + 2, runners["graphs"].graph_status
-    assert runners["eager"].eager_steps == runners["unpadded"].eager_steps + 2 and runners["eager"].prefill_replays == 0
+    knee = runners["graphs"].piece_knee  # MoE: 1024, every plan one padded forward
+    plans = [prefill_plan(n, piece_sizes(1024), 1024, knee) for n in (600, 100, 520)]
+    assert plans == ([[512, 128], [128], [512, 8]] if knee == 128 else [[1024], [128], [1024]])
+    forwards = 1 + sum(len(p) for p in plans)  # the whole first chunk, then the plans
+    assert runners["graphs"].prefill_replays == forwards, runners["graphs"].graph_status
+    assert runners["eager"].eager_steps == forwards + 3 and runners["eager"].prefill_replays == 0
     for g, e in zip(logits["graphs"], logits["eager"]):
         assert torch.equal(g, e)
     for g, u in zip(logits["graphs"], logits["unpadded"]):  # other GEMM shapes: bf16 rounding apart

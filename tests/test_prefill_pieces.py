@@ -16,7 +16,17 @@ import torch
 from kernel_markers import HAS_CUDA, INTERPRET
 
 from ninfer.artifact.presets import get_preset, instantiate
-from ninfer.engine.runner import PIECE_KNEE, PIECES_ENV, REPLAY_COST, ModelRunner, piece_sizes, prefill_plan
+from ninfer.engine.runner import (
+    KNEE_MOE,
+    KNEE_NVFP4,
+    PIECE_KNEE,
+    PIECES_ENV,
+    REPLAY_COST,
+    ModelRunner,
+    piece_knee,
+    piece_sizes,
+    prefill_plan,
+)
 from ninfer.kernels.attention import write_kv
 from ninfer.models.batch import ForwardBatch
 
@@ -38,20 +48,37 @@ def test_the_plan_of_a_short_prefill(n, plan):
     assert prefill_plan(n, piece_sizes(1024), 1024) == plan
 
 
-def _cost(plan: list[int]) -> int:
-    return sum(max(s, PIECE_KNEE) + REPLAY_COST for s in plan)
+@pytest.mark.parametrize(("n", "plan"), [(100, [128]), (300, [512]), (520, [1024]), (700, [1024]), (3, [4])])
+def test_a_moe_model_pads_to_one_forward(n, plan):
+    """Knee 1024 (a MoE model): every forward up to the chunk costs about the same, so one padded forward."""
+    assert prefill_plan(n, piece_sizes(1024), 1024, KNEE_MOE) == plan
 
 
+def test_the_knee_of_each_kind_of_model():
+    dense = instantiate("tiny-qwen3.6", "cpu", torch.float32, seed=0, fuse=False)
+    assert piece_knee(dense) == PIECE_KNEE == 128
+    assert piece_knee(instantiate("tiny-qwen3.6-moe", "cpu", torch.float32, seed=0)) == KNEE_MOE == 1024
+    from ninfer.quant.nvfp4 import quantize_model_
+
+    quantize_model_(dense)
+    assert piece_knee(dense) == KNEE_NVFP4 == 512
+
+
+def _cost(plan: list[int], knee: int) -> int:
+    return sum(max(s, knee) + REPLAY_COST for s in plan)
+
+
+@pytest.mark.parametrize("knee", [PIECE_KNEE, KNEE_NVFP4, KNEE_MOE])
 @pytest.mark.parametrize("chunk", [16, 1000, 1024])
-def test_every_plan_covers_its_tokens_and_beats_the_simple_ones(chunk):
+def test_every_plan_covers_its_tokens_and_beats_the_simple_ones(chunk, knee):
     sizes = piece_sizes(chunk)
     for n in range(1, chunk + 1):
-        plan = prefill_plan(n, sizes, chunk)
+        plan = prefill_plan(n, sizes, chunk, knee)
         assert all(s in sizes or s == chunk for s in plan), (n, plan)
         assert sum(plan[:-1]) < n <= sum(plan), (n, plan)  # only the last forward is padded
         binary = [s for s in sizes if n & s] if n < chunk else [chunk]
         one = min(s for s in [*sizes, chunk] if s >= n)
-        assert _cost(plan) <= min(_cost(binary), _cost([one])), (n, plan)
+        assert _cost(plan, knee) <= min(_cost(binary, knee), _cost([one], knee)), (n, plan)
 
 
 def test_a_plan_needs_a_prefill_within_the_chunk():

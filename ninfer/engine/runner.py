@@ -13,9 +13,9 @@ shorter than the chunk (most prompts, and every prompt's last chunk) replays gra
 sizes (and the chunk's), the last one padded (ForwardBatch.num_valid: padding writes no KV and leaves
 the recurrent state alone), instead of one eager forward whose ~2,500 kernel launches cost the host
 more than the GPU work of a short prompt. `prefill_plan` picks the sizes by a cost model: a forward
-costs about one read of the weights up to PIECE_KNEE tokens and its compute beyond, so 100 tokens
-replay the 128-token graph once, 520 tokens the 512 graph and then the 8, 960 tokens the chunk's
-graph. The plan does not depend on whether graphs exist, so --no-cuda-graph computes exactly what
+costs about the same up to a knee of tokens (its weight reads) and its compute beyond; on a dense
+bf16 model 100 tokens replay the 128-token graph once, 520 tokens the 512 graph and then the 8, 960
+tokens the chunk's graph; a MoE model (knee 1024) replays one padded graph for any of them. The plan does not depend on whether graphs exist, so --no-cuda-graph computes exactly what
 the graphs compute (each planned piece as one eager forward).
 
 Sampling: on CUDA the fused Triton sampler (ninfer.kernels.triton_sampler) when it draws the torch
@@ -43,13 +43,31 @@ from ninfer.models.batch import ForwardBatch, ModelCache
 
 log = logging.getLogger("ninfer.engine")
 PIECES_ENV = "NINFER_PREFILL_PIECES"
-# The prefill plan's cost model, in tokens: a forward of up to PIECE_KNEE tokens costs about one read
-# of the weights (H200, bf16: 2 bytes per weight at ~4.2 TB/s against 2 FLOPs per weight and token at
-# ~750 TFLOP/s: ~180 tokens), beyond that its compute; each replay adds REPLAY_COST (the step's small
-# kernels and launch). Measured on the 27B shape (bench/results/2026-11-30-h200-s8, -s9): 100 tokens in
-# 3 pieces 56 ms; 520 (512 + 8) 64 ms; the 1024 chunk 93 ms against 960 tokens as 4 pieces 115 ms.
+# The prefill plan's cost model, in tokens: a forward of up to `knee` tokens costs about the same (its
+# weight reads), beyond that its compute; each replay adds REPLAY_COST (the step's small kernels and
+# launch). The knee depends on the model (`piece_knee`; H200, bench/results/2026-11-30-h200-s9/call3):
+# - dense bf16, PIECE_KNEE: 2 bytes per weight at ~4.2 TB/s against 2 FLOPs per weight and token at
+#   ~750 TFLOP/s, ~180 tokens. 27B: 100 tokens padded to 128 take 22 ms, 520 as 512 + 8 65 ms, 700 as
+#   512 + 256 75 ms, 960 padded to 1024 86 ms (one eager forward: 93-100 ms at every length);
+# - NVFP4 weights, KNEE_NVFP4: a prefill forward dequantizes every weight (~4.5 bytes moved per
+#   weight). 27B: 128 tokens 41 ms, 256 + 64 84 ms, 1024 108 ms;
+# - MoE, KNEE_MOE: a few hundred tokens touch every expert, and the grouped GEMMs run below the dense
+#   rate. 35B-A3B bf16: 128 tokens 25 ms, 1024 48 ms, 512 + 256 67 ms.
 PIECE_KNEE = 128
+KNEE_NVFP4 = 512
+KNEE_MOE = 1024
 REPLAY_COST = 16
+
+
+def piece_knee(model: torch.nn.Module) -> int:
+    """The cost model's knee for this model (above)."""
+    from ninfer.models.qwen3_5 import Experts
+    from ninfer.quant.nvfp4 import NVFP4Experts, NVFP4Linear
+
+    kinds = {type(m) for m in model.modules()}
+    if kinds & {Experts, NVFP4Experts}:
+        return KNEE_MOE
+    return KNEE_NVFP4 if NVFP4Linear in kinds else PIECE_KNEE
 
 
 def piece_sizes(chunk: int) -> list[int]:
@@ -60,12 +78,12 @@ def piece_sizes(chunk: int) -> list[int]:
     return sizes[::-1] if chunk > 1 else []
 
 
-def prefill_plan(n: int, sizes: list[int], chunk: int) -> list[int]:
+def prefill_plan(n: int, sizes: list[int], chunk: int, knee: int = PIECE_KNEE) -> list[int]:
     """The forwards that prefill n tokens (0 < n <= chunk) of one sequence: sizes from `sizes` (powers of
     two, largest first) or the chunk, each taking that many tokens except the last, which may take
-    fewer (padded). The cheapest plan under the cost model above."""
+    fewer (padded). The cheapest plan under the cost model above (ties: the fewest forwards)."""
     def cost(size: int) -> int:
-        return max(size, PIECE_KNEE) + REPLAY_COST
+        return max(size, knee) + REPLAY_COST
 
     def best(m: int) -> tuple[int, list[int]]:
         up = min((s for s in [chunk, *sizes] if s >= m), default=chunk)  # one forward, padded
@@ -109,6 +127,7 @@ class ModelRunner:
             prefill_pieces = env == "1" if env in ("0", "1") else self.device.type == "cuda"
         self.prefill_chunk = prefill_chunk or 0
         self.prefill_pieces = piece_sizes(self.prefill_chunk) if prefill_pieces else []
+        self.piece_knee = piece_knee(model)
         # graphs of the pieces of 2 tokens and more (one token replays the batch-1 decode graph)
         self.piece_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, PrefillInputs]] = {}
         self.prefill_replays = 0
@@ -327,7 +346,7 @@ class ModelRunner:
         """A shorter prefill by its plan: each piece replayed (or eager where no graph fits), the last
         one padded where the plan says so; the logits of the last real token."""
         start, logits = 0, None
-        for size in prefill_plan(len(tokens), self.prefill_pieces, self.prefill_chunk):
+        for size in prefill_plan(len(tokens), self.prefill_pieces, self.prefill_chunk, self.piece_knee):
             # the piece continues the sequence: same pages and state slot, `start` more tokens cached
             piece = SimpleNamespace(num_computed=seq.num_computed + start, pages=seq.pages,
                                     state_slot=seq.state_slot)
