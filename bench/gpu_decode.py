@@ -302,7 +302,7 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
         if runner.prefill_graph is not None:  # the same chunks without the prefill graph
             run_prefill(n8, chunk, args.prefill_reps, f"{n8}-eager", runner.forward_eager)
     for n in args.short_prompts:  # shorter than a chunk: the runner's prefill plan (pieces on) or one eager forward
-        plan = prefill_plan(n, runner.prefill_pieces, chunk, runner.piece_knee) if runner.prefill_pieces else None
+        plan = prefill_plan(n, runner.prefill_pieces, chunk, runner.piece_costs) if runner.prefill_pieces else None
         run_prefill(n, chunk, args.prefill_reps, f"{n}", plan=plan)
         if runner.prefill_pieces:
             run_prefill(n, chunk, args.prefill_reps, f"{n}-eager", runner.forward_eager)

@@ -188,9 +188,9 @@ def test_prefill_piece_graphs_equal_eager_pieces(name, kv_dtype):
                 logits[key].append(runner.forward([seq], [part]).clone())
                 seq.num_computed += len(part)
             logits[key].append(runner.forward([seq], [[7]]).clone())  # reads the cache the pieces wrote
-    knee = runners["graphs"].piece_knee  # MoE: 1024, every plan one padded forward
-    plans = [prefill_plan(n, piece_sizes(1024), 1024, knee) for n in (600, 100, 520)]
-    assert plans == ([[512, 128], [128], [512, 8]] if knee == 128 else [[1024], [128], [1024]])
+    costs = runners["graphs"].piece_costs  # MoE: knee 1024, every plan one padded forward
+    plans = [prefill_plan(n, piece_sizes(1024), 1024, costs) for n in (600, 100, 520)]
+    assert plans == ([[512, 128], [128], [512, 8]] if costs.knee == 128 else [[1024], [128], [1024]])
     forwards = 1 + sum(len(p) for p in plans)  # the whole first chunk, then the plans
     assert runners["graphs"].prefill_replays == forwards, runners["graphs"].graph_status
     assert runners["eager"].eager_steps == forwards + 3 and runners["eager"].prefill_replays == 0

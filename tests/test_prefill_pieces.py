@@ -23,7 +23,8 @@ from ninfer.engine.runner import (
     PIECES_ENV,
     REPLAY_COST,
     ModelRunner,
-    piece_knee,
+    PieceCosts,
+    piece_costs,
     piece_sizes,
     prefill_plan,
 )
@@ -51,34 +52,40 @@ def test_the_plan_of_a_short_prefill(n, plan):
 @pytest.mark.parametrize(("n", "plan"), [(100, [128]), (300, [512]), (520, [1024]), (700, [1024]), (3, [4])])
 def test_a_moe_model_pads_to_one_forward(n, plan):
     """Knee 1024 (a MoE model): every forward up to the chunk costs about the same, so one padded forward."""
-    assert prefill_plan(n, piece_sizes(1024), 1024, KNEE_MOE) == plan
+    assert prefill_plan(n, piece_sizes(1024), 1024, PieceCosts(KNEE_MOE)) == plan
 
 
-def test_the_knee_of_each_kind_of_model():
-    dense = instantiate("tiny-qwen3.6", "cpu", torch.float32, seed=0, fuse=False)
-    assert piece_knee(dense) == PIECE_KNEE == 128
-    assert piece_knee(instantiate("tiny-qwen3.6-moe", "cpu", torch.float32, seed=0)) == KNEE_MOE == 1024
+@pytest.mark.parametrize(("n", "plan"), [(100, [128]), (300, [512]), (520, [512, 8]), (530, [512, 16, 2]),
+                                         (540, [512, 16, 16]), (560, [1024]), (700, [1024]), (12, [16])])
+def test_an_nvfp4_model_pads_to_few_forwards(n, plan):
+    """Knee 512, but forwards of up to 16 tokens take the NVFP4 GEMV (no dequantized weights): 520 tokens
+    run as 512 + 8, 540 as 512 + 16 + 16 (12 of them padding)."""
+    assert prefill_plan(n, piece_sizes(1024), 1024, PieceCosts(KNEE_NVFP4, 16)) == plan
+
+
+def test_the_costs_of_each_kind_of_model():
+    from ninfer.kernels.triton_nvfp4 import GEMV_MAX_M
     from ninfer.quant.nvfp4 import quantize_model_
 
+    dense = instantiate("tiny-qwen3.6", "cpu", torch.float32, seed=0, fuse=False)
+    assert piece_costs(dense) == PieceCosts(PIECE_KNEE) and PIECE_KNEE == 128
+    assert piece_costs(instantiate("tiny-qwen3.6-moe", "cpu", torch.float32, seed=0)) == PieceCosts(KNEE_MOE)
     quantize_model_(dense)
-    assert piece_knee(dense) == KNEE_NVFP4 == 512
+    assert piece_costs(dense) == PieceCosts(KNEE_NVFP4, GEMV_MAX_M) and (KNEE_NVFP4, KNEE_MOE) == (512, 1024)
 
 
-def _cost(plan: list[int], knee: int) -> int:
-    return sum(max(s, knee) + REPLAY_COST for s in plan)
-
-
-@pytest.mark.parametrize("knee", [PIECE_KNEE, KNEE_NVFP4, KNEE_MOE])
+@pytest.mark.parametrize("costs", [PieceCosts(), PieceCosts(KNEE_NVFP4, 16), PieceCosts(KNEE_MOE)])
 @pytest.mark.parametrize("chunk", [16, 1000, 1024])
-def test_every_plan_covers_its_tokens_and_beats_the_simple_ones(chunk, knee):
+def test_every_plan_covers_its_tokens_and_beats_the_simple_ones(chunk, costs):
     sizes = piece_sizes(chunk)
     for n in range(1, chunk + 1):
-        plan = prefill_plan(n, sizes, chunk, knee)
+        plan = prefill_plan(n, sizes, chunk, costs)
         assert all(s in sizes or s == chunk for s in plan), (n, plan)
         assert sum(plan[:-1]) < n <= sum(plan), (n, plan)  # only the last forward is padded
         binary = [s for s in sizes if n & s] if n < chunk else [chunk]
         one = min(s for s in [*sizes, chunk] if s >= n)
-        assert _cost(plan, knee) <= min(_cost(binary, knee), _cost([one], knee)), (n, plan)
+        total = sum(map(costs.cost, plan))
+        assert total <= min(sum(map(costs.cost, binary)), costs.cost(one)), (n, plan)
 
 
 def test_a_plan_needs_a_prefill_within_the_chunk():

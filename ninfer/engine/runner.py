@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -49,8 +50,9 @@ PIECES_ENV = "NINFER_PREFILL_PIECES"
 # - dense bf16, PIECE_KNEE: 2 bytes per weight at ~4.2 TB/s against 2 FLOPs per weight and token at
 #   ~750 TFLOP/s, ~180 tokens. 27B: 100 tokens padded to 128 take 22 ms, 520 as 512 + 8 65 ms, 700 as
 #   512 + 256 75 ms, 960 padded to 1024 86 ms (one eager forward: 93-100 ms at every length);
-# - NVFP4 weights, KNEE_NVFP4: a prefill forward dequantizes every weight (~4.5 bytes moved per
-#   weight). 27B: 128 tokens 41 ms, 256 + 64 84 ms, 1024 108 ms;
+# - NVFP4 weights, KNEE_NVFP4: a prefill forward of more than GEMV_MAX_M tokens dequantizes every
+#   weight (~4.5 bytes moved per weight); up to GEMV_MAX_M the NVFP4 GEMV reads the packed weights
+#   only, and the dense knee holds. 27B: 128 tokens 41 ms, 256 + 64 84 ms, 512 + 8 84 ms, 1024 108 ms;
 # - MoE, KNEE_MOE: a few hundred tokens touch every expert, and the grouped GEMMs run below the dense
 #   rate. 35B-A3B bf16: 128 tokens 25 ms, 1024 48 ms, 512 + 256 67 ms.
 PIECE_KNEE = 128
@@ -59,15 +61,27 @@ KNEE_MOE = 1024
 REPLAY_COST = 16
 
 
-def piece_knee(model: torch.nn.Module) -> int:
-    """The cost model's knee for this model (above)."""
+@dataclass(frozen=True)
+class PieceCosts:
+    """The cost model of one model's forwards (above): `knee`, or PIECE_KNEE up to `small_rows` tokens."""
+
+    knee: int = PIECE_KNEE
+    small_rows: int = 0
+
+    def cost(self, size: int) -> int:
+        return max(size, PIECE_KNEE if size <= self.small_rows else self.knee) + REPLAY_COST
+
+
+def piece_costs(model: torch.nn.Module) -> PieceCosts:
+    """The cost model for this model's kind (above)."""
+    from ninfer.kernels.triton_nvfp4 import GEMV_MAX_M
     from ninfer.models.qwen3_5 import Experts
     from ninfer.quant.nvfp4 import NVFP4Experts, NVFP4Linear
 
     kinds = {type(m) for m in model.modules()}
     if kinds & {Experts, NVFP4Experts}:
-        return KNEE_MOE
-    return KNEE_NVFP4 if NVFP4Linear in kinds else PIECE_KNEE
+        return PieceCosts(KNEE_MOE)
+    return PieceCosts(KNEE_NVFP4, GEMV_MAX_M) if NVFP4Linear in kinds else PieceCosts()
 
 
 def piece_sizes(chunk: int) -> list[int]:
@@ -78,12 +92,11 @@ def piece_sizes(chunk: int) -> list[int]:
     return sizes[::-1] if chunk > 1 else []
 
 
-def prefill_plan(n: int, sizes: list[int], chunk: int, knee: int = PIECE_KNEE) -> list[int]:
+def prefill_plan(n: int, sizes: list[int], chunk: int, costs: PieceCosts = PieceCosts()) -> list[int]:
     """The forwards that prefill n tokens (0 < n <= chunk) of one sequence: sizes from `sizes` (powers of
     two, largest first) or the chunk, each taking that many tokens except the last, which may take
     fewer (padded). The cheapest plan under the cost model above (ties: the fewest forwards)."""
-    def cost(size: int) -> int:
-        return max(size, knee) + REPLAY_COST
+    cost = costs.cost
 
     def best(m: int) -> tuple[int, list[int]]:
         up = min((s for s in [chunk, *sizes] if s >= m), default=chunk)  # one forward, padded
@@ -127,7 +140,7 @@ class ModelRunner:
             prefill_pieces = env == "1" if env in ("0", "1") else self.device.type == "cuda"
         self.prefill_chunk = prefill_chunk or 0
         self.prefill_pieces = piece_sizes(self.prefill_chunk) if prefill_pieces else []
-        self.piece_knee = piece_knee(model)
+        self.piece_costs = piece_costs(model)
         # graphs of the pieces of 2 tokens and more (one token replays the batch-1 decode graph)
         self.piece_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, PrefillInputs]] = {}
         self.prefill_replays = 0
@@ -346,7 +359,7 @@ class ModelRunner:
         """A shorter prefill by its plan: each piece replayed (or eager where no graph fits), the last
         one padded where the plan says so; the logits of the last real token."""
         start, logits = 0, None
-        for size in prefill_plan(len(tokens), self.prefill_pieces, self.prefill_chunk, self.piece_knee):
+        for size in prefill_plan(len(tokens), self.prefill_pieces, self.prefill_chunk, self.piece_costs):
             # the piece continues the sequence: same pages and state slot, `start` more tokens cached
             piece = SimpleNamespace(num_computed=seq.num_computed + start, pages=seq.pages,
                                     state_slot=seq.state_slot)
