@@ -19,7 +19,7 @@ In order, in this one process:
    (chunked prefill at the engine's default prefill_chunk, full chunks replayed from the prefill CUDA graph as in the engine, then the first token sampled and read back) and
    prefill tok/s at 1k and 8k prompts (8k also as one chunk, and eagerly chunked), 32k when the
    --deadline leaves time for it (else a `skipped` line with the reason); TTFT of prompts shorter
-   than a chunk (100, 300, 520, 700, 960 tokens, by the runner's prefill plan: runner.prefill_plan,
+   than a chunk (100, 300, 520, 540, 700, 960 tokens, by the runner's prefill plan: runner.prefill_plan,
    e.g. 100 -> the 128-token graph padded, 520 -> 512 + 8, 960 -> the chunk's graph padded), then the eager
    forward for comparison; NINFER_PREFILL_PIECES=0: eager only); peak GPU memory.
 3. transformers: Qwen3_5ForCausalLM (or the MoE class) built on the device in bf16 with random
@@ -532,7 +532,7 @@ def main() -> None:
     else:
         args.model = args.shape
         args.prompts, args.long_prompt = [1024, 8192], (None if args.no_long else 32768)
-        args.short_prompts = [100, 300, 520, 700, 960]
+        args.short_prompts = [100, 300, 520, 540, 700, 960]
         args.decode_prompt, args.decode_steps, args.decode_warmup = 128, 32, 3
         args.hf_new_tokens, args.prefill_reps, args.prefill_chunk = 24, 2, None
         copy_bytes, gemm_n = 4 << 30, 8192
