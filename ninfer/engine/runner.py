@@ -46,13 +46,15 @@ log = logging.getLogger("ninfer.engine")
 PIECES_ENV = "NINFER_PREFILL_PIECES"
 # The prefill plan's cost model, in tokens: a forward of up to `knee` tokens costs about the same (its
 # weight reads), beyond that its compute; each replay adds REPLAY_COST (the step's small kernels and
-# launch). The knee depends on the model (`piece_knee`; H200, bench/results/2026-11-30-h200-s9/call3):
+# launch). The knee depends on the model (`piece_costs`; H200, bench/results/2026-11-30-h200-s9/call3-5):
 # - dense bf16, PIECE_KNEE: 2 bytes per weight at ~4.2 TB/s against 2 FLOPs per weight and token at
 #   ~750 TFLOP/s, ~180 tokens. 27B: 100 tokens padded to 128 take 22 ms, 520 as 512 + 8 65 ms, 700 as
 #   512 + 256 75 ms, 960 padded to 1024 86 ms (one eager forward: 93-100 ms at every length);
 # - NVFP4 weights, KNEE_NVFP4: a prefill forward of more than GEMV_MAX_M tokens dequantizes every
-#   weight (~4.5 bytes moved per weight); up to GEMV_MAX_M the NVFP4 GEMV reads the packed weights
-#   only, and the dense knee holds. 27B: 128 tokens 41 ms, 256 + 64 84 ms, 512 + 8 84 ms, 1024 108 ms;
+#   weight (~4.5 bytes moved per weight); up to HFMA_MAX_M (8) the register-fed NVFP4 GEMV reads the
+#   packed weights once, and the dense knee holds (9-16 tokens: a slower GEMV, ~29 ms a forward at
+#   27B). 27B: 128 tokens 41 ms, 256 + 64 84 ms, 512 63 ms, 512 + 8 82 ms, 512 + 16 + 16 121 ms,
+#   1024 103-108 ms;
 # - MoE, KNEE_MOE: a few hundred tokens touch every expert, and the grouped GEMMs run below the dense
 #   rate. 35B-A3B bf16: 128 tokens 25 ms, 1024 48 ms, 512 + 256 67 ms.
 PIECE_KNEE = 128
@@ -74,14 +76,14 @@ class PieceCosts:
 
 def piece_costs(model: torch.nn.Module) -> PieceCosts:
     """The cost model for this model's kind (above)."""
-    from ninfer.kernels.triton_nvfp4 import GEMV_MAX_M
+    from ninfer.kernels.triton_nvfp4 import HFMA_MAX_M
     from ninfer.models.qwen3_5 import Experts
     from ninfer.quant.nvfp4 import NVFP4Experts, NVFP4Linear
 
     kinds = {type(m) for m in model.modules()}
     if kinds & {Experts, NVFP4Experts}:
         return PieceCosts(KNEE_MOE)
-    return PieceCosts(KNEE_NVFP4, GEMV_MAX_M) if NVFP4Linear in kinds else PieceCosts()
+    return PieceCosts(KNEE_NVFP4, HFMA_MAX_M) if NVFP4Linear in kinds else PieceCosts()
 
 
 def piece_sizes(chunk: int) -> list[int]:
