@@ -2,10 +2,10 @@
 
 CUDA graphs (ninfer.engine.graphs): at construction on a CUDA device (CUDA kernel backend active,
 graphs not disabled), one decode graph per exact batch size 1..num_lanes, one sampler graph over
-each decode graph's logits and one prefill graph for a full `prefill_chunk` of one sequence are
-captured over static input buffers. A forward whose
-shape has a graph fills its buffers from the host (pinned copies) and replays it; anything else
-(a shorter last prefill chunk, a sequence longer than the graphs' page-table width) runs eagerly.
+each decode graph's logits, one prefill graph for a full `prefill_chunk` of one sequence and the
+prefill pieces' graphs (below) are captured over static input buffers. A forward whose shape has a
+graph fills its buffers from the host (pinned copies) and replays it; anything else (a batch of
+several prefills, a sequence longer than the graphs' page-table width) runs eagerly.
 Graph and eager runs launch the same kernels with the same parameters, so outputs agree exactly.
 
 Prefill pieces (on CUDA devices by default; NINFER_PREFILL_PIECES=0 or 1 overrides): a prefill
