@@ -7,9 +7,10 @@ the host refills before every replay:
 - prefill (one sequence, `--prefill-chunk` new tokens, or a prefill piece's power of two; fewer
   tokens are padded up to it): the same fields for that chunk. A long prompt is a run of such
   chunks; its shorter last chunk goes through the runner's prefill plan (ninfer.engine.runner), and
-  prefill batches of any other shape run eagerly. Replaying a chunk costs the host one small upload and one launch, where the
-  eager forward issues ~2,600 kernel launches and their Python around them; at 1024 tokens that
-  host work took as long as the GPU's (H200 profile, bench/results/2026-11-30-h200-s4);
+  prefill batches of any other shape run eagerly. Replaying a chunk costs the host one small
+  upload and one launch, where the eager forward issues ~2,600 kernel launches and their Python
+  around them; at 1024 tokens that host work took as long as the GPU's (H200 profile,
+  bench/results/2026-11-30-h200-s4);
 - sampler (batch b): the per-row sampler settings of a decode batch, sampled from decode graph
   b's logits (the runner captures it in the decode graphs' pool).
 

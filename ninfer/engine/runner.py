@@ -15,8 +15,9 @@ the recurrent state alone), instead of one eager forward whose ~2,500 kernel lau
 more than the GPU work of a short prompt. `prefill_plan` picks the sizes by a cost model: a forward
 costs about the same up to a knee of tokens (its weight reads) and its compute beyond; on a dense
 bf16 model 100 tokens replay the 128-token graph once, 520 tokens the 512 graph and then the 8, 960
-tokens the chunk's graph; a MoE model (knee 1024) replays one padded graph for any of them. The plan does not depend on whether graphs exist, so --no-cuda-graph computes exactly what
-the graphs compute (each planned piece as one eager forward).
+tokens the chunk's graph; a MoE model (knee 1024) replays one padded graph for any of them. The plan
+does not depend on whether graphs exist, so --no-cuda-graph computes exactly what the graphs compute
+(each planned piece as one eager forward).
 
 Sampling: on CUDA the fused Triton sampler (ninfer.kernels.triton_sampler) when it draws the torch
 sampler's tokens in a start-up check on this device, else the torch sampler (ninfer.engine.sampler).
