@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from ninfer.artifact.container import Artifact
 from ninfer.artifact.convert_hf import convert_hf
-from ninfer.engine.loader import load_model
+from ninfer.engine.loader import load_model, load_vision_tower
 from ninfer.models.batch import ForwardBatch, ModelCache
 
 TOKENIZER_STUB = json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}})
@@ -64,6 +64,21 @@ def test_llama_folder(tmp_path):
     torch.testing.assert_close(ours, _hf_logits(hf, tokens), atol=1e-4, rtol=0)
 
 
+# a tiny Qwen3.5 vision_config as config.json carries it (out_hidden_size = the text hidden size)
+TINY_HF_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                      num_position_embeddings=64, spatial_merge_size=2, patch_size=16, temporal_patch_size=2)
+
+
+def _hf_visual_weights(seed: int = 3) -> dict[str, torch.Tensor]:
+    """transformers' Qwen3_5VisionModel at TINY_HF_VISION, random, named as a VLM checkpoint names it."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    torch.manual_seed(seed)
+    hf = Qwen3_5VisionModel(Qwen3_5VisionConfig(**TINY_HF_VISION))
+    return {f"model.visual.{k}": torch.randn_like(v) for k, v in hf.state_dict().items()}
+
+
 def _small_qwen_config(moe: bool) -> dict:
     cfg = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -99,8 +114,8 @@ def test_qwen_vlm_layout_with_mtp(tmp_path, moe):
     model_type = "qwen3_5_moe" if moe else "qwen3_5"
     config = {"model_type": model_type, "architectures": ["Qwen3_5ForConditionalGeneration"],
               "text_config": {**text_cfg, "model_type": f"{model_type}_text", "mtp_num_hidden_layers": 1},
-              "vision_config": {"depth": 1}}
-    visual = {"model.visual.blocks.0.norm1.weight": torch.ones(8)}
+              "vision_config": {**TINY_HF_VISION, "model_type": f"{model_type}_vision"}}
+    visual = _hf_visual_weights()
 
     def vlm_name(k: str) -> str:
         return k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k
@@ -110,9 +125,15 @@ def test_qwen_vlm_layout_with_mtp(tmp_path, moe):
     tokens = [1, 200, 33, 4, 150, 9, 77]
     ours, art = _our_logits(out, tokens)
     torch.testing.assert_close(ours, _hf_logits(hf, tokens), atol=2e-4, rtol=0)
-    assert art.has_component("mtp") and not art.has_component("vision")
+    assert art.has_component("mtp") and art.has_component("vision")
     assert "maintained Qwen3.6 chat template" in art.chat_template
-    assert art.manifest.extra["skipped_components"] == ["vision"]
+    assert art.manifest.extra["skipped_components"] == []
+    tower = load_vision_tower(art, torch.device("cpu"), torch.float32)
+    assert tower.config.out_hidden_size == 64 and tower.config.depth == 2
+    stored = {k.removeprefix("model.visual."): v for k, v in visual.items()}
+    assert tower.state_dict().keys() == stored.keys()
+    for k, v in tower.state_dict().items():
+        assert torch.equal(v, stored[k]), k
     assert art.manifest.sampling_presets["thinking"]["top_k"] == 20
     mtp_weights = art.load(["mtp"])["mtp"]
     assert "fc.weight" in mtp_weights
@@ -120,6 +141,63 @@ def test_qwen_vlm_layout_with_mtp(tmp_path, moe):
         fused = mtp_weights["layers.0.mlp.experts.gate_up_proj"]
         assert fused.shape == (4, 64, 64) and fused[2, 0, 0] == 2.0 and fused[3, 40, 0] == 3.0
         assert mtp_weights["layers.0.mlp.experts.down_proj"].shape == (4, 64, 32)
+
+
+def _tiny_qwen_folder(folder, visual: dict, vision_config: dict | None):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(1)
+    text_cfg = _small_qwen_config(False)
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_cfg)).eval()
+    config = {"model_type": "qwen3_5", "text_config": {**text_cfg, "model_type": "qwen3_5_text"}}
+    if vision_config is not None:
+        config["vision_config"] = vision_config
+    _save_folder(folder, hf, config, visual,
+                 rename=lambda k: k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k)
+
+
+def test_vision_tower_converts_at_the_target_dtype_and_runs(tmp_path):
+    visual = _hf_visual_weights()
+    _tiny_qwen_folder(tmp_path / "vlm", visual, TINY_HF_VISION)
+    out = convert_hf(tmp_path / "vlm", tmp_path / "v.ninfer", dtype=torch.bfloat16, progress=False)
+    art = Artifact(out)
+    assert art.config("vision")["rope_parameters"] == {"rope_type": "axial", "rope_theta": 10000.0}
+    assert art.manifest.quantization["vision"] == "bfloat16"
+    tower = load_vision_tower(art, torch.device("cpu"), torch.float32)
+    want = visual["model.visual.blocks.1.attn.qkv.weight"].to(torch.bfloat16).float()
+    assert torch.equal(tower.blocks[1].attn.qkv.weight, want)
+    with torch.no_grad():
+        merged = tower(torch.randn(2 * 4 * 4, 1536), [(2, 4, 4)])
+    assert merged.shape == (8, 64) and torch.isfinite(merged).all()
+
+
+def test_a_partial_vision_tower_fails_conversion(tmp_path):
+    visual = _hf_visual_weights()
+    del visual["model.visual.blocks.1.mlp.linear_fc2.bias"]
+    _tiny_qwen_folder(tmp_path / "vlm", visual, TINY_HF_VISION)
+    with pytest.raises(ValueError, match="missing \\['blocks.1.mlp.linear_fc2.bias'\\]"):
+        convert_hf(tmp_path / "vlm", tmp_path / "v.ninfer", dtype=torch.float32, progress=False)
+
+
+def test_visual_weights_without_a_vision_config_are_skipped(tmp_path):
+    _tiny_qwen_folder(tmp_path / "vlm", _hf_visual_weights(), None)
+    art = Artifact(convert_hf(tmp_path / "vlm", tmp_path / "v.ninfer", dtype=torch.float32, progress=False))
+    assert not art.has_component("vision") and art.manifest.extra["skipped_components"] == ["vision"]
+    with pytest.raises(ValueError, match="component 'vision' was requested"):
+        load_vision_tower(art, torch.device("cpu"), torch.float32)
+
+
+def test_tiny_preset_with_a_vision_tower(tmp_path):
+    from ninfer.artifact.presets import write_preset
+
+    art = Artifact(write_preset("tiny-qwen3.6", tmp_path / "t.ninfer", vision=True))
+    tower = load_vision_tower(art, torch.device("cpu"), torch.float32)
+    assert tower.config.out_hidden_size == art.config("text")["hidden_size"]
+    assert torch.equal(tower.merger.norm.weight, torch.ones(32)) and tower.pos_embed.weight.std() > 0.01
+    with torch.no_grad():
+        assert tower(torch.randn(16, 1536), [(1, 4, 4)]).shape == (4, 64)
+    model = load_model(art, torch.device("cpu"), torch.float32)  # the text model loads as before
+    assert not any(n.startswith("vision") for n in model.state_dict())
 
 
 def test_cli_lists_converters():

@@ -1,8 +1,9 @@
 """Hugging Face checkpoint folder -> .ninfer (Llama, Qwen3.5/3.6 dense and MoE).
 
-Carries the text backbone and, when present, the MTP weights. Vision and drafter weights have
-their own components in the format (`vision.`, `dflash.`, ...) and are mapped when their model
-code lands; until then they are skipped with a note.
+Carries the text backbone and, when present, the MTP weights and the vision tower (`model.visual.*`
+-> the `vision` component, its config from config.json's vision_config). Drafter weights have their
+own components in the format (`dflash.`, ...) and are mapped when their model code lands; until
+then they are skipped with a note.
 """
 
 from __future__ import annotations
@@ -213,6 +214,11 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
     architecture = _model_type(config)
     mapper, config_from_hf = _family(architecture)
     text_config = config_from_hf(config)
+    vision_config = None
+    if architecture != "llama":
+        from ninfer.models.vision import vision_config_from_hf
+
+        vision_config = vision_config_from_hf(config)
     tokenizer_path = folder / "tokenizer.json"
     if not tokenizer_path.exists():
         raise ValueError(f"{folder}: tokenizer.json is missing")
@@ -234,8 +240,8 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
         component, inner = mapped
         if component == "text" and inner == "lm_head.weight" and text_config.get("tie_word_embeddings"):
             continue  # tied: the head reads embed_tokens.weight
-        if component not in ("text", "mtp"):
-            skipped.add(component)  # vision / drafters: mapped when their model code lands
+        if component not in ("text", "mtp") and not (component == "vision" and vision_config is not None):
+            skipped.add(component)  # drafters (or visual weights without a vision_config): not mapped yet
             continue
         with safe_open(str(shard), framework="pt") as f:
             tensor = f.get_tensor(key)
@@ -251,6 +257,8 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
     if by_component.get("mtp"):
         layers = text_config.get("mtp_num_hidden_layers", 1)
         components["mtp"] = {"num_hidden_layers": layers}
+    if by_component.get("vision"):
+        components["vision"] = vision_config
     tensors = {}
     nvfp4_modules = []
     for component, group in by_component.items():
@@ -261,6 +269,10 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
             kept += experts
         if component == "text":
             nvfp4_modules = kept
+        if component == "vision":  # after dequantization: a partial or mis-shaped tower fails here
+            from ninfer.models.vision import check_vision_weights
+
+            check_vision_weights(vision_config, group)
         for inner, tensor in group.items():
             tensors[f"{component}.{inner}"] = tensor
     quantization: dict[str, Any] = {c: str(dtype).removeprefix("torch.") for c in components}

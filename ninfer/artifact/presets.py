@@ -35,6 +35,15 @@ TINY_LLAMA_CONFIG = {
     "rope_theta": 100000.0, "tie_word_embeddings": True, "max_position_embeddings": 8192,
 }
 
+# A tiny Qwen3.5 vision tower (vision component config, HF field names) for tests; out_hidden_size
+# is set to the text hidden size when written. An 8x8 learned position grid.
+TINY_VISION_CONFIG = {
+    "depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+    "in_channels": 3, "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2,
+    "num_position_embeddings": 64, "hidden_act": "gelu_pytorch_tanh",
+    "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+}
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -94,6 +103,14 @@ def instantiate(name: str, device: str | torch.device = "cpu", dtype: torch.dtyp
     return model.eval()
 
 
+def _random_vision_tower(config: dict[str, Any], dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    from ninfer.models.vision import build_vision_tower
+
+    tower = build_vision_tower(config).to(dtype)
+    tower.init_random_(seed)
+    return tower
+
+
 def _tokenizer_and_template(kind: str) -> tuple[str, str, dict[str, Any]]:
     if kind == "qwen":
         from ninfer.artifact.qwen_tokenizer import QWEN_EOS_IDS, build_qwen_tokenizer_json
@@ -126,12 +143,13 @@ def tokenizer_json_for(preset: Preset) -> tuple[str, dict[str, Any]]:
 
 
 def write_preset(name: str, out_path: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 weights: str = "bf16", nvfp4_lm_head: bool = False) -> Path:
+                 weights: str = "bf16", nvfp4_lm_head: bool = False, vision: bool = False) -> Path:
     """Write a tiny preset as a .ninfer artifact (random weights, real tokenizer and template).
 
     weights="nvfp4" quantizes the decoder's linears (ninfer.quant.nvfp4) from the same random
     weights that weights="bf16" (unquantized, stored in `dtype`) writes; nvfp4_lm_head also the
     untied lm_head (a tied preset has none: nothing more is quantized).
+    vision (Qwen presets): add a random TINY_VISION_CONFIG tower as the `vision` component.
     """
     if name not in FILE_PRESETS:
         raise ValueError(f"preset {name!r} is a full-size shape: it is instantiated on the GPU, not written")
@@ -140,6 +158,8 @@ def write_preset(name: str, out_path: str | Path, seed: int = 0, dtype: torch.dt
     if nvfp4_lm_head and weights != "nvfp4":
         raise ValueError("nvfp4_lm_head needs weights='nvfp4'")
     preset = get_preset(name)
+    if vision and preset.architecture == "llama":
+        raise ValueError(f"preset {name!r} has no vision tower (Qwen presets only)")
     model = instantiate(name, "cpu", dtype, seed, fuse=False)  # separate tensors, no shared storage to save
     quantization: dict[str, Any] = {"text": str(dtype).removeprefix("torch.")}
     if weights == "nvfp4":
@@ -147,11 +167,17 @@ def write_preset(name: str, out_path: str | Path, seed: int = 0, dtype: torch.dt
 
         quantization.update(manifest_entry(quantize_model_(model, lm_head=nvfp4_lm_head)))
     tensors = unique_tensors(model.state_dict(), prefix="text.")
+    components = {"text": preset.text_config()}
+    if vision:
+        components["vision"] = dict(TINY_VISION_CONFIG, out_hidden_size=components["text"]["hidden_size"])
+        tensors.update(unique_tensors(_random_vision_tower(components["vision"], dtype, seed).state_dict(),
+                                      prefix="vision."))
+        quantization["vision"] = quantization["text"]
     tok_json, template, extra = _tokenizer_and_template(preset.tokenizer)
     manifest = Manifest(
         name=name,
         architecture=preset.architecture,
-        components={"text": preset.text_config()},
+        components=components,
         quantization=quantization,
         sampling_presets=preset.sampling_presets,
         extra=extra,

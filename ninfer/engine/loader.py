@@ -106,6 +106,23 @@ def load_model(artifact: Artifact, device: torch.device, dtype: torch.dtype,
     return prepare_for_inference_(model).eval()
 
 
+def load_vision_tower(artifact: Artifact, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The artifact's vision tower (ninfer.models.vision) on the device. Reads the `vision.`
+    tensors only (Artifact.load would materialize the text weights too)."""
+    from safetensors import safe_open
+
+    from ninfer.models.vision import build_vision_tower
+
+    config = artifact.config("vision")  # a clear error when the artifact has no tower
+    with safe_open(str(artifact.path), framework="pt", device=str(device)) as f:
+        weights = {name.removeprefix("vision."): _cast_floating(name, f.get_tensor(name), dtype)
+                   for name in artifact.tensor_names if name.startswith("vision.")}
+    with torch.device("meta"):  # no buffers: the rotary angles are computed per forward
+        tower = build_vision_tower(config)
+    tower.load_state_dict(weights, strict=True, assign=True)
+    return tower.eval()
+
+
 def load_engine(path: str | Path, settings: EngineSettings | None = None, *, device: torch.device | None = None,
                 dtype: str = "auto", start: bool = True) -> Engine:
     """Load an artifact into a started engine; the load itself runs on the engine's thread."""

@@ -336,3 +336,17 @@ class VisionTower(nn.Module):
 def build_vision_tower(config: dict[str, Any]) -> VisionTower:
     """The tower for an artifact's `vision` component config."""
     return VisionTower(config)
+
+
+def check_vision_weights(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError unless `tensors` are exactly the tower's parameters at their shapes
+    (the converter calls it, so a partial or mis-shaped tower fails at conversion, not at load)."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in build_vision_tower(config).state_dict().items()}
+    missing = sorted(expected.keys() - tensors.keys())
+    unexpected = sorted(tensors.keys() - expected.keys())
+    wrong = sorted(k for k in expected.keys() & tensors.keys() if tuple(tensors[k].shape) != expected[k])
+    if missing or unexpected or wrong:
+        shapes = [f"{k} {tuple(tensors[k].shape)} != {expected[k]}" for k in wrong[:3]]
+        raise ValueError(f"vision weights do not match the vision config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}, wrong shape {shapes}")
