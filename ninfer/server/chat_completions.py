@@ -20,7 +20,7 @@ from ninfer.engine.types import (
 )
 from ninfer.protocol.errors import ProtocolError, from_engine_error, from_prompt_error
 from ninfer.protocol.openai_chat import ChatRequest, parse_chat_request
-from ninfer.server.chat_output import ChunkWriter, Identity, aggregate, new_call_id
+from ninfer.protocol.openai_chat_output import ChunkWriter, Identity, aggregate, new_call_id
 from ninfer.server.context import ServerContext
 from ninfer.server.engine_client import decode_to_finish
 from ninfer.server.observer import RequestShape, RequestTrace
