@@ -54,6 +54,10 @@ def unsupported(param: str, code: str, why: str) -> ProtocolError:
     return ProtocolError(f"{param}: {why}", param=param, code=code)
 
 
+def model_not_found(model: str) -> ProtocolError:
+    return ProtocolError(f"model {model!r} not found", param="model", code="model_not_found", status=404)
+
+
 def from_engine_error(exc: Exception) -> ProtocolError:
     """Map an engine refusal (ninfer.engine.types.EngineError) to its HTTP status and code."""
     code = getattr(exc, "code", "engine_error")

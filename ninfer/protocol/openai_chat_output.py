@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ninfer.engine.types import FinishEvent, FinishReason, ProgressEvent, Timings, TokenEvent
+from ninfer.engine.types import FinishEvent, FinishReason, ProgressEvent
 
 
 def new_completion_id() -> str:
@@ -20,6 +20,13 @@ def new_completion_id() -> str:
 
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
+
+
+def adopt_call_id(call) -> str:
+    """Give a decoded call an id (once) when the model gave none, which both output paths then show."""
+    if not call.call_id:
+        call.call_id = new_call_id()
+    return call.call_id
 
 
 def finish_reason(reason: FinishReason, has_tool_calls: bool) -> str:
@@ -38,7 +45,7 @@ def usage_json(fin: FinishEvent) -> dict[str, Any]:
 
 
 def tool_call_json(call, index: int | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": call.call_id, "type": "function",
+    out: dict[str, Any] = {"id": adopt_call_id(call), "type": "function",
                            "function": {"name": call.name, "arguments": call.arguments_json()}}
     if index is not None:
         out["index"] = index
@@ -69,45 +76,12 @@ def aggregate(identity: Identity, decoded, fin: FinishEvent) -> dict[str, Any]:
             "timings": fin.timings.as_dict()}
 
 
-class LiveTimings:
-    """Cumulative timings seen from the router, for timings_per_token chunks.
-
-    Hidden commits (held back by stop-string, UTF-8 or tool-call buffering) still advance the count;
-    the next visible chunk observes them.
-    """
-
-    def __init__(self) -> None:
-        self.total = self.cache = 0
-        self.t_admit: float | None = None
-        self.t_first: float | None = None
-        self.t_last: float | None = None
-        self.tokens = 0
-
-    def observe(self, ev: Any) -> None:
-        now = time.monotonic()
-        if isinstance(ev, ProgressEvent) and self.t_admit is None:
-            self.total, self.cache = ev.total, ev.cache
-            self.t_admit = now - ev.time_ms / 1000.0
-        elif isinstance(ev, TokenEvent) and ev.token_ids:
-            self.tokens += len(ev.token_ids)
-            self.t_first = self.t_first or now
-            self.t_last = now
-
-    def snapshot(self) -> dict[str, Any]:
-        admit = self.t_admit or time.monotonic()
-        first = self.t_first or admit
-        return Timings(cache_n=self.cache, prompt_n=self.total - self.cache, prompt_ms=(first - admit) * 1000.0,
-                       predicted_n=self.tokens, predicted_ms=((self.t_last or first) - first) * 1000.0).as_dict()
-
-
 class ChunkWriter:
     """Builds the stream's chunk payloads in contract order: role, progress, deltas, finish, usage."""
 
-    def __init__(self, identity: Identity, *, include_usage: bool, timings_per_token: bool):
+    def __init__(self, identity: Identity, *, include_usage: bool):
         self.identity = identity
         self.include_usage = include_usage
-        self.timings_per_token = timings_per_token
-        self.live = LiveTimings()
         self.calls = 0
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -125,9 +99,10 @@ class ChunkWriter:
         return self.chunk({}, prompt_progress={"total": ev.total, "cache": ev.cache, "processed": ev.processed,
                                                "time_ms": int(ev.time_ms)})
 
-    def delta(self, d) -> dict[str, Any] | None:
-        """One output-decoder delta as a chunk (None for an empty one)."""
-        extra = {"timings": self.live.snapshot()} if self.timings_per_token else {}
+    def delta(self, d, timings: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """One output-decoder delta as a chunk (None for an empty one); text chunks carry `timings`
+        (timings_per_token: the cumulative timings seen so far) when given."""
+        extra = {"timings": timings} if timings is not None else {}
         if d.reasoning:
             return self.chunk({"reasoning_content": d.reasoning}, **extra)
         if d.content:
@@ -135,7 +110,7 @@ class ChunkWriter:
         if d.tool_call_start is not None:
             call = d.tool_call_start
             self.calls += 1
-            entry = {"index": self.calls - 1, "id": call.call_id, "type": "function",
+            entry = {"index": self.calls - 1, "id": adopt_call_id(call), "type": "function",
                      "function": {"name": call.name, "arguments": ""}}
             return self.chunk({"tool_calls": [entry]})
         if d.tool_call_arguments is not None:

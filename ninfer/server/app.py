@@ -7,8 +7,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from ninfer.protocol.errors import ProtocolError
-from ninfer.server.chat_completions import chat_completions, model_not_found
+from ninfer.protocol.errors import ProtocolError, model_not_found
+from ninfer.server.chat_completions import chat_completions
 from ninfer.server.context import ServerContext
 from ninfer.server.messages import count_tokens, create_message
 from ninfer.server.metrics import EngineClientFeed, MetricsFeed, ServerFacts, metrics_endpoint

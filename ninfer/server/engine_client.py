@@ -18,7 +18,6 @@ from ninfer.engine.types import (
     EngineRequest,
     EngineUnavailableError,
     FinishEvent,
-    TokenEvent,
 )
 
 ACCEPTED = "accepted"  # first item of every engine stream: submit succeeded
@@ -158,24 +157,3 @@ class RayEngineClient:
 __all__ = ["ACCEPTED", "EngineClient", "EngineFailure", "EngineUnavailableError", "LocalEngineClient",
            "RayEngineClient", "engine_events"]
 
-
-async def decode_to_finish(events: AsyncIterator[Any], decoder) -> FinishEvent | None:
-    """Feed every committed text of an aggregate (non-streamed) generation to the output decoder.
-
-    Returns the terminal event, or None when the stream ended without one; engine errors (e.g. the
-    queue deadline passing before admission) come out as the protocol's error. The event stream is
-    closed whatever happens, which cancels the engine request if it is still running."""
-    from ninfer.protocol.errors import from_engine_error
-
-    fin: FinishEvent | None = None
-    try:
-        async for ev in events:
-            if isinstance(ev, TokenEvent) and ev.text:
-                decoder.feed(ev.text, ev.channel)
-            elif isinstance(ev, FinishEvent):
-                fin = ev
-    except EngineError as exc:
-        raise from_engine_error(exc) from None
-    finally:
-        await events.aclose()
-    return fin

@@ -1,38 +1,34 @@
-"""POST /v1/messages and /v1/messages/count_tokens: Anthropic request -> IR -> prompt -> engine -> Anthropic shapes.
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic edges of the generation pipeline.
 
-Clients such as Claude Code add a query string (`?beta=true`); routing is by path, so it is ignored.
-Errors are ProtocolErrors like everywhere else; the edge renders them in Anthropic's shape because
-of the path (server.middleware).
+Lowering: the request's conversation, sampling and thinking budget; rendering: the message object,
+or named SSE events in the block lifecycle with errors as an `error` event (server.generation runs
+everything between). Clients such as Claude Code add a query string (`?beta=true`); routing is by
+path, so it is ignored. Errors are ProtocolErrors like everywhere else; the edge renders them in
+Anthropic's shape because of the path (server.middleware).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from ninfer.chat.errors import PromptError
-from ninfer.chat.ir import Conversation, Prompt
-from ninfer.engine.types import (
-    EngineError,
-    EngineRequest,
-    FinishEvent,
-    FinishReason,
-    ProgressEvent,
-    TokenEvent,
-)
+from ninfer.chat import ir
+from ninfer.chat.ir import Prompt
+from ninfer.engine.types import ProgressEvent
 from ninfer.protocol.anthropic_errors import anthropic_error
 from ninfer.protocol.anthropic_lowering import AnthropicDefaults, MessagesRequest, parse_messages_request
 from ninfer.protocol.anthropic_output import Event, EventWriter, Identity, message_json
-from ninfer.protocol.errors import ProtocolError, from_engine_error, from_prompt_error
-from ninfer.server.chat_completions import checkpoints, read_json
+from ninfer.protocol.errors import ProtocolError
 from ninfer.server.context import ServerContext
-from ninfer.server.engine_client import decode_to_finish
-from ninfer.server.observer import RequestShape, RequestTrace
-from ninfer.server.sse import SSE_HEADERS, named_event, with_keepalive
+from ninfer.server.decoding import Outcome
+from ninfer.server.generation import GenerationSpec, build_prompt, engine_request, generate
+from ninfer.server.observer import RequestShape
+from ninfer.server.request_body import read_json
+from ninfer.server.sse import named_event
 
 log = logging.getLogger("ninfer.server")
 
@@ -41,18 +37,11 @@ def _defaults(ctx: ServerContext) -> AnthropicDefaults:
     return AnthropicDefaults(vision=ctx.config.vision, default_max_tokens=ctx.config.default_max_tokens)
 
 
-def _build_prompt(ctx: ServerContext, conversation: Conversation) -> Prompt:
-    try:
-        return ctx.frontend.build_prompt(conversation)
-    except PromptError as exc:  # the conversation cannot become a prompt: the client must change it
-        raise from_prompt_error(exc) from None
-
-
 async def count_tokens(request: Request) -> JSONResponse:
     """The prompt a generation would see, tokenized; nothing reaches the engine."""
     ctx: ServerContext = request.app.state.ctx
     msg = parse_messages_request(await read_json(request), _defaults(ctx), counting=True)
-    prompt = await asyncio.to_thread(_build_prompt, ctx, msg.conversation)
+    prompt = await asyncio.to_thread(build_prompt, ctx, msg.conversation)
     return JSONResponse({"input_tokens": len(prompt.token_ids)})
 
 
@@ -60,30 +49,17 @@ async def create_message(request: Request):
     ctx: ServerContext = request.app.state.ctx
     request_id = request.state.request_id
     msg = parse_messages_request(await read_json(request), _defaults(ctx))
+    identity = Identity(model=msg.model)
     shape = RequestShape.of("anthropic_messages", msg.conversation, model=msg.model, stream=msg.stream,
                             max_tokens=msg.max_tokens)
-    trace = request.app.state.observer.begin(shape, request_id)  # validation passed: a measured request
-    identity = Identity(model=msg.model)
-    with trace.preparation():
-        prompt = await asyncio.to_thread(_build_prompt, ctx, msg.conversation)  # template + tokenizer off the loop
-        decoder = ctx.frontend.output_decoder(msg.conversation, prompt)
-        # The engine id is the message id: unique even when a client reuses its request id.
-        engine_request = EngineRequest(request_id=identity.id, prompt_ids=list(prompt.token_ids),
-                                       sampling=msg.sampling, max_tokens=msg.max_tokens, stop=msg.stop,
-                                       thinking=prompt.thinking,
-                                       thinking_budget=_thinking_budget(ctx, msg, prompt, request_id),
-                                       return_progress=True,  # the first progress event marks admission
-                                       checkpoints=checkpoints(prompt))
-        trace.submitting(engine_request, prompt)
-        try:
-            events = trace.watch(await ctx.engine.open(engine_request))
-        except EngineError as exc:
-            raise from_engine_error(exc) from None
-    if not msg.stream:
-        return await _aggregate(events, decoder, identity, msg, trace)
-    writer = EventWriter(identity, sealed=msg.thinking.sealed)
-    frames = with_keepalive(_stream(events, decoder, writer, trace), ctx.keepalive_s)
-    return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def ask(prompt: Prompt):
+        return engine_request(identity.id, prompt, sampling=msg.sampling, max_tokens=msg.max_tokens, stop=msg.stop,
+                              thinking_budget=_thinking_budget(ctx, msg, prompt, request_id))
+
+    return await generate(request, GenerationSpec(
+        shape, msg.conversation, engine_request=ask,
+        renderer=lambda generation: MessagesRenderer(identity, msg, request_id)))
 
 
 def _thinking_budget(ctx: ServerContext, msg: MessagesRequest, prompt: Prompt, request_id: str) -> int | None:
@@ -119,52 +95,38 @@ def _close_suffix_tokens(ctx: ServerContext) -> int:
     return _suffix_tokens[id(tokenizer)]
 
 
-async def _aggregate(events: AsyncIterator[Any], decoder, identity: Identity, msg: MessagesRequest,
-                     trace: RequestTrace) -> JSONResponse:
-    with trace.generation():  # exactly one terminal record, whatever happens below
-        fin = await decode_to_finish(events, decoder)
-        if fin is None or fin.reason is FinishReason.ERROR:
-            raise _engine_failure(fin)
-        _, decoded = decoder.finish()
-        trace.finish(decoded)
-        return JSONResponse(message_json(identity, decoded, fin, sealed=msg.thinking.sealed))
+class MessagesRenderer:
+    """Anthropic output: message_start once admitted, one open content block at a time, then the stop."""
+
+    def __init__(self, identity: Identity, msg: MessagesRequest, request_id: str):
+        self.identity = identity
+        self.sealed = msg.thinking.sealed
+        self.request_id = request_id  # error events name it, as error bodies do
+        self.writer = EventWriter(identity, sealed=self.sealed)
+
+    async def body(self, outcome: Outcome) -> dict[str, Any]:
+        return message_json(self.identity, outcome.decoded, outcome.finish, sealed=self.sealed)
+
+    def opening(self) -> list[bytes]:
+        return []  # message_start waits for admission, which tells the reused prefix
+
+    def progress(self, ev: ProgressEvent) -> list[bytes]:
+        return [] if self.writer.started else _frames(self.writer.start(ev.total, ev.cache))
+
+    def delta(self, d: ir.OutputDelta) -> list[bytes]:
+        return _frames(self.writer.delta(d))
+
+    async def closing(self, outcome: Outcome) -> list[bytes]:
+        fin = outcome.finish
+        out: list[Event] = []
+        if not self.writer.started:
+            out = self.writer.start(fin.usage.prompt_tokens, fin.usage.cached_tokens)
+        out += [e for d in outcome.tail for e in self.writer.delta(d)]
+        return _frames(out + self.writer.finish(fin, bool(outcome.decoded.tool_calls)))
+
+    def failure(self, err: ProtocolError) -> list[bytes]:
+        return [named_event("error", anthropic_error(err, self.request_id)[1])]
 
 
-async def _stream(events: AsyncIterator[Any], decoder, writer: EventWriter,
-                  trace: RequestTrace) -> AsyncIterator[bytes]:
-    with trace.generation():  # a client that goes away mid-stream ends here as a cancellation
-        try:
-            async for ev in events:
-                out: list[Event] = []
-                if isinstance(ev, ProgressEvent):
-                    if not writer.started:
-                        out = writer.start(ev.total, ev.cache)
-                elif isinstance(ev, TokenEvent):
-                    out = [e for d in decoder.feed(ev.text, ev.channel) for e in writer.delta(d)] if ev.text else []
-                elif isinstance(ev, FinishEvent):
-                    if ev.reason is FinishReason.ERROR:
-                        yield _error_frame(_engine_failure(ev), trace.http_id)
-                        return
-                    if not writer.started:
-                        out = writer.start(ev.usage.prompt_tokens, ev.usage.cached_tokens)
-                    tail, decoded = decoder.finish()
-                    trace.finish(decoded)  # the outcome is final; later send failures are transport failures
-                    out += [e for d in tail for e in writer.delta(d)] + writer.finish(ev, bool(decoded.tool_calls))
-                if out:
-                    yield _frames(out)
-        except EngineError as exc:  # after the stream opened, errors travel as an SSE error event
-            yield _error_frame(from_engine_error(exc), trace.http_id)
-        finally:
-            await events.aclose()
-
-
-def _frames(events: list[Event]) -> bytes:
-    return b"".join(named_event(name, payload) for name, payload in events)
-
-
-def _error_frame(err: ProtocolError, request_id: str) -> bytes:
-    return named_event("error", anthropic_error(err, request_id)[1])
-
-
-def _engine_failure(fin: FinishEvent | None) -> ProtocolError:
-    return ProtocolError(f"generation failed in the engine: {fin and fin.error}", code="engine_failure", status=500)
+def _frames(events: list[Event]) -> list[bytes]:
+    return [named_event(name, payload) for name, payload in events]

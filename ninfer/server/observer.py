@@ -1,7 +1,8 @@
 """One generation request's lifecycle, seen once and told three ways: JSONL events, metrics, stderr records.
 
-Every generation endpoint (Chat Completions, Responses, Messages) uses it the same way, after its
-schema/model validation (those rejections are not measurement requests and get no request id):
+Every generation endpoint (Chat Completions, Responses, Messages) uses it through the one pipeline
+(server.generation), after its schema/model validation (those rejections are not measurement
+requests and get no request id):
 
     trace = request.app.state.observer.begin(RequestShape.of("openai_chat", conversation, ...), request_id)
     with trace.preparation():                 # a failure here -> request_rejected, then re-raised

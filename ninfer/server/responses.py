@@ -1,15 +1,15 @@
 """The OpenAI Responses routes: create (JSON or semantic SSE) and input_tokens here, the stored-Response
 resources in stored_responses, and the explicit refusal to compact.
 
-Create follows Chat Completions' path: request -> Item history (stored parent + input) -> IR
-conversation -> prompt -> engine -> output decoder, then Response Items. A stored Response is
-put in the ResponseStore before its terminal event, so a client that reads it back finds it.
+Create supplies the Responses edges of the generation pipeline (server.generation): lowering is the
+Item history (stored parent + input) resolved into an IR conversation; rendering is the Response
+object or its semantic SSE events. A stored Response is put in the ResponseStore before its
+terminal event, so a client that reads it back finds it.
 
-Like the other generation endpoints, create is observed (server.observer): the request is measured
-once its conversation is resolved (the stored parent found, the Items valid), the prompt build and
-engine submission are its preparation, and the engine's outcome is its one terminal record, written
-before the Response is stored, so a storage or transport failure after it is only a response failure.
-input_tokens and the stored-Response resources are not measured.
+The request is measured once its conversation is resolved (the stored parent found, the Items
+valid); the engine's outcome is its one terminal record, written before the Response is stored, so
+a storage or transport failure after it is only a response failure. input_tokens and the
+stored-Response resources are not measured.
 """
 
 from __future__ import annotations
@@ -17,15 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ninfer.chat import ir
-from ninfer.chat.errors import PromptError
-from ninfer.engine.types import EngineError, EngineRequest
-from ninfer.protocol.errors import ProtocolError, from_engine_error, from_prompt_error, unsupported
+from ninfer.engine.types import ProgressEvent
+from ninfer.protocol.errors import ProtocolError, model_not_found, unsupported
 from ninfer.protocol.openai_responses import (
     ResponsesCreate,
     ResponsesPrompt,
@@ -42,11 +41,12 @@ from ninfer.protocol.responses_output import (
     response_status,
     usage_json,
 )
-from ninfer.server.chat_completions import checkpoints, model_not_found, read_json
 from ninfer.server.context import ServerContext
-from ninfer.server.observer import RequestShape, RequestTrace
-from ninfer.server.responses_generation import Generation, GenerationFailed, Outcome
-from ninfer.server.sse import SSE_HEADERS, named_event, with_keepalive
+from ninfer.server.decoding import Generation, Outcome
+from ninfer.server.generation import GenerationSpec, build_prompt, engine_request, generate
+from ninfer.server.observer import RequestShape
+from ninfer.server.request_body import read_json
+from ninfer.server.sse import named_event
 from ninfer.server.stored_responses import (
     cancel_response,
     delete_response,
@@ -93,31 +93,21 @@ async def create_response(request: Request):
     shape = RequestShape.of("openai_responses", conversation, model=create.prompt.model, stream=create.stream,
                             max_tokens=create.max_output_tokens,
                             semantic_change=_branches_thinking(create.prompt, parent))
-    trace = request.app.state.observer.begin(shape, request.state.request_id)  # validation passed: measured
     frame = ResponseFrame(create.echo)
     # A stored root starts a session its children inherit; a store:false child reads but keeps no endpoint.
     session_key = parent.session_key if parent else (f"responses:{frame.id}" if create.store else None)
-    with trace.preparation():
-        prompt = await asyncio.to_thread(_build_prompt, ctx, conversation)  # template + tokenizer off the loop
-        decoder = ctx.frontend.output_decoder(conversation, prompt)
-        engine_request = EngineRequest(request_id=frame.id, prompt_ids=list(prompt.token_ids),
-                                       sampling=create.sampling, max_tokens=create.max_output_tokens,
-                                       thinking=prompt.thinking,
-                                       return_progress=True,  # the first progress event marks admission
-                                       checkpoints=checkpoints(prompt), session_key=session_key,
-                                       retain_endpoint=create.store or parent is None)
-        trace.submitting(engine_request, prompt)
-        try:
-            events = trace.watch(await ctx.engine.open(engine_request))
-        except EngineError as exc:
-            raise from_engine_error(exc) from None
-    pending = _PendingResponse(create, frame, OutputIds(), parent, session_key, prompt.preserve_thinking, store,
-                               request.state.request_id)
-    generation = Generation(events, decoder, prompt_tokens=len(prompt.token_ids), single_call=create.single_call)
-    if not create.stream:
-        return JSONResponse(await _aggregate(generation, pending, trace))
-    frames = with_keepalive(_stream(generation, pending, trace), ctx.keepalive_s)
-    return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def ask(prompt: ir.Prompt):
+        return engine_request(frame.id, prompt, sampling=create.sampling, max_tokens=create.max_output_tokens,
+                              session_key=session_key, retain_endpoint=create.store or parent is None)
+
+    def renderer(generation: Generation) -> ResponsesRenderer:
+        return ResponsesRenderer(_PendingResponse(create, frame, OutputIds(), parent, session_key,
+                                                  generation.prompt.preserve_thinking, store,
+                                                  request.state.request_id))
+
+    return await generate(request, GenerationSpec(shape, conversation, engine_request=ask, renderer=renderer,
+                                                  single_call=create.single_call))
 
 
 def _branches_thinking(request: ResponsesPrompt, parent: Continuation | None) -> bool:
@@ -145,13 +135,6 @@ async def _resolve(ctx: ServerContext, store: ResponseStoreClient,
         history = parse_items(parent.history, {"previous_response_id": parent.history},
                               ItemRules(ctx.chat_defaults.vision), ("previous_response_id",), unique_ids=False)
     return parent, request.conversation(history, parent.preserve_thinking if parent else None)
-
-
-def _build_prompt(ctx: ServerContext, conversation: ir.Conversation) -> ir.Prompt:
-    try:
-        return ctx.frontend.build_prompt(conversation)
-    except PromptError as exc:
-        raise from_prompt_error(exc) from None
 
 
 @dataclass
@@ -195,46 +178,31 @@ class _PendingResponse:
                                 "raise the limit", param="store", code="response_store_capacity_exceeded")
 
 
-async def _aggregate(generation: Generation, pending: _PendingResponse, trace: RequestTrace) -> dict[str, Any]:
-    with trace.generation():  # exactly one terminal record, whatever happens below
-        try:
-            async for _ in generation.deltas():
-                pass
-        except EngineError as exc:  # e.g. the queue deadline passed before admission
-            raise from_engine_error(exc) from None
-        except GenerationFailed as exc:
-            raise ProtocolError(str(exc), code="engine_failure", status=500) from None
-        finally:
-            await generation.events.aclose()
-        assert generation.outcome is not None
-        trace.finish(generation.outcome.decoded, fin=generation.outcome.finish)
-        return await pending.finish(generation.outcome)  # a storage failure now is a response failure
+class ResponsesRenderer:
+    """Responses output: the semantic events of a streamed Response around its stored terminal object."""
 
+    def __init__(self, pending: _PendingResponse):
+        self.pending = pending
+        self.writer = ResponseEvents(pending.frame, pending.ids, sealed=pending.create.seal_reasoning)
 
-async def _stream(generation: Generation, pending: _PendingResponse, trace: RequestTrace) -> AsyncIterator[bytes]:
-    writer = ResponseEvents(pending.frame, pending.ids, sealed=pending.create.seal_reasoning)
-    try:
-        with trace.generation():  # a client that goes away mid-stream ends here as a cancellation
-            for event in writer.start():
-                yield _frame(event)
-            async for delta in generation.deltas():
-                for event in writer.delta(delta):
-                    yield _frame(event)
-            assert generation.outcome is not None
-            # final: a later storage or send failure is a response failure
-            trace.finish(generation.outcome.decoded, fin=generation.outcome.finish)
-            response = await pending.finish(generation.outcome)
-            for event in writer.finish(response):
-                yield _frame(event)
-    except EngineError as exc:  # after the stream started, failures end it with response.failed
-        err = from_engine_error(exc)
-        yield _frame(writer.failed(err.code, err.message))
-    except GenerationFailed as exc:
-        yield _frame(writer.failed("engine_failure", str(exc)))
-    except ProtocolError as err:
-        yield _frame(writer.failed(err.code, err.message))
-    finally:
-        await generation.events.aclose()
+    async def body(self, outcome: Outcome) -> dict[str, Any]:
+        return await self.pending.finish(outcome)
+
+    def opening(self) -> list[bytes]:
+        return [_frame(event) for event in self.writer.start()]
+
+    def progress(self, ev: ProgressEvent) -> list[bytes]:
+        return []
+
+    def delta(self, d: ir.OutputDelta) -> list[bytes]:
+        return [_frame(event) for event in self.writer.delta(d)]
+
+    async def closing(self, outcome: Outcome) -> list[bytes]:
+        response = await self.pending.finish(outcome)
+        return [_frame(event) for event in self.writer.finish(response)]
+
+    def failure(self, err: ProtocolError) -> list[bytes]:
+        return [_frame(self.writer.failed(err.code, err.message))]
 
 
 def _frame(event: dict[str, Any]) -> bytes:
@@ -249,7 +217,7 @@ async def count_input_tokens(request: Request) -> JSONResponse:
     ctx: ServerContext = request.app.state.ctx
     prompt_request = parse_input_tokens_request(await read_json(request), ctx.chat_defaults)
     _, conversation = await _resolve(ctx, request.app.state.response_store, prompt_request)
-    prompt = await asyncio.to_thread(_build_prompt, ctx, conversation)  # not a generation: not measured
+    prompt = await asyncio.to_thread(build_prompt, ctx, conversation)  # not a generation: not measured
     return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt.token_ids)})
 
 

@@ -1,0 +1,153 @@
+"""The one server pipeline behind the generation endpoints (Chat Completions, Responses, Messages).
+
+An endpoint lowers its request to a GenerationSpec and supplies an OutputRenderer; everything in
+between is here and the same for all three:
+
+    measured (observer) -> prompt built off the loop -> engine request submitted
+        -> engine events through the output decoder (decoding.Generation)
+        -> one JSON body, or SSE frames behind the keep-alive
+
+Failures are typed where they happen and rendered by the protocol: before the answer starts they
+are ProtocolErrors (HTTP status and body); once a stream is open they become the renderer's failure
+frames. Closing the engine stream, whatever happens, cancels the request in the engine, which is
+how a client disconnect frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ninfer.chat import ir
+from ninfer.chat.errors import PromptError
+from ninfer.engine.types import EngineError, EngineRequest, ProgressEvent
+from ninfer.protocol.errors import ProtocolError, from_engine_error, from_prompt_error
+from ninfer.server.context import ServerContext
+from ninfer.server.decoding import Generation, GenerationFailed, Outcome
+from ninfer.server.observer import RequestShape, RequestTrace
+from ninfer.server.sse import SSE_HEADERS, with_keepalive
+
+
+class OutputRenderer(Protocol):
+    """One protocol's view of a generation: its aggregate body and its stream's SSE frames."""
+
+    async def body(self, outcome: Outcome) -> dict[str, Any]: ...
+
+    def opening(self) -> list[bytes]: ...  # before the first engine event
+
+    def progress(self, ev: ProgressEvent) -> list[bytes]: ...
+
+    def delta(self, d: ir.OutputDelta) -> list[bytes]: ...
+
+    async def closing(self, outcome: Outcome) -> list[bytes]: ...  # after the outcome is recorded
+
+    def failure(self, err: ProtocolError) -> list[bytes]: ...  # ends a stream that cannot finish
+
+
+@dataclass
+class GenerationSpec:
+    """A lowered request: what the pipeline needs from the protocol before it meets the engine."""
+
+    shape: RequestShape
+    conversation: ir.Conversation
+    engine_request: Callable[[ir.Prompt], EngineRequest]  # the protocol's engine fields, once the prompt is built
+    renderer: Callable[[Generation], OutputRenderer]  # made once the engine accepted the request
+    single_call: bool = False  # end the answer at its first tool call (Responses' parallel_tool_calls:false)
+
+
+def engine_request(request_id: str, prompt: ir.Prompt, **fields: Any) -> EngineRequest:
+    """The engine request every protocol sends for `prompt`, plus its own `fields`.
+
+    `request_id` is the protocol's object id: unique even when a client reuses its request id."""
+    return EngineRequest(request_id=request_id, prompt_ids=list(prompt.token_ids), thinking=prompt.thinking,
+                         return_progress=True,  # the first progress event marks admission
+                         checkpoints=checkpoints(prompt), **fields)
+
+
+def checkpoints(prompt: ir.Prompt) -> list[int]:
+    """Prompt boundaries worth retaining for reuse: the input boundary and the cache-hint candidates."""
+    marks = set(prompt.cache_candidates)
+    if prompt.input_boundary is not None:
+        marks.add(prompt.input_boundary)
+    return sorted(marks)
+
+
+def build_prompt(ctx: ServerContext, conversation: ir.Conversation) -> ir.Prompt:
+    """Template + tokenizer; call it in a thread to keep the event loop free."""
+    try:
+        return ctx.frontend.build_prompt(conversation)
+    except PromptError as exc:  # the conversation cannot become a prompt: the client must change it
+        raise from_prompt_error(exc) from None
+
+
+async def generate(request: Request, spec: GenerationSpec) -> Response:
+    """Run a validated request through the engine and answer it as JSON or as an SSE stream."""
+    ctx: ServerContext = request.app.state.ctx
+    trace = request.app.state.observer.begin(spec.shape, request.state.request_id)  # validated: measured
+    with trace.preparation():
+        prompt = await asyncio.to_thread(build_prompt, ctx, spec.conversation)
+        decoder = ctx.frontend.output_decoder(spec.conversation, prompt)
+        submitted = spec.engine_request(prompt)
+        trace.submitting(submitted, prompt)
+        try:
+            events = trace.watch(await ctx.engine.open(submitted))
+        except EngineError as exc:
+            raise from_engine_error(exc) from None
+    generation = Generation(events, decoder, prompt, single_call=spec.single_call)
+    renderer = spec.renderer(generation)
+    if not spec.shape.stream:
+        return await _aggregate(generation, renderer, trace)
+    frames = with_keepalive(_stream(generation, renderer, trace), ctx.keepalive_s)
+    return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _aggregate(generation: Generation, renderer: OutputRenderer, trace: RequestTrace) -> JSONResponse:
+    with trace.generation():  # exactly one terminal record, whatever happens below
+        try:
+            async for _ in generation.steps():
+                pass
+        except EngineError as exc:  # e.g. the queue deadline passed before admission
+            raise from_engine_error(exc) from None
+        except GenerationFailed as exc:
+            raise _engine_failure(exc) from None
+        finally:
+            await generation.events.aclose()
+        outcome = _recorded(generation, trace)
+        return JSONResponse(await renderer.body(outcome))  # a failure now is a response failure
+
+
+async def _stream(generation: Generation, renderer: OutputRenderer, trace: RequestTrace) -> AsyncIterator[bytes]:
+    try:
+        with trace.generation():  # a client that goes away mid-stream ends here as a cancellation
+            for frame in renderer.opening():
+                yield frame
+            async for step in generation.steps():
+                frames = renderer.progress(step) if isinstance(step, ProgressEvent) else renderer.delta(step)
+                if frames:
+                    yield b"".join(frames)
+            outcome = _recorded(generation, trace)
+            yield b"".join(await renderer.closing(outcome))  # a failure now is a response failure
+    except EngineError as exc:  # after the stream opened, errors travel as the protocol's failure frames
+        yield b"".join(renderer.failure(from_engine_error(exc)))
+    except GenerationFailed as exc:
+        yield b"".join(renderer.failure(_engine_failure(exc)))
+    except ProtocolError as err:
+        yield b"".join(renderer.failure(err))
+    finally:
+        await generation.events.aclose()
+
+
+def _recorded(generation: Generation, trace: RequestTrace) -> Outcome:
+    """The outcome, written as the request's terminal: later send or storage failures are response failures."""
+    outcome = generation.outcome
+    assert outcome is not None
+    trace.finish(outcome.decoded, fin=outcome.finish)
+    return outcome
+
+
+def _engine_failure(exc: GenerationFailed) -> ProtocolError:
+    return ProtocolError(str(exc), code="engine_failure", status=500)
