@@ -43,7 +43,7 @@ def build_application(cfg: ServerConfig):
         config,
         engine.bind(config),
         ResponseStoreDeployment.bind(cfg.response_store_max_records, cfg.response_store_max_mib),
-        MediaPreprocessorDeployment.bind(),
+        MediaPreprocessorDeployment.bind(cfg.media_cache_mib, cfg.media_live_mib, cfg.media_preprocess_threads),
     )
 
 
