@@ -19,8 +19,8 @@ import torch  # noqa: E402
 from ninfer.artifact.presets import get_preset, instantiate, tokenizer_json_for  # noqa: E402
 from ninfer.engine.engine import Engine, EngineSettings  # noqa: E402
 from ninfer.engine.types import EngineRequest, SamplingParams, TokenEvent  # noqa: E402
+from ninfer.forward import ForwardBatch, ModelCache  # noqa: E402
 from ninfer.models import build_model  # noqa: E402
-from ninfer.models.batch import ForwardBatch, ModelCache  # noqa: E402
 from ninfer.tokenizer import Tokenizer  # noqa: E402
 
 

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from ninfer.kernels import backend, gdn, selfcheck  # noqa: E402
+from bench import selfcheck  # noqa: E402
+from ninfer.kernels import backend, gdn  # noqa: E402
 from ninfer.kernels.attention import paged_attention_ref  # noqa: E402
 
 # Qwen3.6-27B text shape

@@ -34,16 +34,16 @@ for stage in "${stages[@]}"; do
   fi
   case ${stage%_nopdl} in
     fused)
-      timeout 60 python3 -c "import json, torch; from ninfer.kernels.selfcheck_fused import check_fused
+      timeout 60 python3 -c "import json, torch; from bench.selfcheck_fused import check_fused
 print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 ;;
     gemv)
-      timeout 90 python3 -m ninfer.kernels.selfcheck_gemv --only check,time > $out/gemv.jsonl 2>&1 ;;
+      timeout 90 python3 -m bench.selfcheck_gemv --only check,time > $out/gemv.jsonl 2>&1 ;;
     nvfp4)
-      timeout $(( $(left) - 10 )) python3 -m ninfer.kernels.selfcheck_nvfp4 ${NVFP4_ARGS:-} --out $out/nvfp4.json > $out/nvfp4.log 2>&1 ;;
+      timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 ${NVFP4_ARGS:-} --out $out/nvfp4.json > $out/nvfp4.log 2>&1 ;;
     kv)
-      timeout 150 python3 -m ninfer.kernels.selfcheck_kv > $out/kv.jsonl 2>&1 ;;
+      timeout 150 python3 -m bench.selfcheck_kv > $out/kv.jsonl 2>&1 ;;
     moe)
-      timeout 60 python3 -c "from ninfer.kernels import selfcheck_moe as s; s.main()" > $out/moe.jsonl 2>&1 ;;
+      timeout 60 python3 -c "from bench import selfcheck_moe as s; s.main()" > $out/moe.jsonl 2>&1 ;;
     pytest)  # only the modules with CUDA tests: the device lacks the server tests' packages (SDKs, uvicorn)
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider \
         $(grep -l "needs_cuda\|mark.cuda" tests/test_*.py) > $out/pytest_cuda.log 2>&1 ;;
@@ -80,10 +80,10 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py \
         -k "mma or kernels_on_cuda or greedy" > $out/pytest_mma.log 2>&1 ;;
     sweep_mma)  # the tensor-core NVFP4 GEMV tiles against the packed-fp16 one at M = 1, 2, 4, 8 (27B shapes)
-      timeout $(( $(left) - 10 )) python3 -m ninfer.kernels.selfcheck_nvfp4 --sweep-mma --out $out/nvfp4_mma.json \
+      timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma --out $out/nvfp4_mma.json \
         > $out/nvfp4_mma.log 2>&1 ;;
     prefetch)  # the NVFP4 GEMV tiles with L2 prefetch distances 0 / 2 / 4 (M = 1, 2; 27B shapes)
-      timeout $(( $(left) - 10 )) python3 -m ninfer.kernels.selfcheck_nvfp4 --sweep-prefetch --out $out/nvfp4_prefetch.json \
+      timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-prefetch --out $out/nvfp4_prefetch.json \
         > $out/nvfp4_prefetch.log 2>&1 ;;
     decode27_nvfp4)  # 27B NVFP4 decode only; NINFER_NVFP4_PREFETCH and DECODE_ARGS (e.g. --nvfp4-lm-head) from the caller
       timeout $(( $(left) - 5 )) python3 bench/gpu_decode.py --shape qwen3.6-27b --weights nvfp4 --decode-only \

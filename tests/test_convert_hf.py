@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from ninfer.artifact.container import Artifact
 from ninfer.artifact.convert_hf import convert_hf
 from ninfer.engine.loader import load_model, load_vision_tower
-from ninfer.models.batch import ForwardBatch, ModelCache
+from ninfer.forward import ForwardBatch, ModelCache
 
 TOKENIZER_STUB = json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}})
 

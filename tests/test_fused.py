@@ -2,7 +2,7 @@
 
 - With triton and TRITON_INTERPRET=1: every kernel of `ninfer.kernels.triton_fused` on CPU tensors
   (fp32: the interpreter's bf16 casts truncate, so bf16 rounding points are checked on the GPU by
-  `ninfer.kernels.selfcheck_fused`) against its torch reference in `ninfer.kernels.fused`, at small
+  `bench.selfcheck_fused`) against its torch reference in `ninfer.kernels.fused`, at small
   and odd shapes, on strided views like those a merged projection hands out; and whole tiny models
   with the fused ops on Triton against the same models on the references.
 - Always (CPU): `fuse_projections_` leaves model outputs and state-dict names unchanged (llama,
@@ -19,8 +19,8 @@ import torch
 from kernel_markers import needs_interpreter
 from torch import nn
 
+from ninfer.forward import ForwardBatch, ModelCache
 from ninfer.kernels import fused
-from ninfer.models.batch import ForwardBatch, ModelCache
 from ninfer.models.layers import RMSNorm, SwiGLU, fuse_projections_, merge_linears, project
 
 ATOL = 2e-6  # fp32 kernels vs references: reassociation only, values O(1)
@@ -125,7 +125,7 @@ def test_rope_qk_quantized_cache_goes_through_write_kv(kv_dtype):
 
     if "kv_dtype" not in inspect.signature(ModelCache).parameters:
         pytest.skip("no quantized KV cache in this tree")
-    from ninfer.models.batch import CacheSpec
+    from ninfer.forward import CacheSpec
 
     spec = CacheSpec(num_attn_layers=1, num_kv_heads=2, head_dim=32)
     caches = [ModelCache(spec, 2, 8, 0, torch.float32, kv_dtype=kv_dtype) for _ in range(2)]
@@ -360,7 +360,7 @@ def test_models_with_triton_fused_ops_match_references(name, monkeypatch):
 
 @needs_interpreter
 def test_selfcheck_fused_runs_at_27b_shapes():
-    from ninfer.kernels.selfcheck_fused import check_fused
+    from bench.selfcheck_fused import check_fused
 
     result = check_fused("cpu", torch.float32, tokens=(1,))
     assert len(result) >= 15

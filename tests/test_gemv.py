@@ -77,8 +77,8 @@ def test_kernel_leading_dims_strided_x_and_split_determinism():
 def test_config_table_shapes():
     """The heuristic on the 27B shapes and tiny ones: legal tiles, no empty split pieces."""
     pytest.importorskip("triton")
+    from bench.selfcheck_gemv import SHAPES_27B
     from ninfer.kernels import triton_gemv as tg
-    from ninfer.kernels.selfcheck_gemv import SHAPES_27B
 
     shapes = [(n, k) for n, k, _ in SHAPES_27B.values()] + [(64, 64), (1000, 999), (33, 1024), (5, 70)]
     for n, k in shapes:
@@ -133,8 +133,8 @@ def test_swap_keeps_cpu_outputs_bit_identical(monkeypatch):
 
 
 def test_qwen_model_outputs_bit_identical_after_swap():
+    from ninfer.forward import ForwardBatch, ModelCache
     from ninfer.kernels.linear import use_decode_linears_
-    from ninfer.models.batch import ForwardBatch, ModelCache
     from ninfer.models.qwen3_5 import QWEN3_6_SHAPES, Qwen3_5ForCausalLM
 
     cfg = dict(QWEN3_6_SHAPES["tiny-qwen3.6"], vocab_size=256)

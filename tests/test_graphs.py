@@ -13,7 +13,7 @@ import torch
 from kernel_markers import needs_cuda
 
 from ninfer.engine.graphs import DecodeInputs, PrefillInputs, SamplerInputs
-from ninfer.models.batch import ForwardBatch
+from ninfer.forward import ForwardBatch
 
 PAGE = 4
 FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "slot_mapping", "state_slots")

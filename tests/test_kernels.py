@@ -15,10 +15,11 @@ import pytest
 import torch
 from kernel_markers import needs_cuda, needs_interpreter
 
-from ninfer.kernels import backend, selfcheck
+from bench import selfcheck
+from ninfer.forward import ForwardBatch
+from ninfer.kernels import backend
 from ninfer.kernels.attention import paged_attention, paged_attention_ref
 from ninfer.kernels.gdn import GDNMetadata, gated_delta_rule, short_conv
-from ninfer.models.batch import ForwardBatch
 
 # ---- dispatch (CPU) -------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ KV-cache storage, default bf16): quantized KV storage with one fp32 scale per (s
 - quantize/dequantize error bounds per storage dtype, and the unquantized path left as it was;
 - the torch reference attention over a quantized cache against the unquantized one (stated tolerance);
 - the Triton decode / prefill kernels and the quantizing write under TRITON_INTERPRET=1 against the
-  reference on the same quantized cache (the same checks `ninfer.kernels.selfcheck_kv` runs on a GPU);
+  reference on the same quantized cache (the same checks `bench.selfcheck_kv` runs on a GPU);
 - every KV move (tail-page copy, host snapshot and restore) carries the scales, and byte counts include them;
 - the engine on the tiny presets: greedy output against the unquantized engine, prefix reuse and
   pause/restore (snapshot and replay) exact under quantized KV, no leaks;
@@ -20,15 +20,15 @@ import torch
 from engine_helpers import assert_no_leak
 from kernel_markers import needs_interpreter
 
+from bench import selfcheck_kv
+from bench.selfcheck import attention_problem
 from ninfer.config import ServerConfig
 from ninfer.engine import transfers
 from ninfer.engine.engine import EngineSettings
 from ninfer.engine.loader import load_engine
 from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams, TokenEvent
-from ninfer.kernels import selfcheck_kv
+from ninfer.forward import KV_STORAGE, CacheSpec, ForwardBatch, ModelCache
 from ninfer.kernels.attention import dequantize_kv, paged_attention_ref, quantize_kv, write_kv
-from ninfer.kernels.selfcheck import attention_problem
-from ninfer.models.batch import KV_STORAGE, CacheSpec, ForwardBatch, ModelCache
 from ninfer.server.startup import UnsupportedOptionError, check_implemented, engine_settings
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -211,7 +211,7 @@ def _prompt(n, salt=0):
 
 def _engine(path, **kw):
     """On the CPU (fp32 weights, torch reference kernels) even on a GPU host: the thresholds below were
-    measured there; `python -m ninfer.kernels.selfcheck_kv` checks the CUDA path."""
+    measured there; `python -m bench.selfcheck_kv` checks the CUDA path."""
     settings = dict(max_context=512, max_concurrency=2, prefill_chunk=32, page_size=4)
     settings.update(kw)
     engine = load_engine(path, EngineSettings(**settings), device=torch.device("cpu"))

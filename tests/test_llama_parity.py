@@ -7,8 +7,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from ninfer.forward import ForwardBatch, ModelCache  # noqa: E402
 from ninfer.models import build_model  # noqa: E402
-from ninfer.models.batch import ForwardBatch, ModelCache  # noqa: E402
 from ninfer.models.llama import LlamaForCausalLM, hf_to_artifact_name, text_config_from_hf  # noqa: E402
 
 ATOL = 1e-4  # on float32 logits (|logits| ~ 2); observed max abs diff: 0.0 vs HF eager attention

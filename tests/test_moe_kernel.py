@@ -13,7 +13,7 @@ import pytest
 import torch
 from kernel_markers import HAS_TRITON, needs_cuda, needs_interpreter
 
-from ninfer.kernels import selfcheck_moe
+from bench import selfcheck_moe
 
 SMALL = dict(experts=8, hidden=64, intermediate=32)
 TOL = 1e-5  # fp32: reassociation of 64- and 32-long dot products only
@@ -118,7 +118,7 @@ def test_zero_tokens():
 
 
 def _moe_block(seed=0):
-    from ninfer.models.qwen3_5 import SparseMoeBlock
+    from ninfer.models.moe import SparseMoeBlock
 
     torch.manual_seed(seed)
     cfg = {"hidden_size": 64, "num_experts_per_tok": 4, "num_experts": 8, "moe_intermediate_size": 32,
@@ -134,8 +134,9 @@ def _moe_block(seed=0):
 def test_block_hooks_through_dispatch(monkeypatch):
     """SparseMoeBlock with use_triton forced on (CPU tensors, interpreter): the Triton routing and,
     for T <= MAX_TOKENS, the fused experts; larger T keeps the grouped GEMMs."""
+    from ninfer.kernels import moe as experts_module
     from ninfer.kernels import triton_moe
-    from ninfer.models import qwen3_5
+    from ninfer.models import moe
 
     block = _moe_block()
     calls = {"route": 0, "experts": 0}
@@ -151,7 +152,8 @@ def test_block_hooks_through_dispatch(monkeypatch):
         x = torch.randn(tokens, 64)
         with torch.no_grad():
             ref = block(x)
-            monkeypatch.setattr(qwen3_5, "use_triton", lambda t: True)
+            monkeypatch.setattr(moe, "use_triton", lambda t: True)  # SparseMoeBlock's routing
+            monkeypatch.setattr(experts_module, "use_triton", lambda t: True)  # Experts.forward
             monkeypatch.setattr(triton_moe, "route", count("route", route))
             monkeypatch.setattr(triton_moe, "fused_experts", count("experts", experts))
             got = block(x)
@@ -210,8 +212,8 @@ def test_check_moe_cuda(dtype, tol):
 def test_moe_decode_step_has_no_host_sync(cuda_graphs):
     if not HAS_TRITON:
         pytest.skip("the sync-free decode path needs the Triton backend")
+    from bench import selfcheck
     from ninfer.artifact.presets import instantiate
-    from ninfer.kernels import selfcheck
 
     model = instantiate("tiny-qwen3.6-moe", "cuda", torch.bfloat16, seed=0)
     result = selfcheck.runner_sync_check(model, "cuda", torch.bfloat16, cuda_graphs=cuda_graphs)

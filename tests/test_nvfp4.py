@@ -288,7 +288,7 @@ def nvfp4_logits(tiny_pair):
 
 def _logits(path, tokens=TOKENS):
     from ninfer.engine.loader import load_model
-    from ninfer.models.batch import ForwardBatch, ModelCache
+    from ninfer.forward import ForwardBatch, ModelCache
 
     model = load_model(Artifact(path), torch.device("cpu"), torch.float32)
     cache = ModelCache(model.cache_spec(), num_pages=8, page_size=8, num_state_slots=1, dtype=torch.float32)
@@ -431,7 +431,7 @@ def test_convert_hf_quantizes_a_bf16_checkpoint(tmp_path, tiny_pair, nvfp4_logit
 def test_kernels_on_cuda_bf16():
     if not HAS_TRITON:
         pytest.skip("triton is not importable")
-    from ninfer.kernels import selfcheck_nvfp4
+    from bench import selfcheck_nvfp4
 
     shapes = {"small": (384, 1040), "wide": (4096, 512)}
     result = selfcheck_nvfp4.check_nvfp4("cuda", torch.bfloat16, shapes=shapes)
@@ -448,7 +448,8 @@ def test_mma_tiles_on_cuda():
     each row of x computed on its own: the first rows of M = 8 equal smaller M's bit for bit."""
     if not HAS_TRITON:
         pytest.skip("triton is not importable")
-    from ninfer.kernels import selfcheck_nvfp4, triton_nvfp4
+    from bench import selfcheck_nvfp4
+    from ninfer.kernels import triton_nvfp4
 
     n, k = 1000, 2048  # ragged N for every tile (16, 32, 64 rows per program)
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -490,8 +491,8 @@ def test_prefetch_tiles_on_cuda(n, k, m):
 def test_nvfp4_engine_same_greedy_with_and_without_cuda_graphs():
     if not HAS_TRITON:
         pytest.skip("graphs need the Triton backend")
+    from bench import selfcheck
     from ninfer.artifact.presets import get_preset, instantiate, tokenizer_json_for
-    from ninfer.kernels import selfcheck
     from ninfer.tokenizer import Tokenizer
 
     model = instantiate("tiny-qwen3.6", "cuda", torch.bfloat16, seed=0, fuse=False)

@@ -23,8 +23,8 @@ from torch import nn
 
 from ninfer.artifact.container import Artifact
 from ninfer.artifact.presets import TINY_LLAMA_CONFIG, instantiate
+from ninfer.forward import ForwardBatch, ModelCache
 from ninfer.models import build_model, prepare_for_inference_
-from ninfer.models.batch import ForwardBatch, ModelCache
 from ninfer.models.qwen3_5 import QWEN3_6_SHAPES
 from ninfer.quant.nvfp4 import NVFP4Linear, NVFP4Weight, quantizable, quantize_model_, replace_with_nvfp4_
 

@@ -17,7 +17,7 @@ from kernel_markers import HAS_TRITON, needs_cuda, needs_interpreter
 from test_nvfp4 import TOKENS, _logits, assert_engine_generates  # CPU fp32 logits of TOKENS; a greedy request
 
 from ninfer.artifact.container import Artifact
-from ninfer.models.qwen3_5 import Experts, routed_experts
+from ninfer.kernels.moe import Experts, routed_experts
 from ninfer.quant.nvfp4 import NVFP4Experts, quantize_model_
 
 

@@ -28,8 +28,8 @@ from ninfer.engine.runner import (
     piece_sizes,
     prefill_plan,
 )
+from ninfer.forward import ForwardBatch
 from ninfer.kernels.attention import write_kv
-from ninfer.models.batch import ForwardBatch
 
 
 def test_piece_sizes_are_the_powers_of_two_below_the_chunk():

@@ -17,8 +17,8 @@ from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM as HFMoe
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
+from ninfer.forward import ForwardBatch, ModelCache
 from ninfer.kernels import gdn
-from ninfer.models.batch import ForwardBatch, ModelCache
 from ninfer.models.qwen3_5 import (
     QWEN3_6_SHAPES,
     Qwen3_5ForCausalLM,

@@ -16,7 +16,7 @@ VOCAB = 300
 
 class _NoModel(torch.nn.Module):
     def cache_spec(self):
-        from ninfer.models.batch import CacheSpec
+        from ninfer.forward import CacheSpec
 
         return CacheSpec(num_attn_layers=0, num_kv_heads=1, head_dim=1)
 

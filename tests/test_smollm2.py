@@ -16,8 +16,8 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from ninfer.artifact.container import Artifact  # noqa: E402
 from ninfer.artifact.convert_gguf import default_smollm2_gguf, unpermute_rotary  # noqa: E402
+from ninfer.forward import ForwardBatch, ModelCache  # noqa: E402
 from ninfer.models import build_model  # noqa: E402
-from ninfer.models.batch import ForwardBatch, ModelCache  # noqa: E402
 
 NEW_TOKENS = 24
 PAGE_SIZE = 16

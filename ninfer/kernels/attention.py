@@ -4,7 +4,7 @@ The torch reference loops over sequences with host lengths; it is the oracle tha
 are checked against. CUDA tensors take our Triton kernels (`triton_attention`: split-KV decode,
 varlen causal prefill) unless NINFER_KERNELS=reference (see `ninfer.kernels.backend`).
 
-Quantized KV (`--kv-dtype fp8|int8`; storage and scales in `ninfer.models.batch`): the models pass
+Quantized KV (`--kv-dtype fp8|int8`; storage and scales in `ninfer.forward`): the models pass
 a layer's scales with its values (`ModelCache.layer(i)`), and these functions switch on them. `write_kv` quantizes each new token per KV head (`quantize_kv`: scale = amax over head_dim /
 448 for float8_e4m3fn, / 127 for symmetric int8; fp8 rounds to nearest even, int8 half away from
 zero); the reference dequantizes the gathered slots (`dequantize_kv`) before SDPA; the Triton
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ninfer.forward import ForwardBatch
 from ninfer.kernels.backend import use_triton
-from ninfer.models.batch import ForwardBatch
 
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}  # largest stored magnitude per quantized dtype
 _INV_QMAX = {dt: torch.tensor(1.0 / q, dtype=torch.float32).item() for dt, q in QMAX.items()}  # fp32(1/qmax)

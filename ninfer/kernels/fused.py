@@ -8,7 +8,7 @@ the kernels compute in fp32 and round to the model dtype at the same points as t
 order of the sum in a norm's mean of squares, `x * sigmoid(x)` for torch's silu, and so on).
 
 All kernels take strided views (last dimension contiguous): the outputs of a merged projection
-(`ninfer.models.layers.fuse_linears_`) are consumed where they lie, without copies. Launch
+(`fuse_linears_` in the models' layers) are consumed where they lie, without copies. Launch
 configurations depend on shapes only and nothing reads the device: CUDA-graph capturable.
 """
 
@@ -148,10 +148,24 @@ def gdn_gates_ref(b, a, a_log, dt_bias):
     return beta, g
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, R] with R <= D. Channels past R pass through unchanged."""
+    r = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
+
+
 def rope_qk_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight=None, k_weight=None,
                          eps=1e-6, k_scale=None, v_scale=None):
     from ninfer.kernels.attention import write_kv
-    from ninfer.models.layers import apply_rotary
 
     if q_weight is not None:
         q = rms_norm_ref(q, q_weight, eps, True)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ninfer.forward import ForwardBatch
 from ninfer.kernels.backend import use_fla, use_triton
-from ninfer.models.batch import ForwardBatch
 
 CHUNK_SIZE = 64  # chunk length of the chunked delta rule (the FLA kernels use 64 as well)
 

@@ -16,7 +16,7 @@ Both compute softmax in fp32 (exp2 domain); fp32 inputs use IEEE dots so fp32 mo
 torch reference (`ninfer.kernels.attention.paged_attention_ref`) to rounding.
 
 Quantized KV (fp8 e4m3 / int8 storage with one fp32 scale per (slot, KV head); see
-`ninfer.models.batch`): a constexpr KV_QUANT switch makes both kernels load the 1-byte K/V, convert
+`ninfer.forward`): a constexpr KV_QUANT switch makes both kernels load the 1-byte K/V, convert
 them exactly to the query dtype (e4m3 and int8 values are exact in bf16 and fp32) and fold the
 scales into the fp32 scores (s = q.k_q * k_scale) and the probabilities (p * v_scale before the
 P.V dot), so no dequantized tile is materialized. `write_kv_quantized` is the fused write: it

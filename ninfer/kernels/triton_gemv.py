@@ -19,7 +19,7 @@ and used M times, so the kernel is built for HBM bandwidth, not arithmetic:
   replayed in a CUDA graph.
 
 Configs come from a fixed table per shape class (`pick_config`); nothing is tuned at run time. The
-offline helper `ninfer.kernels.selfcheck_gemv.tune_gemv` times a few candidates on the device and
+offline helper `bench.selfcheck_gemv.tune_gemv` times a few candidates on the device and
 prints the winners for the table. No host syncs, workspace sized from shapes alone: CUDA-graph
 capturable. Kernels also run on CPU fp32 tensors under TRITON_INTERPRET=1 (tests/test_gemv.py).
 """

@@ -1,6 +1,6 @@
 """Fused routed-expert MoE for a few tokens (decode): routing plus two GEMV kernels, no sort or scatter.
 
-The torch path (`Experts.forward` in ninfer.models.qwen3_5) sorts the (token, choice) pairs by
+The torch path (`ninfer.kernels.moe.routed_experts`) sorts the (token, choice) pairs by
 expert, gathers, runs two grouped GEMMs at tiny M, applies SwiGLU, scatters back and reduces:
 about a dozen small kernels a layer. For T <= MAX_TOKENS tokens this module does it in three:
 

@@ -76,21 +76,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, R] with R <= D. Channels past R pass through unchanged."""
-    r = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    if r == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    rot, rest = x[..., :r], x[..., r:]
-    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
-
-
 class SwiGLU(nn.Module):
     FUSE = {"gate_up_proj": ("gate_proj", "up_proj")}
 

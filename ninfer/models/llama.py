@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ninfer.forward import CacheSpec, ForwardBatch, ModelCache
 from ninfer.kernels import fused
 from ninfer.kernels.attention import paged_attention
 from ninfer.kernels.linear import linear
-from ninfer.models.batch import CacheSpec, ForwardBatch, ModelCache
 from ninfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, fuse_projections_, project
 from ninfer.quant.nvfp4 import NVFP4Linear, nvfp4_head_logits
 

@@ -13,16 +13,15 @@ import copy
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ninfer.forward import CacheSpec, ForwardBatch, ModelCache
 from ninfer.kernels import fused
 from ninfer.kernels.attention import paged_attention
-from ninfer.kernels.backend import use_triton
 from ninfer.kernels.gdn import GDNMetadata, gated_delta_rule, short_conv
 from ninfer.kernels.linear import linear
-from ninfer.models.batch import CacheSpec, ForwardBatch, ModelCache
 from ninfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, fuse_projections_, project
+from ninfer.models.moe import SparseMoeBlock
 from ninfer.quant.nvfp4 import NVFP4Linear, nvfp4_head_logits
 
 _ROPE_QWEN3_6 = {
@@ -209,94 +208,6 @@ class GatedAttention(nn.Module):
         )
         out = paged_attention(q, k_cache, v_cache, batch, cache.page_size, self.scale, k_scale, v_scale)
         return self.o_proj(fused.sigmoid_gate_mul(out.reshape(tokens, self.num_heads, self.head_dim), gate))
-
-
-_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def _can_grouped_mm(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    # torch's grouped GEMM: CPU any float, CUDA bf16 only; rows must be 16-byte aligned
-    if _grouped_mm is None or not (x.device.type == "cpu" or x.dtype == torch.bfloat16):
-        return False
-    return all((w.shape[-1] * w.element_size()) % 16 == 0 and (w.shape[-2] * w.element_size()) % 16 == 0
-               for w in weights)
-
-
-def routed_experts(x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                   down_proj: torch.Tensor) -> torch.Tensor:
-    """The torch path of the routed experts (any T; prefill on CUDA): x [T, H]; top_ids, top_weights
-    [T, k]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]. Sum over each token's k experts, weighted."""
-    tokens, top_k = top_ids.shape
-    num_experts = gate_up_proj.shape[0]
-    # (token, choice) pairs grouped by expert; group ends by searchsorted (bincount would sync on CUDA)
-    sorted_ids, order = top_ids.reshape(-1).sort(stable=True)
-    ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device), right=True)
-    xs = x[order // top_k]
-    if _can_grouped_mm(x, gate_up_proj, down_proj):
-        offs = ends.to(torch.int32)
-        gate, up = _grouped_mm(xs, gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        ys = _grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offs)
-    else:  # per-expert loop; reads the group ends back to the host
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, end in enumerate(ends.tolist()):
-            if end > start:
-                gate, up = F.linear(xs[start:end], gate_up_proj[e]).chunk(2, dim=-1)
-                ys[start:end] = F.linear(F.silu(gate) * up, down_proj[e])
-            start = end
-    # Un-sort and reduce over the k choices: deterministic, unlike an atomic index_add_
-    y = torch.empty_like(ys)
-    y[order] = ys
-    return (y.view(tokens, top_k, -1) * top_weights[..., None]).sum(dim=1)
-
-
-class Experts(nn.Module):
-    """Routed experts stored fused as in the checkpoint: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-
-    def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-        """x: [T, H]; top_ids, top_weights: [T, k]. Sum over each token's k experts, weighted."""
-        if use_triton(x):  # decode on CUDA: two fused Triton GEMV kernels, no sort/gather/scatter
-            from ninfer.kernels import triton_moe
-
-            if top_ids.shape[0] <= triton_moe.MAX_TOKENS:
-                return triton_moe.fused_experts(x, top_ids, top_weights, self.gate_up_proj, self.down_proj)
-        return routed_experts(x, top_ids, top_weights, self.gate_up_proj, self.down_proj)
-
-
-_MOE_PROJ = ("gate", "shared_expert_gate", "shared_expert.gate_proj", "shared_expert.up_proj")
-
-
-class SparseMoeBlock(nn.Module):
-    # router, shared-expert gate and the shared expert's gate/up all read x: one matmul once fused
-    FUSE = {"in_proj": _MOE_PROJ}
-
-    def __init__(self, cfg: dict[str, Any]):
-        super().__init__()
-        hidden = cfg["hidden_size"]
-        self.top_k = cfg["num_experts_per_tok"]
-        self.gate = nn.Linear(hidden, cfg["num_experts"], bias=False)  # router
-        self.experts = Experts(cfg["num_experts"], hidden, cfg["moe_intermediate_size"])
-        self.shared_expert = SwiGLU(hidden, cfg["shared_expert_intermediate_size"])
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits, shared_gate, gate, up = project(self, _MOE_PROJ, x)
-        if use_triton(x):  # the same routing math in one Triton kernel (ninfer.kernels.triton_moe.route)
-            from ninfer.kernels import triton_moe
-
-            top_weights, top_ids = triton_moe.route(logits, self.top_k, x.dtype)
-        else:
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # over all experts, then top-k
-            top_weights, top_ids = probs.topk(self.top_k, dim=-1)
-            top_weights = (top_weights / top_weights.sum(-1, keepdim=True)).to(x.dtype)  # always renormalised
-        routed = self.experts(x, top_ids, top_weights)
-        shared = self.shared_expert.down_proj(fused.silu_and_mul(gate, up))  # = self.shared_expert(x)
-        return fused.shared_expert_add(routed, shared, shared_gate)  # routed + sigmoid(shared_gate) * shared
 
 
 class DecoderLayer(nn.Module):

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ninfer.forward import CacheSpec, ForwardBatch, ModelCache
 from ninfer.kernels.attention import sequence_slots, write_kv
-from ninfer.models.batch import CacheSpec, ForwardBatch, ModelCache
 
 _SCRIPTED_LOGIT = 100.0  # every other token is e^-100 less likely: sampling cannot stray
 

@@ -232,7 +232,7 @@ def quantize_nvfp4_stack(weight: torch.Tensor) -> NVFP4Weight:
 
 
 class NVFP4Experts(nn.Module):
-    """Routed experts (ninfer.models.qwen3_5.Experts) with NVFP4 weights: gate_up_proj [E, 2I, H] and
+    """Routed experts (ninfer.kernels.moe.Experts) with NVFP4 weights: gate_up_proj [E, 2I, H] and
     down_proj [E, H, I] as `<name>_packed`, `<name>_scale`, `<name>_row_scale` buffers, one global
     scale per expert matrix (the row scales). Decode on CUDA (bf16, up to triton_moe.MAX_TOKENS
     tokens) runs ninfer.kernels.triton_nvfp4_moe; otherwise the experts are dequantized to x.dtype
@@ -282,7 +282,7 @@ class NVFP4Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         from ninfer.kernels.backend import use_triton
-        from ninfer.models.qwen3_5 import routed_experts
+        from ninfer.kernels.moe import routed_experts
 
         if use_triton(x) and x.dtype == torch.bfloat16:
             from ninfer.kernels import triton_moe, triton_nvfp4_moe
@@ -373,7 +373,7 @@ def quantize_model_(model: nn.Module, skip: Iterable[str] = DEFAULT_SKIP, lm_hea
 
 
 def _is_experts(module: nn.Module) -> bool:
-    from ninfer.models.qwen3_5 import Experts  # here: the model code imports this module's users
+    from ninfer.kernels.moe import Experts
 
     return type(module) is Experts
 

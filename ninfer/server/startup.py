@@ -12,7 +12,7 @@ import time
 
 from ninfer.config import ServerConfig
 from ninfer.engine.engine import EngineSettings
-from ninfer.models.batch import KV_DTYPES
+from ninfer.forward import KV_DTYPES
 from ninfer.server.oplog import configure_logging
 from ninfer.server.request_log import check_log_path
 

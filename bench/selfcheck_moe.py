@@ -7,7 +7,7 @@
   a CUDA graph over `layers` distinct layers (so one layer's experts are not still in L2 for the
   next), and GB/s over the expert bytes the step must read (distinct experts x expert size).
 
-On an H200:  python -c "from ninfer.kernels import selfcheck_moe as s; s.main()"
+On an H200:  python -c "from bench import selfcheck_moe as s; s.main()"
 The Triton kernels also run on CPU tensors under TRITON_INTERPRET=1 (tests/test_moe_kernel.py).
 """
 
@@ -47,7 +47,7 @@ def route_ref(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[tor
 
 def make_experts(gate_up: torch.Tensor, down: torch.Tensor):
     """An `Experts` module over these weights (shared storage, no copy)."""
-    from ninfer.models.qwen3_5 import Experts
+    from ninfer.kernels.moe import Experts
 
     mod = Experts(1, 1, 1)
     mod.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
@@ -112,7 +112,7 @@ def check_moe(device="cuda", dtype=torch.bfloat16, *, tokens=(1, 8), experts=Non
 
 def _check_block(device, dtype, x, gate_up, down, top_k) -> float:
     """A whole SparseMoeBlock over these experts: dispatch as on this device vs forced reference."""
-    from ninfer.models.qwen3_5 import SparseMoeBlock
+    from ninfer.models.moe import SparseMoeBlock
 
     e, two_i, h = gate_up.shape
     cfg = {"hidden_size": h, "num_experts_per_tok": top_k, "num_experts": e,

@@ -1,7 +1,7 @@
 """Decode GEMV (ninfer.kernels.triton_gemv) on a CUDA device: correctness, speed, offline tuning.
 
-    python -m ninfer.kernels.selfcheck_gemv                  # check, tune, check + time the tuned table
-    python -m ninfer.kernels.selfcheck_gemv --only check,time  # the built-in table only
+    python -m bench.selfcheck_gemv                  # check, tune, check + time the tuned table
+    python -m bench.selfcheck_gemv --only check,time  # the built-in table only
 
 About 45 s in all on an H200 (compiles included); every record is one JSON line on stdout.
 

@@ -9,16 +9,16 @@ and reports, apart, how far quantized attention is from attention over the unqua
 The kernels also run on CPU tensors under TRITON_INTERPRET=1.
 
 On an H200 (kernels in bf16 and fp32, then the engine with decode CUDA graphs and the sync check):
-    python3 -m ninfer.kernels.selfcheck_kv
+    python3 -m bench.selfcheck_kv
 """
 
 from __future__ import annotations
 
 import torch
 
+from bench.selfcheck import attention_problem, default_lengths
+from ninfer.forward import KV_STORAGE
 from ninfer.kernels.attention import dequantize_kv, paged_attention_ref, quantize_kv
-from ninfer.kernels.selfcheck import attention_problem, default_lengths
-from ninfer.models.batch import KV_STORAGE
 
 
 def quantized_layer(cache: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,8 +126,8 @@ def run_all(device="cuda", dtypes=(torch.bfloat16, torch.float32), kv_dtypes=("f
 def engine_checks(device="cuda", dtype=torch.bfloat16, preset="tiny-qwen3.6") -> list[dict]:
     """CUDA only: per KV storage, greedy output with decode CUDA graphs equals eager, the decode step
     makes no host sync, and (informational) where greedy output first departs from bf16 KV."""
+    from bench import selfcheck
     from ninfer.artifact.presets import get_preset, instantiate, tokenizer_json_for
-    from ninfer.kernels import selfcheck
     from ninfer.tokenizer import Tokenizer
 
     model = instantiate(preset, device, dtype, seed=0)

@@ -1,6 +1,6 @@
 """NVFP4 kernels against the torch reference, and their bandwidth, at the Qwen3.6-27B shapes.
 
-    from ninfer.kernels import selfcheck_nvfp4 as s
+    from bench import selfcheck_nvfp4 as s
     s.check_nvfp4("cuda", torch.bfloat16)   # {"max_abs_diff": {...}, "ref_absmax": ...}
     s.time_nvfp4_gemv("cuda")               # per shape: us and GB/s, NVFP4 kernel vs bf16 F.linear
 
@@ -245,7 +245,7 @@ def decode_tokens_per_s(preset: str = "qwen3.6-27b", weights: str = "nvfp4", new
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m ninfer.kernels.selfcheck_nvfp4 [--sweep] [--out FILE]: check, time, print JSON."""
+    """python -m bench.selfcheck_nvfp4 [--sweep] [--out FILE]: check, time, print JSON."""
     import argparse
     import json
 

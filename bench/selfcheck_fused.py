@@ -1,6 +1,6 @@
 """The fused decode-path kernels (`triton_fused`) against their torch references at 27B-like shapes.
 
-    from ninfer.kernels.selfcheck_fused import check_fused
+    from bench.selfcheck_fused import check_fused
     check_fused("cuda", torch.bfloat16)   # {op: {"max_abs_diff": ..., "ref_absmax": ..., ...}}
 
 Inputs are laid out as the model hands them over: column views of the merged projections
@@ -135,7 +135,7 @@ def check_model_logits(device="cuda", dtype=torch.bfloat16, name="tiny-qwen3.6")
     every CUDA kernel (ours, fla) against NINFER_KERNELS=reference, and the merged model against the
     unmerged one (reference kernels: the matmul concatenation alone)."""
     from ninfer.artifact.presets import instantiate
-    from ninfer.models.batch import ForwardBatch, ModelCache
+    from ninfer.forward import ForwardBatch, ModelCache
 
     merged = instantiate(name, device, dtype, seed=0)
     plain = instantiate(name, device, dtype, seed=0, fuse=False)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ninfer.forward import ForwardBatch
 from ninfer.kernels import gdn
 from ninfer.kernels.attention import paged_attention_ref
-from ninfer.models.batch import ForwardBatch
 
 
 def _gen(seed: int) -> torch.Generator:
