@@ -14,7 +14,7 @@ from ninfer.engine.context_cache import ContextCache
 from ninfer.engine.counters import Counters
 from ninfer.engine.kv_pool import PagePool, PoolExhausted, SlotPool
 from ninfer.engine.sequence import Sequence, Status
-from ninfer.models.batch import ModelCache
+from ninfer.forward import ModelCache
 
 
 class ContextOps:

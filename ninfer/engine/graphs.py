@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ninfer.engine.sampler import SamplingBatch
-from ninfer.models.batch import ForwardBatch
+from ninfer.forward import ForwardBatch
 
 
 class DeviceOnlyLengths(list):

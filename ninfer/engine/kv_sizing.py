@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ninfer.models.batch import ForwardBatch, ModelCache
+from ninfer.forward import ForwardBatch, ModelCache
 
 HEADROOM_BYTES = 1 << 30
 GRAPH_ALLOWANCE_BYTES = 256 << 20  # decode graphs' private pool: batch <= 8 activations, measured far below

@@ -40,8 +40,8 @@ import torch
 from ninfer.engine.graphs import DecodeInputs, PrefillInputs, SamplerInputs, capture
 from ninfer.engine.sampler import TOP_K_CAP, SamplingBatch, sample
 from ninfer.engine.sequence import Sequence
+from ninfer.forward import ForwardBatch, ModelCache
 from ninfer.kernels.backend import use_triton
-from ninfer.models.batch import ForwardBatch, ModelCache
 
 log = logging.getLogger("ninfer.engine")
 PIECES_ENV = "NINFER_PREFILL_PIECES"
@@ -77,8 +77,8 @@ class PieceCosts:
 
 def piece_costs(model: torch.nn.Module) -> PieceCosts:
     """The cost model for this model's kind (above)."""
+    from ninfer.kernels.moe import Experts
     from ninfer.kernels.triton_nvfp4 import HFMA_MAX_M
-    from ninfer.models.qwen3_5 import Experts
     from ninfer.quant.nvfp4 import NVFP4Experts, NVFP4Linear
 
     kinds = {type(m) for m in model.modules()}

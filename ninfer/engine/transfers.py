@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer.models.batch import ModelCache
+from ninfer.forward import ModelCache
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
