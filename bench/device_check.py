@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from ninfer.artifact.presets import get_preset, instantiate, tokenizer_json_for  # noqa: E402
+from ninfer.chat.thinking import thinking_control
 from ninfer.engine.engine import Engine, EngineSettings  # noqa: E402
 from ninfer.engine.types import EngineRequest, SamplingParams, TokenEvent  # noqa: E402
 from ninfer.forward import ForwardBatch, ModelCache  # noqa: E402
@@ -65,7 +66,7 @@ def engine_batch_invariance(name):
 
     def run(concurrency):
         engine = Engine(model, tok, EngineSettings(max_context=256, max_concurrency=concurrency, prefill_chunk=16,
-                                                   eos_ids=set()), device="cuda", dtype=torch.float32).start()
+                                                   eos_ids=set()), device="cuda", dtype=torch.float32, thinking=thinking_control(tok)).start()
         reqs = [EngineRequest(f"r{i}", p, max_tokens=12, sampling=SamplingParams(temperature=0.0))
                 for i, p in enumerate(prompts)]
 

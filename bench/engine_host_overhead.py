@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from ninfer.chat.thinking import thinking_control
+
 
 def measure(concurrency: int, vocab: int, tokens: int, profile: bool) -> dict:
     from ninfer.artifact.qwen_tokenizer import build_qwen_tokenizer_json
@@ -47,7 +49,7 @@ def measure(concurrency: int, vocab: int, tokens: int, profile: bool) -> dict:
         finally:
             prof.disable()
 
-    engine = Engine(FixedLogitsModel(vocab), tokenizer, settings)
+    engine = Engine(FixedLogitsModel(vocab), tokenizer, settings, thinking=thinking_control(tokenizer))
     if profile:
         engine._decode_step = profiled.__get__(engine)
     engine.start()

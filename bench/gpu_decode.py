@@ -155,6 +155,7 @@ def prefill_flops(cfg: dict, matmul_params: float, tokens: int) -> float:
 def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: float, weights: str = "bf16") -> None:
     from ninfer.artifact.presets import get_preset, instantiate
     from ninfer.engine.engine import EngineSettings
+    from ninfer.engine.plan import SeqWork, StepPlan
     from ninfer.engine.runner import ModelRunner, prefill_plan
     from ninfer.kernels import backend
     from ninfer.models import prepare_for_inference_
@@ -239,8 +240,11 @@ def ninfer_bench(args, device, dtype, ceil: dict, deadline: float, hf_reserve: f
                 prefill(s, prompt_ids(args.decode_prompt, i), chunk)
 
             def step(seqs=seqs, sampler=sampler, penalized=bool(params.presence_penalty or params.frequency_penalty)):
-                logits = runner.forward(seqs, [[s.output_ids[-1]] for s in seqs])
-                toks = sampler(seqs, logits).tolist()
+                if sampler == runner.sample:  # the engine's path: one decode plan through ModelRunner.execute
+                    plan = StepPlan(decode=[SeqWork(s, s.num_computed, [s.output_ids[-1]], decode=True) for s in seqs])
+                    toks = [row[0] for row in runner.execute(plan).sampled]
+                else:
+                    toks = sampler(seqs, runner.forward(seqs, [[s.output_ids[-1]] for s in seqs])).tolist()
                 if penalized:  # as the engine does: only penalties read the counts
                     runner.count_tokens([s.lane for s in seqs], toks)
                 for s, t in zip(seqs, toks):

@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from ninfer.chat.thinking import thinking_control
+
 
 def emit(**record) -> None:
     print(json.dumps(record), flush=True)
@@ -104,7 +106,7 @@ def main() -> None:
     settings = EngineSettings(max_context=context, max_concurrency=lanes, kv_capacity=lanes * context,
                               prefill_chunk=1024, eos_ids=set())
     t0 = time.perf_counter()
-    engine = Engine(model, tokenizer, settings, device=device, dtype=dtype).start()
+    engine = Engine(model, tokenizer, settings, device=device, dtype=dtype, thinking=thinking_control(tokenizer)).start()
     engine.settings.eos_ids = set()  # the tokens are random: never stop early
     runner = engine.runner
     emit(kind="setup", start_s=time.perf_counter() - t0, graph_status=runner.graph_status,

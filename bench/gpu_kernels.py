@@ -316,8 +316,8 @@ def profile_model(shape: str = "qwen3.6-27b", batches=(1, 8), prompt=128, weight
         step()
         graph_step = timed(20)
         replay_ms = None
-        if b in runner.graphs:
-            graph = runner.graphs[b][0]
+        if (b, 1) in runner.graphs:
+            graph = runner.graphs[(b, 1)].graph
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(20):

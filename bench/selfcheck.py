@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ninfer.chat.thinking import thinking_control
 from ninfer.forward import ForwardBatch
 from ninfer.kernels import gdn
 from ninfer.kernels.attention import paged_attention_ref
@@ -207,7 +208,7 @@ def engine_greedy(model, tokenizer, device, dtype, *, no_cuda_graph: bool, concu
 
     settings = EngineSettings(max_context=256, max_concurrency=concurrency, prefill_chunk=16, eos_ids=set(),
                               no_cuda_graph=no_cuda_graph, kv_dtype=kv_dtype)
-    engine = Engine(model, tokenizer, settings, device=device, dtype=dtype).start()
+    engine = Engine(model, tokenizer, settings, device=device, dtype=dtype, thinking=thinking_control(tokenizer)).start()
     engine.settings.eos_ids = set()
     from dataclasses import replace
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -49,6 +50,11 @@ class ForwardBatch:
         """Every sequence advances by exactly one token (the CUDA-graph-capturable shape)."""
         return all(n == 1 for n in self.query_lens_cpu)
 
+    def logit_indices(self) -> torch.Tensor:
+        """The rows logits are computed for: `logits_indices` when set (every verified position), else
+        each sequence's last real token."""
+        return self.logits_indices if self.logits_indices is not None else self.last_token_indices()
+
     def last_token_indices(self) -> torch.Tensor:
         if self.num_valid is not None:
             return self.num_valid.long() - 1
@@ -64,44 +70,99 @@ class ForwardBatch:
         state_slots: list[int] | None = None,
         device: torch.device | str = "cpu",
         pad_to: int | None = None,
+        positions: list | None = None,
+        all_logits: bool = False,
     ) -> "ForwardBatch":
-        """Build a batch from host lists: sequence i appends tokens[i] after cached_lens[i] cached tokens.
-        pad_to (one sequence only): append padding tokens up to that many (see `num_valid`)."""
-        num_valid = None
-        if pad_to is not None:
-            if len(tokens) != 1 or pad_to < len(tokens[0]):
-                raise ValueError("pad_to needs one sequence of at most pad_to tokens")
-            num_valid = len(tokens[0])
-            cached, pages = cached_lens[0], page_tables[0]
-            tokens = [list(tokens[0]) + [0] * (pad_to - num_valid)]
-            # the padding's positions need page-table entries (their keys are read by padding queries only)
-            page_tables = [pages + [0] * max(0, -(-(cached + pad_to) // page_size) - len(pages))]
-        positions, slots, starts = [], [], [0]
-        for toks, cached, pages in zip(tokens, cached_lens, page_tables):
-            for p in range(cached, cached + len(toks)):
-                positions.append(p)
-                real = num_valid is None or p < cached + num_valid
-                slots.append(pages[p // page_size] * page_size + p % page_size if real else -1)
-            starts.append(starts[-1] + len(toks))
-        width = max((len(p) for p in page_tables), default=0) or 1
-        table = [pages + [0] * (width - len(pages)) for pages in page_tables]
-        seq_lens = [c + len(t) for c, t in zip(cached_lens, tokens)]
+        """Build a batch from host lists (`host_inputs`, whose arguments these are): sequence i appends
+        tokens[i] after cached_lens[i] cached tokens. all_logits: a logit row for every new token
+        (speculative verification), else for each sequence's last one."""
+        h = host_inputs(tokens, cached_lens, page_tables, page_size, state_slots, pad_to, positions)
 
         def t(data, dtype):
-            return torch.tensor(data, dtype=dtype, device=device)
+            return torch.as_tensor(data, dtype=dtype).to(device)
 
         return cls(
-            input_ids=t([x for toks in tokens for x in toks], torch.long),
-            positions=t(positions, torch.long),
-            query_start_loc=t(starts, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            page_table=t(table, torch.int32),
-            slot_mapping=t(slots, torch.long),
-            state_slots=t(state_slots if state_slots is not None else list(range(len(tokens))), torch.long),
-            query_lens_cpu=[len(x) for x in tokens],
-            seq_lens_cpu=seq_lens,
-            num_valid=None if num_valid is None else t([num_valid], torch.long),
+            input_ids=t(h.input_ids, torch.long),
+            positions=t(h.positions, torch.long),
+            query_start_loc=t(h.query_start_loc, torch.int32),
+            seq_lens=t(h.seq_lens, torch.int32),
+            page_table=t(h.page_table, torch.int32),
+            slot_mapping=t(h.slot_mapping, torch.long),
+            state_slots=t(h.state_slots, torch.long),
+            query_lens_cpu=h.query_lens,
+            seq_lens_cpu=h.seq_lens.tolist(),
+            logits_indices=t(np.arange(len(h.input_ids)), torch.long) if all_logits else None,
+            num_valid=None if h.num_valid is None else t([h.num_valid], torch.long),
         )
+
+
+@dataclass
+class HostInputs:
+    """A step's model inputs as host arrays: what both the eager path (ForwardBatch.build) and the CUDA
+    graphs' static buffers (ninfer.engine.graphs) are filled from, so both see the same values."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64, or [3, T] MRoPE (t, h, w) when a sequence brings its own
+    slot_mapping: np.ndarray  # [T] int64; -1 for padding (no KV written)
+    query_start_loc: np.ndarray  # [B+1] int32
+    seq_lens: np.ndarray  # [B] int32
+    state_slots: np.ndarray  # [B] int64
+    page_table: np.ndarray  # [B, width] int32, rows padded with page 0
+    query_lens: list[int]
+    num_valid: int | None = None  # a padded one-sequence prefill: its real tokens
+
+
+def host_inputs(tokens: list[list[int]], cached_lens: list[int], page_tables: list[list[int]], page_size: int,
+                state_slots: list[int] | None = None, pad_to: int | None = None,
+                positions: list | None = None) -> HostInputs:
+    """Sequence i appends tokens[i] at positions cached_lens[i].. (or positions[i], a [3, n] MRoPE array,
+    where given and not None: text positions are the case where the three axes agree).
+    pad_to (one sequence only): append padding tokens up to that many (ForwardBatch.num_valid)."""
+    num_valid = None
+    if pad_to is not None:
+        if len(tokens) != 1 or pad_to < len(tokens[0]):
+            raise ValueError("pad_to needs one sequence of at most pad_to tokens")
+        num_valid = len(tokens[0])
+        cached, pages = cached_lens[0], page_tables[0]
+        tokens = [list(tokens[0]) + [0] * (pad_to - num_valid)]
+        # the padding's positions need page-table entries (their keys are read by padding queries only)
+        page_tables = [list(pages) + [0] * max(0, -(-(cached + pad_to) // page_size) - len(pages))]
+    lens = [len(x) for x in tokens]
+    starts = np.zeros(len(tokens) + 1, dtype=np.int32)
+    np.cumsum(lens, out=starts[1:])
+    pos_parts, slot_parts = [], []
+    for toks, cached, pages in zip(tokens, cached_lens, page_tables):
+        pos = np.arange(cached, cached + len(toks), dtype=np.int64)
+        table = np.asarray(pages, dtype=np.int64)
+        real = len(toks) if num_valid is None else num_valid
+        slots = np.full(len(toks), -1, dtype=np.int64)
+        slots[:real] = table[pos[:real] // page_size] * page_size + pos[:real] % page_size
+        pos_parts.append(pos)
+        slot_parts.append(slots)
+    flat_pos = np.concatenate(pos_parts) if pos_parts else np.zeros(0, dtype=np.int64)
+    if positions is not None and any(p is not None for p in positions):
+        axes = [np.asarray(p, dtype=np.int64) if p is not None else np.broadcast_to(q, (3, len(q)))
+                for p, q in zip(positions, pos_parts)]
+        if num_valid is not None and axes[0].shape[1] < len(pos_parts[0]):  # padding continues on every axis
+            extra = axes[0][:, -1:] + np.arange(1, len(pos_parts[0]) - axes[0].shape[1] + 1)
+            axes[0] = np.concatenate([axes[0], extra], axis=1)
+        flat_pos = np.concatenate(axes, axis=1)
+    width = max((len(p) for p in page_tables), default=0) or 1
+    table = np.zeros((len(page_tables), width), dtype=np.int32)
+    for i, pages in enumerate(page_tables):
+        table[i, : len(pages)] = pages
+    ids = np.fromiter((x for toks in tokens for x in toks), dtype=np.int64, count=int(starts[-1]))
+    return HostInputs(
+        input_ids=ids,
+        positions=flat_pos,
+        slot_mapping=np.concatenate(slot_parts) if slot_parts else np.zeros(0, dtype=np.int64),
+        query_start_loc=starts,
+        seq_lens=np.asarray([c + n for c, n in zip(cached_lens, lens)], dtype=np.int32),
+        state_slots=np.asarray(state_slots if state_slots is not None else range(len(tokens)), dtype=np.int64),
+        page_table=table,
+        query_lens=lens,
+        num_valid=num_valid,
+    )
 
 
 KV_DTYPES = ("bf16", "fp8", "int8")  # implemented --kv-dtype values

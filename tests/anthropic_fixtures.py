@@ -14,6 +14,7 @@ import torch
 from server_fixtures import EOS, OUTPUTS, THINKING_TAIL, VOCAB, LiveServer, base_context, scripted_artifact
 
 from ninfer.chat import frontend_for
+from ninfer.chat.thinking import thinking_control
 from ninfer.config import ServerConfig
 from ninfer.engine.engine import Engine
 from ninfer.models.scripted import ScriptedModel
@@ -56,7 +57,7 @@ def start_anthropic_server(artifacts_dir, tokenizer, *, keepalive_s: float = 5.0
     base = base_context(path)
     frontend = frontend_for(base.frontend.tokenizer, MAINTAINED.read_text(), base.frontend.eos_token_ids)
     model = ScriptedModel({"vocab_size": VOCAB, "eos": EOS, "scripts": _scripts(tokenizer)})
-    engine = Engine(model, tokenizer, replace(engine_settings(cfg), eos_ids={EOS, 248044}), dtype=torch.float32).start()
+    engine = Engine(model, tokenizer, replace(engine_settings(cfg), eos_ids={EOS, 248044}), dtype=torch.float32, thinking=thinking_control(tokenizer)).start()
     ctx = replace(base, config=cfg, engine=LocalEngineClient(engine), frontend=frontend, keepalive_s=keepalive_s,
                   max_model_len=cfg.max_model_len)
     return LiveServer(ctx, engine)

@@ -18,6 +18,7 @@ import torch
 import uvicorn
 
 from ninfer.artifact.container import Manifest, write_artifact
+from ninfer.chat.thinking import thinking_control
 from ninfer.config import ServerConfig
 from ninfer.engine.engine import Engine
 from ninfer.models.scripted import ScriptedModel
@@ -82,7 +83,7 @@ def scripted_engine(path: Path, tokenizer, cfg: ServerConfig) -> Engine:
 
     config = Artifact(path).config("text")
     settings = replace(engine_settings(cfg), eos_ids={EOS, 248044})
-    return Engine(ScriptedModel(config), tokenizer, settings, dtype=torch.float32).start()
+    return Engine(ScriptedModel(config), tokenizer, settings, dtype=torch.float32, thinking=thinking_control(tokenizer)).start()
 
 
 def free_port() -> int:

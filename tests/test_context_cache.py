@@ -9,6 +9,7 @@ import threading
 import pytest
 from engine_helpers import assert_no_leak
 
+from ninfer.chat.thinking import thinking_control
 from ninfer.engine.engine import EngineSettings
 from ninfer.engine.loader import load_engine
 from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams, TokenEvent
@@ -166,7 +167,7 @@ def test_many_snapshot_restores_at_once_never_fail_the_engine(qwen_tokenizer):
     from ninfer.models.scripted import FixedLogitsModel
 
     settings = EngineSettings(max_context=528, max_concurrency=8, eos_ids=set())
-    engine = Engine(FixedLogitsModel(2000), qwen_tokenizer, settings).start()
+    engine = Engine(FixedLogitsModel(2000), qwen_tokenizer, settings, thinking=thinking_control(qwen_tokenizer)).start()
     outputs: dict[int, list] = {}
 
     def one(i: int) -> None:

@@ -11,7 +11,8 @@ import pytest
 import torch
 from engine_helpers import assert_no_leak
 
-from ninfer.engine.engine import THINKING_GUIDANCE, Engine, EngineSettings
+from ninfer.chat.thinking import THINKING_GUIDANCE, thinking_control
+from ninfer.engine.engine import Engine, EngineSettings
 from ninfer.engine.types import (
     Channel,
     ContextLengthExceededError,
@@ -35,7 +36,7 @@ THINK_END = 248069  # </think>
 def make_engine(tok, scripts, start=True, **settings) -> Engine:
     model = ScriptedModel({"vocab_size": 248320, "eos": EOS, "scripts": scripts})
     base = dict(max_context=512, max_concurrency=4, page_size=4, prefill_chunk=8, eos_ids={EOS, 248044})
-    engine = Engine(model, tok, EngineSettings(**{**base, **settings}), dtype=torch.float32)
+    engine = Engine(model, tok, EngineSettings(**{**base, **settings}), dtype=torch.float32, thinking=thinking_control(tok))
     return engine.start() if start else engine
 
 
@@ -271,7 +272,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(qwen_tokenizer):
 
     def run(requests, concurrency):
         engine = Engine(model, tok, EngineSettings(max_context=256, max_concurrency=concurrency, page_size=4,
-                                                   eos_ids=set()), dtype=torch.float32).start()
+                                                   eos_ids=set()), dtype=torch.float32, thinking=thinking_control(tok)).start()
         try:
             async def main():
                 async def one(req):

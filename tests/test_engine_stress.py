@@ -19,6 +19,7 @@ import threading
 import pytest
 from engine_helpers import assert_no_leak
 
+from ninfer.chat.thinking import thinking_control
 from ninfer.engine.engine import Engine, EngineSettings
 from ninfer.engine.types import EngineRequest, FinishEvent, FinishReason, SamplingParams, TokenEvent
 from ninfer.models.scripted import FixedLogitsModel
@@ -55,7 +56,7 @@ def _scenario(seed: int) -> tuple[EngineSettings, list[tuple[EngineRequest, bool
 @pytest.mark.parametrize("seed", range(16))
 def test_random_pressure_loses_no_request_and_leaks_nothing(seed, qwen_tokenizer):
     settings, requests = _scenario(seed)
-    engine = Engine(FixedLogitsModel(2000), qwen_tokenizer, settings).start()
+    engine = Engine(FixedLogitsModel(2000), qwen_tokenizer, settings, thinking=thinking_control(qwen_tokenizer)).start()
     engine.settings.eos_ids = set()
     events: dict[str, list] = {r.request_id: [] for r, _ in requests}
     finished = threading.Semaphore(0)

@@ -222,7 +222,7 @@ def test_sampler_graphs_draw_the_eager_samplers_tokens():
     gen = torch.Generator(device="cuda").manual_seed(0)
     for b in (8, 3, 1, 5):
         seqs = _sampled_seqs(b)
-        static = runner.graphs[b][1]
+        static = runner.graphs[(b, 1)].logits
         for _ in range(3):
             with torch.inference_mode():  # the graph's output is an inference tensor
                 static.copy_(torch.randn(static.shape, generator=gen, device="cuda") * 3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 
+from ninfer.chat.thinking import thinking_control
 from ninfer.engine.engine import Engine, EngineSettings
 from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams, TokenEvent
 from ninfer.models.scripted import FixedLogitsModel
@@ -34,7 +35,7 @@ def _run(engine: Engine, rid: str, sampling: SamplingParams) -> list[int]:
 
 def test_only_penalized_requests_count_and_they_start_from_zero(qwen_tokenizer):
     settings = EngineSettings(max_context=64, max_concurrency=1, eos_ids=set())
-    engine = Engine(FixedLogitsModel(2000), qwen_tokenizer, settings).start()
+    engine = Engine(FixedLogitsModel(2000), qwen_tokenizer, settings, thinking=thinking_control(qwen_tokenizer)).start()
     engine.settings.eos_ids = set()
     plain, penalized = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, frequency_penalty=0.6)
     try:

@@ -3,7 +3,9 @@ bypass, the youngest request pauses first, restores go in arrival order)."""
 
 from __future__ import annotations
 
+from ninfer.engine.kv_manager import KVManager
 from ninfer.engine.kv_pool import PagePool, SlotPool
+from ninfer.engine.plan import RunnerOutput, StepPlan
 from ninfer.engine.scheduler import BYPASS_LIMIT, Scheduler
 from ninfer.engine.sequence import Sequence, Status
 from ninfer.engine.types import EngineRequest, ResolvedSampling
@@ -17,14 +19,21 @@ def seq(order: int, prompt_len: int) -> Sequence:
 
 
 def make(pages=8, page_size=4, lanes=4, chunk=64, slots=None):
-    return Scheduler(max_concurrency=lanes, prefill_chunk=chunk, pages=PagePool(pages, page_size),
-                     slots=SlotPool(slots) if slots else None)
+    kv = KVManager(PagePool(pages, page_size), SlotPool(slots) if slots else None)
+    return Scheduler(max_concurrency=lanes, prefill_chunk=chunk, kv=kv)
+
+
+def admit(s: Scheduler) -> list[Sequence]:
+    """One admission round (the start of Scheduler.schedule); the newly bound requests."""
+    plan = StepPlan()
+    s.admit(plan)
+    return [a.seq for a in plan.admitted]
 
 
 def test_fifo_admission_in_arrival_order():
     s = make()
     s.waiting.extend([seq(1, 4), seq(2, 4), seq(3, 4)])
-    assert [x.order for x in s.admit()] == [1, 2, 3]
+    assert [x.order for x in admit(s)] == [1, 2, 3]
     assert all(x.status is Status.PREFILL for x in s.resident)
 
 
@@ -33,7 +42,7 @@ def test_bounded_bypass_when_head_cannot_fit():
     head = seq(1, 40)  # needs more pages than the pool has free right now
     small = [seq(i, 2) for i in range(2, 2 + BYPASS_LIMIT + 2)]
     s.waiting.extend([head, *small])
-    admitted = s.admit()
+    admitted = admit(s)
     assert head not in admitted
     assert len(admitted) == BYPASS_LIMIT  # then nobody else may overtake the head
     assert list(s.waiting)[0] is head
@@ -42,29 +51,32 @@ def test_bounded_bypass_when_head_cannot_fit():
 def test_lanes_bound_residency():
     s = make(lanes=2)
     s.waiting.extend([seq(i, 2) for i in range(1, 5)])
-    assert len(s.admit()) == 2 and len(s.waiting) == 2
+    assert len(admit(s)) == 2 and len(s.waiting) == 2
 
 
 def test_pressure_pauses_the_youngest_and_restores_in_order():
     s = make(pages=4, page_size=4, lanes=4, slots=8)
     a, b, c = seq(1, 4), seq(2, 4), seq(3, 4)
     s.waiting.extend([a, b, c])
-    s.admit()
-    for x in (a, b, c):
-        unit = s.next_prefill()
-        assert unit.seq is x
-        x.num_computed = unit.end
-        x.status = Status.DECODE
-    # a needs a second page: the pool has one left; then b needs one: c (youngest) pauses
-    ready, starved = s.decode_batch()
+    plans = []
+    for x in (a, b, c):  # each prefills its prompt in one chunk and samples a token
+        plan = s.schedule()
+        plans.append(plan)
+        if plan.prefill is None:
+            break
+        assert plan.prefill.seq is x
+        s.update(plan, RunnerOutput([[7]]))
+        x.output_ids.append(7)
+    # a needs a second page, then b: the pool runs out and c (youngest) pauses
+    plan = plans[-1] if plans[-1].prefill is None else s.schedule()
     assert c.status is Status.PAUSED and s.preemptions >= 1
-    assert a in ready and not starved
+    assert a in [w.seq for w in plan.decode] and not plan.starved
     assert c.pages == [] and c.state_slot is None
     # finishing a frees room; the paused request comes back before any fresh one
     fresh = seq(4, 2)
     s.waiting.append(fresh)
-    s.remove(a)
-    admitted = s.admit()
+    s.finish(a, retain=False)
+    admitted = admit(s)
     assert admitted[0] is c
 
 
@@ -78,7 +90,7 @@ def test_one_round_never_promises_more_pages_than_are_free():
     s.paused.extend(paused)
     fresh = seq(3, 4)  # needs 2 pages: fits beside the first restore, not if that one were forgotten
     s.waiting.append(fresh)
-    assert s.admit() == [paused[0], fresh]
+    assert admit(s) == [paused[0], fresh]
     assert s.paused == [paused[1]] and paused[1].status is Status.PAUSED
 
 
@@ -88,11 +100,8 @@ PROMPT = [5] * 40
 def _with_retained(lanes: int = 2) -> Scheduler:
     """A 12-page pool (4 tokens a page) of which one retained 44-token checkpoint holds 11 pages; its
     first 32 tokens are PROMPT's, which would reuse them (8 pages) and need 3 more."""
-    from ninfer.engine.context_cache import ContextCache
-
     pool = PagePool(12, 4)
-    s = Scheduler(max_concurrency=lanes, prefill_chunk=64, pages=pool, slots=None,
-                  cache=ContextCache(pool, None, hybrid=False))
+    s = Scheduler(max_concurrency=lanes, prefill_chunk=64, kv=KVManager(pool, None, prefix_reuse=True))
     s.cache.add(tuple(PROMPT[:32] + [9] * 12), pool.allocate(11), None, "endpoint")
     return s
 
@@ -105,7 +114,7 @@ def test_a_prefix_that_holds_the_pool_is_given_up_when_nothing_runs():
     head = Sequence(request=EngineRequest("r1", PROMPT), order=1, sampling=SAMPLING, max_tokens=10,
                     controller=None, emit=lambda e: None, deadline=1e18)
     s.waiting.append(head)
-    assert s.admit() == [head]
+    assert admit(s) == [head]
     assert head.match is None and not s.cache.entries and s.pages.free_pages == 12
 
 
@@ -115,7 +124,7 @@ def test_the_reused_prefix_is_kept_while_a_resident_request_will_free_pages():
     waiting = Sequence(request=EngineRequest("r1", PROMPT), order=1, sampling=SAMPLING, max_tokens=10,
                        controller=None, emit=lambda e: None, deadline=1e18)
     s.waiting.append(waiting)
-    assert s.admit() == [] and len(s.cache.entries) == 1
+    assert admit(s) == [] and len(s.cache.entries) == 1
 
 
 def test_a_prompt_that_fills_the_whole_pool_is_admitted():
@@ -123,4 +132,4 @@ def test_a_prompt_that_fills_the_whole_pool_is_admitted():
     s = make(pages=4, page_size=4, lanes=2)
     full = seq(1, 16)
     s.waiting.append(full)
-    assert s.admit() == [full]
+    assert admit(s) == [full]

@@ -7,16 +7,17 @@ captured exactly at its end. Reuse rules:
 - hybrid models: only the checkpoint's own length (recurrent state exists only where captured).
 Reuse never covers the whole prompt: the last prompt token is always computed, for its logits.
 
-Checkpoints hold pool resources; they are reclaimed least-recently-used first, before any
-running request is paused.
+Checkpoints hold pool resources, which the KV manager (ninfer.engine.kv_manager) owns: this index
+only says which pages and slot each checkpoint holds, and hands a dropped checkpoint to `on_drop`
+(the manager releases its resources). Checkpoints are reclaimed least-recently-used first, before
+any running request is paused.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-
-from ninfer.engine.kv_pool import PagePool, SlotPool
+from typing import Callable
 
 MAX_CHECKPOINTS = 64
 
@@ -46,10 +47,10 @@ def common_prefix(a: tuple[int, ...], b: list[int], limit: int) -> int:
 
 
 class ContextCache:
-    def __init__(self, pages: PagePool, slots: SlotPool | None, *, hybrid: bool, enabled: bool = True,
-                 max_checkpoints: int = MAX_CHECKPOINTS):
-        self.pages = pages
-        self.slots = slots
+    def __init__(self, page_size: int, *, hybrid: bool, enabled: bool = True,
+                 max_checkpoints: int = MAX_CHECKPOINTS, on_drop: Callable[["Checkpoint"], None] | None = None):
+        self.page_size = page_size
+        self.on_drop = on_drop or (lambda entry: None)
         self.hybrid = hybrid
         self.enabled = enabled
         self.max_checkpoints = max_checkpoints
@@ -73,7 +74,7 @@ class ContextCache:
                     continue
             else:
                 n = common_prefix(entry.tokens, prompt, limit)
-                n -= n % self.pages.page_size  # whole pages only: no copy needed for attention models
+                n -= n % self.page_size  # whole pages only: no copy needed for attention models
                 if n == 0:
                     continue
             if best is None or n > best.length:
@@ -97,7 +98,7 @@ class ContextCache:
             session: str | None = None) -> Checkpoint | None:
         """Adopt already-referenced pages (and slot) as a checkpoint; the caller passes ownership."""
         if not self.enabled or not tokens:
-            self._drop_resources(pages, state_slot)
+            self.on_drop(Checkpoint(tokens, pages, state_slot, kind, session))
             return None
         if session is not None:  # a session keeps only its latest endpoint
             for old in [e for e in self.entries if e.session == session]:
@@ -135,13 +136,10 @@ class ContextCache:
     def _evict(self, entry: Checkpoint) -> None:
         self.entries.remove(entry)
         self.evictions += 1
-        self._drop_resources(entry.pages, entry.state_slot)
+        self.on_drop(entry)
 
-    def _drop_resources(self, pages: list[int], slot: int | None) -> None:
-        if pages:
-            self.pages.release(pages)
-        if slot is not None and self.slots is not None:
-            self.slots.release(slot)
+    def evictable(self, keep: Checkpoint | None = None) -> list[Checkpoint]:
+        return [e for e in self.entries if e is not keep]
 
     @property
     def held_pages(self) -> int:

@@ -17,12 +17,15 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from ninfer.engine.context_cache import ContextCache
-from ninfer.engine.context_ops import ContextOps
+from ninfer.engine import transfers
+from ninfer.engine.context_ops import ContextExecutor
 from ninfer.engine.counters import Counters, HostWork
+from ninfer.engine.kv_manager import KVManager
 from ninfer.engine.kv_pool import PagePool, SlotPool
 from ninfer.engine.kv_sizing import auto_kv_capacity
-from ninfer.engine.output_control import OutputController, ThinkingControl
+from ninfer.engine.output_control import OutputController
+from ninfer.engine.output_processor import OutputProcessor
+from ninfer.engine.plan import RunnerOutput, StepPlan
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Scheduler
 from ninfer.engine.sequence import Sequence, Status
@@ -39,20 +42,13 @@ from ninfer.engine.types import (
     SchedulingEvent,
     ServerOverloadedError,
     ThinkingBudgetCapacityError,
-    Timings,
-    TokenEvent,
-    Usage,
+    ThinkingControl,
 )
 
 log = logging.getLogger("ninfer.engine")
 
 GENERIC_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0}
-THINKING_GUIDANCE = (
-    "\n\nConsidering the limited time by the user, I have to give the solution based on the thinking directly now.\n"
-)
-
-
 @dataclass
 class EngineSettings:
     max_context: int = 8192
@@ -98,8 +94,15 @@ def resolve_sampling(settings: EngineSettings, request: EngineRequest) -> Resolv
 
 
 class Engine:
+    """The loop: schedule a step, run its context copies and forwards, commit the sampled tokens, update.
+
+    `thinking`: the reasoning channel's control ids and budget suffix, from the chat frontend
+    (ninfer.chat.thinking); None: no reasoning channel is followed.
+    """
+
     def __init__(self, model: torch.nn.Module, tokenizer, settings: EngineSettings, *,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 thinking: ThinkingControl | None = None):
         self.settings = settings
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -125,14 +128,20 @@ class Engine:
                                   cuda_graphs=not settings.no_cuda_graph, max_seq_len=settings.max_context,
                                   kv_dtype=settings.kv_dtype, prefill_chunk=settings.prefill_chunk)
         self.hybrid = slots is not None
-        self.cache = ContextCache(pages, slots, hybrid=self.hybrid, enabled=settings.prefix_reuse)
+        model_cache = self.runner.cache
+        # host bytes for pause snapshots: --host-context-mib, else 8 GiB plus 8 state images
+        host_budget = settings.host_context_bytes
+        if host_budget is None:
+            host_budget = 8 * 2**30 + 8 * transfers.state_bytes(model_cache)
+        self.kv = KVManager(pages, slots, prefix_reuse=settings.prefix_reuse, host_budget=host_budget,
+                            snapshot_bytes=lambda n, state: transfers.snapshot_bytes(model_cache, n, state))
+        self.cache = self.kv.cache  # the retained checkpoints (an index; the KV manager owns their pages)
         self.scheduler = Scheduler(max_concurrency=settings.max_concurrency, prefill_chunk=settings.prefill_chunk,
-                                   pages=pages, slots=slots, cache=self.cache)
-        self.scheduler.before_pause = self._before_pause
-        self.thinking = self._thinking_control(tokenizer)
+                                   kv=self.kv)
+        self.thinking = thinking or ThinkingControl(think_end_id=None)
         self.counters = Counters()
-        self.context = ContextOps(self.cache, pages, slots, self.runner.cache, self.counters, page_size=settings.page_size,
-                                  host_budget=settings.host_context_bytes)
+        self.context = ContextExecutor(self.kv, model_cache, self.counters)
+        self.output = OutputProcessor(self.thinking, self.counters, max_context=settings.max_context)
         self.work = HostWork()
         self._recovering: set[str] = set()  # restored requests whose next commit completes recovery
         self.healthy = True
@@ -267,8 +276,8 @@ class Engine:
             "prefix_captures": self.cache.captures,
             "prefix_evictions": self.cache.evictions,
             "retained_checkpoints": len(self.cache.entries),
-            "host_context_used_bytes": self.context.host_used,
-            "host_context_capacity_bytes": self.context.host_budget,
+            "host_context_used_bytes": self.kv.host_used,
+            "host_context_capacity_bytes": self.kv.host_budget,
             **{k: v for k, v in vars(c).items() if k not in ("requests", "context_transfer_bytes")},
             "requests": dict(c.requests),
             "context_transfer_bytes": dict(c.context_transfer_bytes),
@@ -276,14 +285,6 @@ class Engine:
         }
 
     # ---- preparation (caller's thread) -------------------------------------------------------
-    def _thinking_control(self, tokenizer) -> ThinkingControl:
-        end_id = tokenizer.token_to_id("</think>")
-        if end_id is None:
-            return ThinkingControl(think_end_id=None)
-        suffix = tokenizer.encode(THINKING_GUIDANCE) + [end_id]
-        return ThinkingControl(think_end_id=end_id, think_start_id=tokenizer.token_to_id("<think>"),
-                               close_suffix=suffix)
-
     def resolve_sampling(self, request: EngineRequest) -> ResolvedSampling:
         return resolve_sampling(self.settings, request)
 
@@ -328,9 +329,14 @@ class Engine:
                 with self.work.phase("engine_boundary"):
                     self._drain_inbox()
                     self._expire_waiting()
-                    self._admit()
-                worked = self.work.run_step("prefill", self._prefill_step)
-                worked |= self.work.run_step("decode", self._decode_step)
+                    plan = self.scheduler.schedule()
+                    self._admitted(plan)
+                    self._preempted(plan)
+                    for seq in plan.starved:
+                        self._finish(seq, FinishReason.CONTEXT)
+                worked = not plan.empty
+                if plan.prefill is not None or plan.decode or plan.before or plan.after:
+                    self.work.run_step("decode" if plan.decode else "prefill", lambda plan=plan: self._step(plan))
             except Exception as exc:  # an engine-wide failure: fail everything, report unhealthy
                 log.exception("engine step failed")
                 self._fail_all(exc)
@@ -339,6 +345,59 @@ class Engine:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
 
+    def _step(self, plan: StepPlan) -> bool:
+        """Copies, forwards, commits and the scheduler's update for one plan."""
+        with self.work.phase("program_submit"):
+            self.context.run(plan.before)
+            launched = self.runner.launch(plan)
+            self.context.run(plan.after)
+        with self.work.phase("device_wait"):
+            output = self.runner.collect(plan, launched)
+        with self.work.phase("engine_commit_output"):
+            finished = self._commit(plan, output)
+            self.scheduler.update(plan, output)
+            counted = self.output.take_counted()
+            if counted:
+                lanes, ids = zip(*counted)
+                self.runner.count_tokens(list(lanes), list(ids))
+            for seq, reason in finished:
+                self._finish(seq, reason)
+        return True
+
+    def _commit(self, plan: StepPlan, output: RunnerOutput) -> list[tuple[Sequence, FinishReason]]:
+        """Commit each work's samples; returns the requests that ended, with why."""
+        finished = []
+        prefill = plan.prefill
+        if prefill is not None:
+            seq = prefill.seq
+            computed = len(prefill.tokens)
+            self.counters.prefill_chunks += 1
+            if seq.output_ids:
+                self.counters.replayed_tokens += computed
+            else:
+                self.counters.prefill_tokens += computed
+            last = prefill.end >= seq.prefill_target
+            if not last or seq.samples_after_prefill:
+                self._progress(seq, prefill.end)
+            if last and not seq.samples_after_prefill:  # replay done: resume decoding without resampling
+                self._scheduling_event(seq, "replay_complete", "replay")
+            elif last and seq.max_tokens == 0:
+                finished.append((seq, FinishReason.LENGTH))
+            elif last:
+                finished += self._commit_tokens(seq, output.sampled[0])
+        if plan.decode:
+            self.counters.decode_steps += 1
+        for work, sampled in zip(plan.decode, output.sampled[len(plan.works) - len(plan.decode):]):
+            finished += self._commit_tokens(work.seq, sampled)
+        return finished
+
+    def _commit_tokens(self, seq: Sequence, tokens: list[int]) -> list[tuple[Sequence, FinishReason]]:
+        committed, reason = self.output.commit(seq, tokens)
+        if committed and self._recovering and seq.request_id in self._recovering:  # first fresh token after a restore
+            self._recovering.discard(seq.request_id)
+            self._scheduling_event(seq, "recovery_complete", None)
+        return [(seq, reason)] if reason is not None else []
+
     def _drain_inbox(self) -> None:
         while True:
             try:
@@ -346,8 +405,7 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "submit":
-                item.status = Status.WAITING
-                self.scheduler.waiting.append(item)
+                self.scheduler.enqueue(item)
             elif kind == "cancel":
                 seq = self._by_id.get(item)
                 if seq is not None and seq.status is not Status.FINISHED:
@@ -356,31 +414,26 @@ class Engine:
     def _expire_waiting(self) -> None:
         now = time.monotonic()
         for seq in [s for s in self.scheduler.waiting if s.deadline <= now]:
-            self.scheduler.remove(seq)
+            self.scheduler.finish(seq, retain=False)
             self._drop(seq)
             seq.emit(QueueTimeoutError(
                 f"request was not admitted within {self.settings.pending_timeout_ms} ms"))
             self._count_outcome("queue_timeout")
 
-    def _admit(self) -> None:
-        for seq in self.scheduler.admit():
-            restored = None  # the route of a paused request coming back
+    def _admitted(self, plan: StepPlan) -> None:
+        """Timing, counters and events of the requests bound this step."""
+        for admission in plan.admitted:
+            seq, route = admission.seq, admission.route
             if seq.t_paused is not None:
                 self.counters.paused_seconds += time.monotonic() - seq.t_paused
                 seq.t_paused = None
-                restored = "snapshot" if seq.snapshot is not None else "replay"
-            if seq.snapshot is not None:
-                self.context.restore_snapshot(seq)
-            else:
-                reused = self.context.reuse_prefix(seq)
+            if route != "snapshot":
                 if seq.t_admit is None:  # initial binding: the request's cached count is fixed here
-                    seq.cached_tokens = reused
-                    seq.prefix_path = "checkpoint" if reused else "root"
-                    self.counters.cached_prompt_tokens += reused
+                    seq.cached_tokens = admission.reused
+                    seq.prefix_path = "checkpoint" if admission.reused else "root"
+                    self.counters.cached_prompt_tokens += admission.reused
                 elif seq.output_ids:
                     self.counters.replay_restores += 1
-                if seq.output_ids and seq.num_computed >= seq.prefill_target:
-                    seq.status = Status.DECODE  # a retained prefix covered the whole replay
             if seq.t_admit is None:
                 seq.t_admit = time.monotonic()
                 self.counters.prompt_tokens += seq.prompt_len
@@ -388,177 +441,48 @@ class Engine:
                     seq.emit(ProgressEvent(seq.prompt_len, seq.cached_tokens, seq.cached_tokens, 0.0))
             if seq.sampling.penalized:  # only penalties read a lane's counts: the others never count
                 self.runner.reset_lane(seq.lane, seq.output_ids)
-            if restored:
-                self._scheduling_event(seq, "restored", restored)
+            if route:
+                self._scheduling_event(seq, "restored", route)
 
-    def _prefill_step(self) -> bool:
-        unit = self.scheduler.next_prefill()
-        if unit is None:
-            return False
-        if isinstance(unit, Sequence):  # no room even alone: the pool is smaller than this context
-            self._starved(unit)
-            return True
-        seq = unit.seq
-        with self.work.phase("program_submit"):
-            logits = self.runner.forward([seq], [seq.tokens(unit.start, unit.end)])
-        computed = unit.end - unit.start
-        seq.num_computed = unit.end
-        if unit.end in seq.checkpoints:
-            self.context.capture(seq, unit.end, "input")
-        self.counters.prefill_chunks += 1
-        if seq.output_ids:
-            self.counters.replayed_tokens += computed
-        else:
-            self.counters.prefill_tokens += computed
-        if not unit.is_last:
-            self._progress(seq)
-            return True
-        if not seq.samples_after_prefill:  # replay done: resume decoding without resampling
-            seq.status = Status.DECODE
-            self._scheduling_event(seq, "replay_complete", "replay")
-            return True
-        self._progress(seq)
-        if seq.max_tokens == 0:
-            self._finish(seq, FinishReason.LENGTH)
-            return True
-        with self.work.phase("program_post"):
-            sampled = self.runner.sample([seq], logits)
-        with self.work.phase("device_wait"):
-            token = int(sampled[0])
-        seq.status = Status.DECODE
-        with self.work.phase("engine_commit_output"):
-            self._commit(seq, token)
-        return True
+    def _preempted(self, plan: StepPlan) -> None:
+        now = time.monotonic()
+        for seq in plan.preempted:
+            seq.t_paused = now
+            self._scheduling_event(seq, "paused", "snapshot" if seq.snapshot is not None else "replay")
 
-    def _progress(self, seq: Sequence) -> None:
+    def _progress(self, seq: Sequence, computed: int) -> None:
         if seq.request.return_progress and seq.t_admit is not None:
             elapsed = (time.monotonic() - seq.t_admit) * 1000.0
-            seq.emit(ProgressEvent(seq.prompt_len, seq.cached_tokens, min(seq.num_computed, seq.prompt_len), elapsed))
-
-    def _decode_step(self) -> bool:
-        ready, starved = self.scheduler.decode_batch()
-        for seq in starved:
-            self._starved(seq)
-        if not ready:
-            return bool(starved)
-        with self.work.phase("program_submit"):
-            logits = self.runner.forward(ready, [[s.output_ids[-1]] for s in ready])
-        with self.work.phase("program_post"):
-            sampled = self.runner.sample(ready, logits)
-        with self.work.phase("device_wait"):
-            tokens = sampled.tolist()  # the one host sync per step
-        self.counters.decode_steps += 1
-        with self.work.phase("engine_commit_output"):
-            counted: list[tuple[int, int]] = []
-            for seq, token in zip(ready, tokens):
-                seq.num_computed += 1
-                if seq.status is not Status.DECODE:
-                    continue
-                if seq.forced:  # thinking-budget control tokens replace the sample
-                    self._commit(seq, seq.forced.popleft(), forced=True, counted=counted)
-                else:
-                    self._commit(seq, token, counted=counted)
-            if counted:
-                lanes, ids = zip(*counted)
-                self.runner.count_tokens(list(lanes), list(ids))
-        return True
-
-    def _starved(self, seq: Sequence) -> None:
-        oldest = min(self.scheduler.resident, key=lambda s: s.order)
-        if seq is oldest:
-            self._finish(seq, FinishReason.CONTEXT)
-        else:
-            self.scheduler.pause(seq)
-
-    def _commit(self, seq: Sequence, token: int, forced: bool = False,
-                counted: list[tuple[int, int]] | None = None) -> None:
-        """Commit one token. `counted` collects (lane, token) for one batched penalty-count upload per
-        decode step; without it the token is counted at once."""
-        now = time.monotonic()
-        if seq.t_first is None:
-            seq.t_first = now
-        seq.t_last = now
-        seq.output_ids.append(token)
-        if self._recovering and seq.request_id in self._recovering:  # first fresh token after a restore
-            self._recovering.discard(seq.request_id)
-            self._scheduling_event(seq, "recovery_complete", None)
-        self.counters.generation_tokens += 1
-        if len(seq.output_ids) > 1:
-            self.counters.decode_tokens += 1
-        if not seq.sampling.penalized:
-            pass  # nothing reads its counts: no upload, no kernels
-        elif counted is None:
-            self.runner.count_tokens([seq.lane], [token])  # uploaded through pinned memory: no host sync
-        else:
-            counted.append((seq.lane, token))
-        events, reason = seq.controller.commit(token, forced=forced)
-        for ev in events:
-            seq.emit(ev)
-        if reason is None:
-            if len(seq.output_ids) >= seq.max_tokens:
-                reason = FinishReason.LENGTH
-            elif seq.total_len >= self.settings.max_context:
-                reason = FinishReason.CONTEXT
-        if reason is not None:
-            self._finish(seq, reason)
-        elif not seq.forced and seq.controller.budget_exhausted():
-            seq.forced.extend(self.thinking.close_suffix)
+            seq.emit(ProgressEvent(seq.prompt_len, seq.cached_tokens, min(computed, seq.prompt_len), elapsed))
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        if reason in (FinishReason.LENGTH, FinishReason.CONTEXT, FinishReason.CANCELLED):
-            tail = seq.controller.finish_text()
-            if tail:
-                seq.emit(TokenEvent([], seq.controller.channel, tail))
-        if reason not in (FinishReason.CANCELLED, FinishReason.ERROR):
-            self.context.retain_endpoint(seq)
-        self.context.free_snapshot(seq)
-        self.scheduler.remove(seq)
-        seq.status = Status.FINISHED
+        self.output.flush_tail(seq, reason)
+        self.scheduler.finish(seq, retain=reason not in (FinishReason.CANCELLED, FinishReason.ERROR))
         if seq.preemptions:
             self._recovering.discard(seq.request_id)
             self._scheduling_event(seq, "terminal", None)
         self._drop(seq)
-        now = time.monotonic()
-        admitted = seq.t_admit or now
-        first = seq.t_first or now
-        timings = Timings(
-            cache_n=seq.cached_tokens,
-            prompt_n=seq.prompt_len - seq.cached_tokens,
-            prompt_ms=(first - admitted) * 1000.0 if seq.t_admit else 0.0,
-            predicted_n=len(seq.output_ids),
-            predicted_ms=((seq.t_last or first) - first) * 1000.0,
-        )
-        usage = Usage(prompt_tokens=seq.prompt_len, cached_tokens=seq.cached_tokens,
-                      completion_tokens=len(seq.output_ids), reasoning_tokens=seq.controller.reasoning_tokens)
-        seq.emit(FinishEvent(reason, usage, timings, stop_string=seq.controller.stop_string,
-                             thinking_budget_applied=seq.controller.budget_applied,
-                             preemptions=seq.preemptions, prefix_reuse_path=seq.prefix_path, error=error))
+        seq.emit(self.output.finish_event(seq, reason, error))
         self._count_outcome(reason.value)
 
-    # ---- observability: pause/restore events and transfer accounting --------------------------
-    def _before_pause(self, seq: Sequence) -> None:
-        self.context.snapshot_on_pause(seq)
-        self._scheduling_event(seq, "paused", "snapshot" if seq.snapshot is not None else "replay", index=1)
-
-    def _scheduling_event(self, seq: Sequence, kind: str, route: str | None, index: int = 0) -> None:
-        """Tell the request's consumer about a pause-cycle boundary (only when the request log wants them).
-
-        `index` is 1 while pausing: the scheduler counts the preemption after its pause hook returns.
-        """
+    # ---- observability: pause/restore events --------------------------------------------------
+    def _scheduling_event(self, seq: Sequence, kind: str, route: str | None) -> None:
+        """Tell the request's consumer about a pause-cycle boundary (only when the request log wants them)."""
         if not self.settings.scheduling_events:
             return
         if kind == "restored":
             self._recovering.add(seq.request_id)
         c, now = self.counters, time.monotonic_ns()
         seq.emit(SchedulingEvent(
-            kind=kind, preemption_index=seq.preemptions + index, route=route, steady_ns=now,
+            kind=kind, preemption_index=seq.preemptions, route=route, steady_ns=now,
             elapsed_ns=now - int(seq.t_submit * 1e9),
             global_tokens={"prefill": c.prefill_tokens, "decode": c.decode_tokens, "replay": c.replayed_tokens},
-            request_tokens={"computed": seq.num_computed, "generated": len(seq.output_ids)}))
+            request_tokens={"computed": seq.paused_frontier if kind == "paused" else seq.num_computed,
+                            "generated": len(seq.output_ids)}))
 
     @property
     def host_used(self) -> int:
-        return self.context.host_used
+        return self.kv.host_used
 
     def _drop(self, seq: Sequence) -> None:
         with self._lock:

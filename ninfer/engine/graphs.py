@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ninfer.engine.sampler import SamplingBatch
-from ninfer.forward import ForwardBatch
+from ninfer.forward import ForwardBatch, HostInputs, host_inputs
 
 
 class DeviceOnlyLengths(list):
@@ -101,18 +101,23 @@ class DecodeInputs(StaticInputs):
         self.upload()
 
     def fill(self, seqs, inputs: list[list[int]], page_size: int) -> None:
+        """Rows for sequences appending one token each, from the same builder the eager path uses."""
+        self.load(host_inputs(inputs, [s.num_computed for s in seqs], [s.pages for s in seqs], page_size,
+                              [s.state_slot if s.state_slot is not None else 0 for s in seqs]))
+
+    def load(self, h: HostInputs) -> None:
         h64, h32 = self.host()
         rows = h64.reshape(4, self.max_batch)
-        base, width = self.max_batch, self.width
-        for i, (s, toks) in enumerate(zip(seqs, inputs)):
-            pos = s.num_computed
-            rows[0, i] = toks[0]
-            rows[1, i] = pos
-            rows[2, i] = s.pages[pos // page_size] * page_size + pos % page_size
-            rows[3, i] = s.state_slot if s.state_slot is not None else 0
-            h32[i] = pos + 1
-            h32[base + i * width: base + i * width + len(s.pages)] = s.pages
-        self.upload(n32=base + len(seqs) * width)  # rows past the batch are not read
+        b, base, width = len(h.query_lens), self.max_batch, self.width
+        rows[0, :b] = h.input_ids
+        rows[1, :b] = h.positions
+        rows[2, :b] = h.slot_mapping
+        rows[3, :b] = h.state_slots
+        h32[:b] = h.seq_lens
+        table = h32[base: base + b * width].reshape(b, width)
+        used = h.page_table.shape[1]
+        table[:, :used] = h.page_table[:, :width]
+        self.upload(n32=base + b * width)  # rows past the batch are not read
 
     def batch(self, b: int) -> ForwardBatch:
         rows = self.i64.view(4, self.max_batch)
@@ -144,22 +149,18 @@ class PrefillInputs(StaticInputs):
         return max(len(pages), -(-(start + self.tokens) // page_size)) <= self.width
 
     def fill(self, token_ids: list[int], start: int, pages: list[int], state_slot: int, page_size: int) -> None:
-        n, real = self.tokens, len(token_ids)
+        """The chunk's inputs from the eager path's builder, padded up to the graph's size."""
+        n = self.tokens
+        h = host_inputs([token_ids], [start], [pages], page_size, [state_slot], pad_to=n)
         h64, h32 = self.host()
-        positions = np.arange(start, start + n, dtype=np.int64)
-        h64[:real] = token_ids
-        h64[real:n] = 0
-        h64[n: 2 * n] = positions
-        slots = h64[2 * n: 3 * n]
-        slots[:real] = np.asarray(pages, dtype=np.int64)[positions[:real] // page_size] * page_size \
-            + positions[:real] % page_size
-        slots[real:] = -1  # padding: no KV written
+        h64[:n] = h.input_ids
+        h64[n: 2 * n] = h.positions
+        h64[2 * n: 3 * n] = h.slot_mapping  # padding: -1, no KV written
         h64[3 * n] = state_slot
-        h64[3 * n + 1] = real
-        h32[0] = start + n
-        used = max(len(pages), -(-(start + n) // page_size))
-        h32[1: 1 + len(pages)] = pages
-        h32[1 + len(pages): 1 + used] = 0  # the padding's positions: any valid page (padding queries read it)
+        h64[3 * n + 1] = h.num_valid
+        h32[0] = h.seq_lens[0]
+        used = h.page_table.shape[1]  # the sequence's pages, then any valid page for the padding's positions
+        h32[1: 1 + used] = h.page_table[0]
         self.upload(n32=1 + used)  # table entries past these are not read
 
     def batch(self) -> ForwardBatch:

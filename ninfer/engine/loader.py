@@ -1,4 +1,5 @@
-"""Artifact -> model on a device -> Engine."""
+"""Artifact -> model on a device -> Engine. The composition point: the engine gets the artifact's
+reasoning-channel control from the chat frontend (ninfer.chat.thinking), not from engine constants."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from ninfer.artifact.container import Artifact
+from ninfer.chat.thinking import thinking_control
 from ninfer.engine.engine import Engine, EngineSettings
 from ninfer.models import build_model, prepare_for_inference_
 from ninfer.tokenizer import Tokenizer
@@ -123,6 +125,26 @@ def load_vision_tower(artifact: Artifact, device: torch.device, dtype: torch.dty
     return tower.eval()
 
 
+def load_mtp_head(artifact: Artifact, trunk: nn.Module, device: torch.device, dtype: torch.dtype, *,
+                  kv_layer: int = 0) -> nn.Module:
+    """The artifact's MTP head (ninfer.models.mtp) on the device, attached to `trunk` (whose
+    embedding, lm_head and rotary tables it shares) and in its run-time form. Reads only the `mtp.`
+    tensors; its KV is one attention layer the caller allocates (MTPHead.cache_spec): a cache of its
+    own (kv_layer 0) or one more layer of the trunk's (kv_layer = trunk.num_attn_layers)."""
+    from safetensors import safe_open
+
+    from ninfer.models.mtp import MTPHead
+
+    config = artifact.config("mtp")  # a clear error when the artifact has no head
+    with safe_open(str(artifact.path), framework="pt", device=str(device)) as f:
+        weights = {name.removeprefix("mtp."): _cast_floating(name, f.get_tensor(name), dtype)
+                   for name in artifact.tensor_names if name.startswith("mtp.")}
+    with torch.device("meta"):  # no buffers: the rotary tables are the trunk's
+        head = MTPHead(config, kv_layer=kv_layer)
+    head.load_state_dict(weights, strict=True, assign=True)
+    return prepare_for_inference_(head.attach_(trunk)).eval()
+
+
 def load_engine(path: str | Path, settings: EngineSettings | None = None, *, device: torch.device | None = None,
                 dtype: str = "auto", start: bool = True) -> Engine:
     """Load an artifact into a started engine; the load itself runs on the engine's thread."""
@@ -138,7 +160,7 @@ def load_engine(path: str | Path, settings: EngineSettings | None = None, *, dev
         settings.eos_ids = set(artifact.manifest.extra.get("eos_token_ids", []))
     if not settings.sampling_presets:
         settings.sampling_presets = artifact.manifest.sampling_presets
-    engine = Engine(model, tokenizer, settings, device=device, dtype=torch_dtype)
+    engine = Engine(model, tokenizer, settings, device=device, dtype=torch_dtype, thinking=thinking_control(tokenizer))
     engine.artifact = artifact
     return engine
 
@@ -181,4 +203,5 @@ def engine_from_preset(name: str, settings: EngineSettings | None = None, *, dev
         settings.eos_ids = set(extra.get("eos_token_ids", []))
     if not settings.sampling_presets:
         settings.sampling_presets = preset.sampling_presets
-    return Engine(model, Tokenizer.from_json_str(tokenizer_json), settings, device=device, dtype=torch_dtype)
+    tokenizer = Tokenizer.from_json_str(tokenizer_json)
+    return Engine(model, tokenizer, settings, device=device, dtype=torch_dtype, thinking=thinking_control(tokenizer))

@@ -7,18 +7,7 @@ tokens is found and never shown.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from ninfer.engine.types import Channel, FinishReason, TokenEvent
-
-
-@dataclass
-class ThinkingControl:
-    """Token ids the engine needs to follow and close a reasoning block."""
-
-    think_end_id: int | None  # </think>; None: the model has no reasoning channel
-    think_start_id: int | None = None
-    close_suffix: list[int] = field(default_factory=list)  # guidance + </think>, committed at the budget
+from ninfer.engine.types import Channel, FinishReason, ThinkingControl, TokenEvent
 
 
 def stop_holdback(text: str, stops: list[str]) -> int:

@@ -38,6 +38,7 @@ from types import SimpleNamespace
 import torch
 
 from ninfer.engine.graphs import DecodeInputs, PrefillInputs, SamplerInputs, capture
+from ninfer.engine.plan import RunnerOutput, StepPlan
 from ninfer.engine.sampler import TOP_K_CAP, SamplingBatch, sample
 from ninfer.engine.sequence import Sequence
 from ninfer.forward import ForwardBatch, ModelCache
@@ -62,6 +63,15 @@ PIECE_KNEE = 128
 KNEE_NVFP4 = 512
 KNEE_MOE = 1024
 REPLAY_COST = 16
+
+
+@dataclass
+class GraphEntry:
+    """A captured forward: the graph, its logits (rewritten by each replay) and its static inputs."""
+
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+    inputs: DecodeInputs | PrefillInputs
 
 
 @dataclass(frozen=True)
@@ -132,24 +142,24 @@ class ModelRunner:
         # generated-token counts per lane, for presence/frequency penalties
         self.counts = torch.zeros((num_lanes, vocab_size), dtype=torch.float32, device=self.device)
         self.vocab_size = vocab_size
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode, by batch size
+        # captured forwards keyed by (batch, tokens per sequence). `graphs` give a logit row per token:
+        # decode (b, 1), and speculative verification (b, k + 1) once it captures; `prefill_graphs` give
+        # the last real token's row: the prefill chunk (1, chunk) and the prefill pieces (1, size)
+        self.graphs: dict[tuple[int, int], GraphEntry] = {}
+        self.prefill_graphs: dict[tuple[int, int], GraphEntry] = {}
         self.graph_replays = 0  # decode replays
         # the sampler over each decode graph's logits, by batch size (sampled tokens as output)
-        self.sampler_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.sampler_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.sampler_replays = 0
-        self.prefill_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
         if prefill_pieces is None:
             env = os.environ.get(PIECES_ENV)
             prefill_pieces = env == "1" if env in ("0", "1") else self.device.type == "cuda"
         self.prefill_chunk = prefill_chunk or 0
         self.prefill_pieces = piece_sizes(self.prefill_chunk) if prefill_pieces else []
         self.piece_costs = piece_costs(model)
-        # graphs of the pieces of 2 tokens and more (one token replays the batch-1 decode graph)
-        self.piece_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, PrefillInputs]] = {}
         self.prefill_replays = 0
         self.eager_steps = 0
         self._decode_inputs: DecodeInputs | None = None
-        self._prefill_inputs: PrefillInputs | None = None
         self._sampler_inputs: SamplerInputs | None = None
         self.fused_sampler = False
         self.sampler_status = self._choose_sampler()
@@ -211,7 +221,7 @@ class ModelRunner:
     # ---- CUDA graphs -------------------------------------------------------------------------
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(batch, self.cache)
-        return self.model.compute_logits(hidden[batch.last_token_indices()])
+        return self.model.compute_logits(hidden[batch.logit_indices()])
 
     def _capture_failed(self, what: str, exc: Exception) -> str:
         """Log a failed capture; returns the reason for graph_status."""
@@ -236,7 +246,7 @@ class ModelRunner:
                 graph, logits = capture(lambda batch=batch: self._logits(batch), self.device,
                                         warmups=2 if b == max_batch else 1, pool=pool)
                 pool = graph.pool()
-                self.graphs[b] = (graph, logits)
+                self.graphs[(b, 1)] = GraphEntry(graph, logits, inputs)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # e.g. a model path that reads the device back: run decode eagerly
             self.graphs.clear()
@@ -253,17 +263,17 @@ class ModelRunner:
         each with its Python; replayed, one."""
         inputs = self._sampler_inputs = SamplerInputs(max_batch, self.device)
         inputs.placeholder()
-        pool = self.graphs[max_batch][0].pool()
+        pool = self.graphs[(max_batch, 1)].graph.pool()
         try:
             for b in range(max_batch, 0, -1):
-                logits = self.graphs[b][1]
+                logits = self.graphs[(b, 1)].logits
                 width = min(self.vocab_size, logits.shape[1])
                 batch, lanes = inputs.batch(b)
                 graph, tokens = capture(
                     lambda logits=logits, width=width, batch=batch, lanes=lanes:
                         self._sample_rows(logits[:, :width], batch, lanes),
                     self.device, warmups=1, pool=pool)
-                self.sampler_graphs[b] = (graph, tokens)
+                self.sampler_graphs[(b, 1)] = (graph, tokens)
             torch.cuda.synchronize(self.device)
         except Exception as exc:
             self.sampler_graphs.clear()
@@ -278,14 +288,17 @@ class ModelRunner:
         decode capture: the placeholder chunk writes the first pages and state slot 0."""
         if -(-tokens // self.page_size) > min(width, self.cache.num_pages):
             return "prefill off: a chunk needs more pages than the page table holds"
-        inputs = self._prefill_inputs = PrefillInputs(tokens, width, self.device)
+        if tokens < 2:
+            return "prefill off: a one-token chunk replays the decode graph"
+        inputs = PrefillInputs(tokens, width, self.device)
         inputs.placeholder(self.page_size)
         batch = inputs.batch()
         try:
-            self.prefill_graph = capture(lambda: self._logits(batch), self.device, warmups=1)
+            graph, logits = capture(lambda: self._logits(batch), self.device, warmups=1)
+            self.prefill_graphs[(1, tokens)] = GraphEntry(graph, logits, inputs)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # e.g. a MoE routing step that reads group sizes back to the host
-            self.prefill_graph = self._prefill_inputs = None
+            self.prefill_graphs.pop((1, tokens), None)
             self.prefill_pieces = []  # nothing to replay: a shorter prefill is one eager forward
             return "prefill off: " + self._capture_failed("prefill", exc)
         status = f"prefill chunk of {tokens} tokens"
@@ -298,7 +311,8 @@ class ModelRunner:
         """One graph per prefill piece size (2 tokens and more), in the prefill graph's memory pool:
         pieces run one after another and each piece's temporaries die with it. A piece graph's
         logits may share memory with another's temporaries: read them before the next forward."""
-        pool = self.prefill_graph[0].pool()
+        pool = self.prefill_graphs[(1, self.prefill_chunk)].graph.pool()
+        pieces = []
         try:
             for size in self.prefill_pieces:
                 if size == 1:
@@ -307,56 +321,65 @@ class ModelRunner:
                 inputs.placeholder(self.page_size)
                 batch = inputs.batch()
                 graph, logits = capture(lambda batch=batch: self._logits(batch), self.device, warmups=1, pool=pool)
-                self.piece_graphs[size] = (graph, logits, inputs)
+                self.prefill_graphs[(1, size)] = GraphEntry(graph, logits, inputs)
+                pieces.append(size)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # no pieces then: a shorter prefill runs as one eager forward again
-            self.piece_graphs.clear()
+            for captured in self.prefill_pieces:
+                self.prefill_graphs.pop((1, captured), None)
             self.prefill_pieces = []
             return "prefill pieces off: " + self._capture_failed("prefill piece", exc)
-        return f"prefill pieces of {min(self.piece_graphs, default=1)}..{max(self.piece_graphs, default=1)} tokens"
+        return f"prefill pieces of {min(pieces, default=1)}..{max(pieces, default=1)} tokens"
 
-    def _replay(self, seqs: list[Sequence], inputs: list[list[int]], pad_to: int | None = None) -> torch.Tensor | None:
-        """Replay a captured graph when one fits this forward's shape (one sequence padded to `pad_to`
-        tokens: the graph of that size); None when none does."""
-        if pad_to is None and all(len(t) == 1 for t in inputs):
-            entry, decode = self.graphs.get(len(seqs)), self._decode_inputs
-            if entry is None or decode is None or any(len(s.pages) > decode.width for s in seqs):
+    @property
+    def prefill_graph(self) -> GraphEntry | None:
+        """The full-chunk prefill graph, if captured."""
+        return self.prefill_graphs.get((1, self.prefill_chunk))
+
+    def _replay(self, seqs: list[Sequence], inputs: list[list[int]], pad_to: int | None = None,
+                all_logits: bool = False) -> torch.Tensor | None:
+        """Replay the graph captured for this forward's (batch, tokens per sequence), one sequence padded
+        to `pad_to` tokens taking the prefill graph of that size; None when none fits."""
+        n = pad_to or len(inputs[0])
+        if any(len(t) != len(inputs[0]) for t in inputs) or any(getattr(s, "mrope", None) is not None for s in seqs):
+            return None  # ragged rows, or MRoPE positions (the graphs' buffers hold one position per token)
+        if n > 1 and all_logits:
+            return None  # verification rows: no verify graphs captured yet, they run eagerly
+        entry = (self.graphs if n == 1 else self.prefill_graphs).get((len(seqs), n))
+        if entry is None:
+            return None
+        if n == 1:
+            if any(len(s.pages) > entry.inputs.width for s in seqs):
                 return None
-            decode.fill(seqs, inputs, self.page_size)
-            graph, logits = entry
-            graph.replay()
+            entry.inputs.fill(seqs, inputs, self.page_size)
+            entry.graph.replay()
             self.graph_replays += 1
-            return logits
+            return entry.logits
         if len(seqs) != 1:
             return None
-        size = pad_to or len(inputs[0])
-        if self._prefill_inputs is not None and size == self._prefill_inputs.tokens:
-            (graph, logits), prefill = self.prefill_graph, self._prefill_inputs
-        elif size in self.piece_graphs:
-            graph, logits, prefill = self.piece_graphs[size]
-        else:
-            return None
-        seq = seqs[0]
+        seq, prefill = seqs[0], entry.inputs
         if not prefill.fits(seq.num_computed, seq.pages, self.page_size):
             return None
         prefill.fill(inputs[0], seq.num_computed, seq.pages, seq.state_slot if seq.state_slot is not None else 0,
                      self.page_size)
-        graph.replay()
+        entry.graph.replay()
         self.prefill_replays += 1
-        return logits
+        return entry.logits
 
     # ---- public API --------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, seqs: list[Sequence], inputs: list[list[int]]) -> torch.Tensor:
-        """Append inputs[i] to seqs[i]'s cache; returns float32 logits of each sequence's last new token.
+    def forward(self, seqs: list[Sequence], inputs: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        """Append inputs[i] to seqs[i]'s cache at its computed frontier; returns float32 logits of each
+        sequence's last new token (all_logits: of every new token, sequence by sequence).
 
         From a graph the logits are the graph's static output: read them (sample) before the next
         forward call.
         """
-        if self.prefill_pieces and len(seqs) == 1 and 1 < len(inputs[0]) < self.prefill_chunk:
+        if (not all_logits and self.prefill_pieces and len(seqs) == 1 and 1 < len(inputs[0]) < self.prefill_chunk
+                and getattr(seqs[0], "mrope", None) is None):
             return self._forward_pieces(seqs[0], inputs[0])
-        logits = self._replay(seqs, inputs)
-        return logits if logits is not None else self.forward_eager(seqs, inputs)
+        logits = self._replay(seqs, inputs, all_logits=all_logits)
+        return logits if logits is not None else self.forward_eager(seqs, inputs, all_logits=all_logits)
 
     def _forward_pieces(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
         """A shorter prefill by its plan: each piece replayed (or eager where no graph fits), the last
@@ -375,9 +398,11 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def forward_eager(self, seqs: list[Sequence], inputs: list[list[int]], pad_to: int | None = None) -> torch.Tensor:
+    def forward_eager(self, seqs: list[Sequence], inputs: list[list[int]], pad_to: int | None = None,
+                      all_logits: bool = False) -> torch.Tensor:
         """`forward` without graphs (benchmarks compare the two); pad_to: one sequence padded to that many
-        tokens (ForwardBatch.build)."""
+        tokens (ForwardBatch.build). Positions come from each sequence: its MRoPE positions where it has
+        them (Sequence.positions), else its token indices."""
         self.eager_steps += 1
         batch = ForwardBatch.build(
             tokens=inputs,
@@ -387,13 +412,52 @@ class ModelRunner:
             state_slots=[s.state_slot if s.state_slot is not None else 0 for s in seqs],
             device="cpu",
             pad_to=pad_to,
+            positions=[_positions(s, len(t)) for s, t in zip(seqs, inputs)],
+            all_logits=all_logits,
         )
         if self.device.type != "cpu":
             for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "slot_mapping",
-                         "state_slots", "num_valid"):
+                         "state_slots", "num_valid", "logits_indices"):
                 if getattr(batch, name) is not None:
                     setattr(batch, name, self._upload(getattr(batch, name)))
         return self._logits(batch)
+
+    # ---- the step contract ------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        """Run a plan's forwards and samplers (its context copies run before and after, elsewhere)."""
+        return self.collect(plan, self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> list[torch.Tensor]:
+        """Queue the plan's forwards and samplers without waiting for the device: the prefill chunk (one
+        row, its last token, when it samples), then the decode batch in one traversal (a row per token of
+        each work: the input token and its drafts)."""
+        launched = []
+        if plan.prefill is not None:
+            work = plan.prefill
+            logits = self.forward([work.seq], [work.tokens])
+            if work.sample:  # cloned: from a graph it is a static output the decode step rewrites
+                launched.append(self.sample([work.seq], logits).clone())
+        if plan.decode:
+            seqs, rows = [w.seq for w in plan.decode], [w.tokens for w in plan.decode]
+            if all(len(r) == 1 for r in rows):
+                launched.append(self.sample(seqs, self.forward(seqs, rows)))
+            else:
+                logits = self.forward(seqs, rows, all_logits=True)
+                per_row = [s for s, r in zip(seqs, rows) for _ in r]
+                steps = [len(s.output_ids) + j for s, r in zip(seqs, rows) for j in range(len(r))]
+                launched.append(self.sample(per_row, logits, steps=steps))
+        return launched
+
+    def collect(self, plan: StepPlan, launched: list[torch.Tensor]) -> RunnerOutput:
+        """Read the sampled ids back: the one host synchronization of a step."""
+        flat = (torch.cat(launched) if len(launched) > 1 else launched[0]).tolist() if launched else []
+        sampled, at = [], 0
+        for work in plan.works:
+            n = work.logit_rows
+            sampled.append(flat[at: at + n])
+            at += n
+        return RunnerOutput(sampled)
 
     def reset_lane(self, lane: int, output_ids: list[int]) -> None:
         """Start a lane's penalty counts over (from a restored request's committed output, if any)."""
@@ -410,23 +474,27 @@ class ModelRunner:
         self.counts.view(-1).index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=self.device))
 
     @torch.inference_mode()
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor, graphs: bool = True) -> torch.Tensor:
-        """Token ids [B] on the device. From a sampler graph they are its static output: read them
-        before the next call. graphs=False: never the sampler graph (benchmarks compare the two)."""
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, graphs: bool = True,
+               steps: list[int] | None = None) -> torch.Tensor:
+        """Token ids [rows] on the device, row i drawn with seqs[i]'s settings as its output token number
+        steps[i] (default: its next one; verification rows of one sequence take consecutive numbers, so a
+        seeded draw at an output position is the same with and without speculation). From a sampler graph
+        they are its static output: read them before the next call. graphs=False: never the sampler
+        graph (benchmarks compare the two)."""
         params = [s.sampling for s in seqs]
         width = min(self.vocab_size, logits.shape[1])  # drop padded embedding rows past the tokenizer
         if all(p.temperature <= 0 and not p.presence_penalty and not p.frequency_penalty for p in params):
             # all greedy, nothing to penalise: the sampler's answer is this argmax; skipping its two
             # uploads and its kernels shortens the step's tail (the GPU idles through it)
             return logits[:, :width].argmax(dim=-1)
-        graph = self.sampler_graphs.get(len(seqs)) if graphs else None
-        if graph is not None and logits is self.graphs[len(seqs)][1]:  # a decode graph's logits
-            floats, longs = self._sampling_rows(seqs)
+        graph = self.sampler_graphs.get((len(seqs), 1)) if graphs else None
+        if graph is not None and logits is self.graphs[(len(seqs), 1)].logits:  # a decode graph's logits
+            floats, longs = self._sampling_rows(seqs, steps)
             self._sampler_inputs.fill(*longs, floats)
             graph[0].replay()
             self.sampler_replays += 1
             return graph[1]
-        return self._sample_rows(logits[:, :width], *self._upload_sampling(seqs))
+        return self._sample_rows(logits[:, :width], *self._upload_sampling(seqs, steps))
 
     def _sample_rows(self, logits: torch.Tensor, batch: SamplingBatch, lanes: torch.Tensor) -> torch.Tensor:
         """The sampler on [B, width] logits: the fused Triton kernels when they passed their start-up
@@ -438,19 +506,19 @@ class ModelRunner:
         return sample(logits, batch, self.counts[lanes, : logits.shape[1]])
 
     @staticmethod
-    def _sampling_rows(seqs: list[Sequence]) -> tuple[list[list[float]], list[list[int]]]:
+    def _sampling_rows(seqs: list[Sequence], steps: list[int] | None = None) -> tuple[list[list[float]], list[list[int]]]:
         """Per-row sampler settings, one list per field: floats in SamplingBatch.FLOAT_ROWS order, longs
         in SamplingBatch.LONG_ROWS order (top_k, seed, output index) and then the lane."""
         params = [s.sampling for s in seqs]
         floats = [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params],
                   [p.presence_penalty for p in params], [p.frequency_penalty for p in params]]
         longs = [[p.top_k if 0 < p.top_k <= TOP_K_CAP else TOP_K_CAP for p in params], [p.seed for p in params],
-                 [len(s.output_ids) for s in seqs], [s.lane for s in seqs]]
+                 steps if steps is not None else [len(s.output_ids) for s in seqs], [s.lane for s in seqs]]
         return floats, longs
 
-    def _upload_sampling(self, seqs: list[Sequence]) -> tuple[SamplingBatch, torch.Tensor]:
+    def _upload_sampling(self, seqs: list[Sequence], steps: list[int] | None = None) -> tuple[SamplingBatch, torch.Tensor]:
         """The sampler's per-row settings and the rows' lanes, in two uploads."""
-        rows_f, rows_l = self._sampling_rows(seqs)
+        rows_f, rows_l = self._sampling_rows(seqs, steps)
         longs = self._tensor(rows_l, torch.long)
         return SamplingBatch.from_rows(self._tensor(rows_f, torch.float32), longs), longs[3]
 
@@ -459,3 +527,9 @@ class ModelRunner:
         tokens (the sampler tests compare `sample(logits, *sampling_inputs(...))` with `ModelRunner.sample`)."""
         batch, lanes = self._upload_sampling(seqs)
         return batch, self.counts[lanes, :width]
+
+
+def _positions(seq, count: int):
+    """seq's MRoPE positions for its next `count` tokens, or None for text positions."""
+    at = getattr(seq, "positions", None)
+    return at(seq.num_computed, seq.num_computed + count) if at is not None else None

@@ -1,220 +1,267 @@
 """Decides what runs next; never touches tensors.
 
+`schedule()` returns a StepPlan and `update(plan, output, finished)` reads the step's result back; the
+scheduler is the only writer of a request's status and computed frontier.
+
 Policy (contract, "Execution behavior"):
 - up to `max_concurrency` resident requests; FIFO admission with a bounded bypass when the head
   cannot fit; paused requests are restored in arrival order before fresh ones, but fresh requests
   that fit still run while a paused one waits for room;
 - one request prefills at a time, in chunks; every decode-ready request joins one decode batch;
-- before a unit runs its pages are reserved; if the pool is short, the youngest resident request
-  is paused (its pages and state slot returned, rebuilt later by replay), never the oldest.
+- before a unit runs its pages are reserved; if the pool is short, retained checkpoints go first,
+  then the youngest resident request pauses (a host snapshot when the budget allows, else it is
+  rebuilt later by replay), never the oldest.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable
 
-from ninfer.engine.context_cache import ContextCache
-from ninfer.engine.kv_pool import PagePool, PoolExhausted, SlotPool
+from ninfer.engine.kv_manager import KVManager
+from ninfer.engine.plan import Admission, RunnerOutput, SeqWork, StepPlan
 from ninfer.engine.sequence import Sequence, Status
 
 BYPASS_LIMIT = 4  # fresh requests that may overtake a head that does not fit
 
 
-@dataclass
-class PrefillUnit:
-    seq: Sequence
-    start: int
-    end: int
-
-    @property
-    def is_last(self) -> bool:
-        return self.end >= self.seq.prefill_target
-
-
 class Scheduler:
-    def __init__(self, *, max_concurrency: int, prefill_chunk: int, pages: PagePool, slots: SlotPool | None,
-                 cache: ContextCache | None = None):
+    def __init__(self, *, max_concurrency: int, prefill_chunk: int, kv: KVManager):
         self.max_concurrency = max_concurrency
-        self.cache = cache or ContextCache(pages, slots, hybrid=slots is not None, enabled=False)
-        self.before_pause: Callable[[Sequence], None] | None = None  # host snapshot hook (engine)
         self.prefill_chunk = prefill_chunk
-        self.pages = pages
-        self.slots = slots
+        self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.paused: list[Sequence] = []
         self.resident: list[Sequence] = []  # admitted: prefilling or decoding, in arrival order
         self._free_lanes = deque(range(max_concurrency))
         self._bypassed = 0
         self.preemptions = 0
+        self._plan: StepPlan | None = None  # the plan being decided (pauses record into it)
 
-    # ---- admission -------------------------------------------------------------------------
-    def _fits(self, seq: Sequence, promised: int = 0) -> int | None:
-        """A free lane, a state slot and pages for the saved frontier (a snapshot restore) or the
-        first unit after the reusable prefix, plus one more token, beyond the `promised` pages that
-        this round's earlier snapshot restores will take (a restore allocates its pages outright once
-        admitted; fresh requests reserve theirs as they run, pausing younger ones when short).
-        Retained checkpoints other than the one this request will reuse are reclaimed to make room;
-        when nothing is resident, that one too (else a pool held by the very prefix a request wants
-        would keep it out for good). Returns the pages it needs, or None."""
-        if not self._free_lanes:
-            return None
-        match = None
-        if seq.snapshot is None:
-            match = self.cache.lookup(seq.tokens(0, seq.total_len), record=False)
-        need = self._make_room(seq, match, promised)
-        if need is None and match is not None and not self.resident:
-            match = None  # nothing running will free pages: give up the reuse rather than wait forever
-            need = self._make_room(seq, None, promised)
-        if need is not None:
-            seq.match = match
-        return need
+    @property
+    def pages(self):
+        return self.kv.pages
 
-    def _make_room(self, seq: Sequence, match, promised: int) -> int | None:
-        """Evict retained checkpoints other than `match`'s until seq's slot and pages fit; the pages
-        it needs, or None when they cannot."""
-        keep = match.checkpoint if match else None
-        while self.slots is not None and self.slots.free_slots == 0:
-            if not self.cache.evict_for_slot(keep=keep):
-                return None
+    @property
+    def slots(self):
+        return self.kv.slots
+
+    @property
+    def cache(self):
+        return self.kv.cache
+
+    @property
+    def running(self) -> int:
+        return len(self.resident)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Admit what fits, then the decode batch and the next prefill chunk, reserving their pages."""
+        plan = self._plan = StepPlan()
+        try:
+            self.admit(plan)
+            self._plan_decode(plan)
+            self._plan_prefill(plan)
+        finally:
+            self._plan = None
+        return plan
+
+    def update(self, plan: StepPlan, output: RunnerOutput, accepted: dict[int, int] | None = None) -> None:
+        """Advance every planned sequence past the tokens the step computed. accepted[id(seq)]: the number of
+        a decode row's drafts the verifier kept (absent: none were proposed); a finished request is
+        released separately (`finish`)."""
+        accepted = accepted or {}
+        prefill = plan.prefill
+        if prefill is not None and prefill.seq.status is Status.PREFILL:
+            seq = prefill.seq
+            seq.num_computed = prefill.end
+            if prefill.end >= seq.prefill_target:
+                seq.status = Status.DECODE
+        for work in plan.decode:
+            seq = work.seq
+            if seq.status is Status.DECODE:
+                # the input token and the accepted drafts hold valid KV / state; rejected positions are rewritten
+                seq.num_computed = work.start + 1 + accepted.get(id(seq), 0)
+
+    def finish(self, seq: Sequence, retain: bool) -> None:
+        """Release a request that ended (retain: hand its context to the cache as an endpoint)."""
+        if retain and seq.status is not Status.WAITING:
+            self.kv.retain_endpoint(seq)
+        self.kv.free_snapshot(seq)
+        self._unbind(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.paused:
+            self.paused.remove(seq)
+        seq.status = Status.FINISHED
+
+    def enqueue(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    # ---- admission ----------------------------------------------------------------------------
+    def _need(self, seq: Sequence, reused: int) -> int:
+        """Pages a binding needs: the saved frontier (a snapshot restore) or the first unit after the
+        reusable prefix, plus one more token."""
         if seq.snapshot is not None:
-            need = self._with_next_token(seq.num_computed)
-        else:
-            reused = match.length if match else 0
-            end = min(seq.prefill_target, reused + self.prefill_chunk)
-            need = self._with_next_token(end) - reused // self.pages.page_size
-        while promised + need > self.pages.free_pages:
-            if not self.cache.evict_one(keep=keep):
-                return None
-        return need
+            return self._with_next_token(seq.num_computed)
+        end = min(seq.prefill_target, reused + self.prefill_chunk)
+        return self._with_next_token(end) - reused // self.kv.page_size
+
+    def _fits(self, seq: Sequence) -> tuple[bool, object]:
+        """Whether seq can bind now, counting what evicting retained checkpoints would free (a query:
+        nothing is evicted here); and the prefix it would reuse. When
+        nothing is resident, a prefix that holds the room it needs is given up (else a pool held by the
+        very prefix a request wants would keep it out for good)."""
+        if not self._free_lanes:
+            return False, None
+        match = None if seq.snapshot is not None else self.kv.cache.lookup(seq.tokens(0, seq.total_len), record=False)
+        keep = match.checkpoint if match else None
+        if self.kv.can_fit(self._need(seq, match.length if match else 0), True, keep):
+            return True, match
+        if match is not None and not self.resident and self.kv.can_fit(self._need(seq, 0), True, None):
+            return True, None
+        return False, None
 
     def _with_next_token(self, tokens: int) -> int:
         """Pages for `tokens` plus the next token's KV, unless that one would not fit in the whole pool
         (a context that fills the pool produces no token past it; it must still be admitted)."""
-        with_next = self.pages.pages_for(tokens + 1)
-        return with_next if with_next <= self.pages.num_pages else self.pages.pages_for(tokens)
+        with_next = self.kv.pages_for(tokens + 1)
+        return with_next if with_next <= self.kv.pages.num_pages else self.kv.pages_for(tokens)
 
-    def _bind(self, seq: Sequence) -> None:
+    def _bind(self, plan: StepPlan, seq: Sequence, match, restored: bool) -> None:
+        """Make room, bind a lane and a slot, and plan the restore or the prefix copy. A restore takes its
+        pages now; a fresh request reserves its pages as it runs, pausing younger ones when short."""
+        keep = match.checkpoint if match else None
+        self.kv.make_room(self._need(seq, match.length if match else 0), True, keep)
         seq.lane = self._free_lanes.popleft()
-        seq.state_slot = self.slots.allocate() if self.slots is not None else None
+        self.kv.bind_slot(seq)
         seq.status = Status.PREFILL
         self.resident.append(seq)
         self.resident.sort(key=lambda s: s.order)
+        admission = Admission(seq, route=("snapshot" if seq.snapshot is not None else "replay") if restored else None)
+        if seq.snapshot is not None:
+            plan.before.append(self.kv.plan_restore(seq))
+        else:
+            reused, op = self.kv.adopt_prefix(seq, match)
+            seq.num_computed = reused
+            admission.reused = reused
+            if op is not None:
+                plan.before.append(op)
+        if seq.output_ids and seq.num_computed >= seq.prefill_target:
+            seq.status = Status.DECODE  # a snapshot or a retained prefix covered the whole replay
+        plan.admitted.append(admission)
 
-    def admit(self) -> list[Sequence]:
-        """Bind paused and waiting requests that fit; returns the newly resident ones."""
-        admitted = []
-        promised = 0  # pages this round's snapshot restores will allocate
+    def admit(self, plan: StepPlan) -> None:
+        """Bind paused and waiting requests that fit (the first part of `schedule`)."""
         for seq in list(self.paused):
-            need = self._fits(seq, promised)
-            if need is None:
+            ok, match = self._fits(seq)
+            if not ok:
                 break  # restore strictly in arrival order
             self.paused.remove(seq)
-            self._bind(seq)
-            admitted.append(seq)
-            if seq.snapshot is not None:
-                promised += need
-            elif seq.match is not None and seq.match.length % self.pages.page_size:
-                promised += 1  # a replay that reuses a partly filled page copies it into a new one
+            self._bind(plan, seq, match, restored=True)
         while self.waiting and self._free_lanes:
             head = self.waiting[0]
-            if self._fits(head, promised) is not None:
+            ok, match = self._fits(head)
+            if ok:
                 self.waiting.popleft()
-                self._bind(head)
-                admitted.append(head)
+                self._bind(plan, head, match, restored=False)
                 self._bypassed = 0
                 continue
             if self._bypassed >= BYPASS_LIMIT:
                 break
-            taker = next((s for s in list(self.waiting)[1:] if self._fits(s, promised) is not None), None)
+            taker = None
+            for s in list(self.waiting)[1:]:
+                ok, match = self._fits(s)
+                if ok:
+                    taker = s
+                    break
             if taker is None:
                 break
             self.waiting.remove(taker)
-            self._bind(taker)
-            admitted.append(taker)
+            self._bind(plan, taker, match, restored=False)
             self._bypassed += 1
-        return admitted
 
-    # ---- resource release ------------------------------------------------------------------
-    def release(self, seq: Sequence) -> None:
-        """Return everything a resident request holds (finish, cancel or pause)."""
-        if seq.pages:
-            self.pages.release(seq.pages)
-            seq.pages = []
-        if seq.state_slot is not None and self.slots is not None:
-            self.slots.release(seq.state_slot)
-        seq.state_slot = None
+    # ---- pressure -----------------------------------------------------------------------------
+    def _unbind(self, seq: Sequence) -> None:
+        self.kv.release(seq)
         if seq.lane is not None:
             self._free_lanes.append(seq.lane)
             seq.lane = None
         if seq in self.resident:
             self.resident.remove(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        self.release(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq in self.paused:
-            self.paused.remove(seq)
-
-    def pause(self, seq: Sequence) -> None:
-        """Evict a resident request; with a host snapshot it keeps its computed frontier, else it
-        will be rebuilt by replay from token 0."""
-        if self.before_pause is not None:
-            self.before_pause(seq)
-        self.release(seq)
+    def pause(self, seq: Sequence, plan: StepPlan | None = None) -> None:
+        """Evict a resident request (a decision of the plan being made: its snapshot copy, if the host
+        budget allows one, is planned); with a snapshot it keeps its computed frontier, else it will be
+        rebuilt by replay from token 0."""
+        plan = plan or self._plan
+        assert plan is not None, "pauses are decided while a step is planned"
+        restore = next((op for op in plan.before if op.kind == "restore" and op.seq is seq), None)
+        if restore is not None:  # restored earlier in this very step: its host snapshot is still whole
+            plan.before.remove(restore)
+        else:
+            if seq.snapshot is None:
+                op = self.kv.plan_snapshot(seq)
+                if op is not None:
+                    plan.before.append(op)
+            if seq.snapshot is None:
+                plan.before = [op for op in plan.before if op.seq is not seq]  # its copies: moot
+        plan.drop(seq)
+        self._unbind(seq)
         seq.status = Status.PAUSED
+        seq.paused_frontier = seq.num_computed
         if seq.snapshot is None:
             seq.num_computed = 0
         seq.preemptions += 1
         self.preemptions += 1
         self.paused.append(seq)
         self.paused.sort(key=lambda s: s.order)
+        plan.preempted.append(seq)
 
     def _reserve(self, seq: Sequence, upto: int) -> bool:
         """Give `seq` pages covering `upto` tokens, pausing younger residents when short."""
-        need = self.pages.pages_for(upto) - len(seq.pages)
-        while need > self.pages.free_pages and self.cache.evict_one():
-            pass  # retained prefixes go before any running request pauses
-        while need > self.pages.free_pages:
+        while not self.kv.grow(seq, upto):
             victim = max((s for s in self.resident if s is not seq), key=lambda s: s.order, default=None)
             if victim is None or victim.order < seq.order:
                 return False
             self.pause(victim)
-        if need > 0:
-            try:
-                seq.pages += self.pages.allocate(need)
-            except PoolExhausted:
-                return False
         return True
 
-    # ---- units -----------------------------------------------------------------------------
-    def next_prefill(self) -> PrefillUnit | Sequence | None:
-        """The oldest prefilling request's next chunk; returns the Sequence itself if it cannot get pages
-        even after pausing every younger request (the caller pauses or finishes it)."""
-        for seq in self.resident:
-            if seq.status is Status.PREFILL:
-                end = min(seq.num_computed + self.prefill_chunk, seq.prefill_target)
-                # stop a chunk at a checkpoint position so its state can be captured exactly there
-                end = min([end] + [p for p in seq.checkpoints if seq.num_computed < p < end])
-                if not self._reserve(seq, end):
-                    return seq
-                return PrefillUnit(seq, seq.num_computed, end)
-        return None
+    def _starve(self, plan: StepPlan, seq: Sequence) -> None:
+        """No room for seq even with every younger request paused: the oldest ends at its context,
+        anyone else pauses."""
+        if seq is min(self.resident, key=lambda s: s.order):
+            plan.drop(seq)
+            plan.starved.append(seq)
+        else:
+            self.pause(seq, plan)
 
-    def decode_batch(self) -> tuple[list[Sequence], list[Sequence]]:
-        """(decode-ready requests that got room for one more token, requests that could not)."""
-        ready, starved = [], []
+    # ---- units --------------------------------------------------------------------------------
+    def _plan_decode(self, plan: StepPlan) -> None:
         for seq in list(self.resident):
             if seq.status is not Status.DECODE or seq not in self.resident:
                 continue
             if self._reserve(seq, seq.num_computed + 1):
-                ready.append(seq)
+                plan.decode.append(SeqWork(seq, seq.num_computed, [seq.output_ids[-1]], decode=True))
             else:
-                starved.append(seq)
-        return [s for s in ready if s in self.resident], starved
+                self._starve(plan, seq)
+        plan.decode = [w for w in plan.decode if w.seq in self.resident]
 
-    @property
-    def running(self) -> int:
-        return len(self.resident)
+    def _plan_prefill(self, plan: StepPlan) -> None:
+        """The oldest prefilling request's next chunk, stopped at a checkpoint position so its state can
+        be captured exactly there."""
+        seq = next((s for s in self.resident if s.status is Status.PREFILL and s not in plan.starved), None)
+        if seq is None:
+            return
+        start = seq.num_computed
+        end = min(start + self.prefill_chunk, seq.prefill_target)
+        end = min([end] + [p for p in seq.checkpoints if start < p < end])
+        if not self._reserve(seq, end):
+            self._starve(plan, seq)
+            return
+        sample = end >= seq.prefill_target and seq.samples_after_prefill and seq.max_tokens > 0
+        plan.prefill = SeqWork(seq, start, seq.tokens(start, end), sample=sample)
+        if end in seq.checkpoints:
+            op = self.kv.capture(seq, end, "input")
+            if op is not None:
+                plan.after.append(op)

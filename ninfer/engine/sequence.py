@@ -8,6 +8,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from ninfer.engine.output_control import OutputController
 from ninfer.engine.types import EngineRequest, ResolvedSampling
 
@@ -42,6 +44,11 @@ class Sequence:
     match: object | None = None  # context-cache Match chosen at admission, applied by the engine
     prefix_path: str = "root"  # "checkpoint" when admission reused a retained prefix
     preemptions: int = 0
+    paused_frontier: int = 0  # tokens computed when it last paused (the request log's paused event)
+    # [3, prompt_len] MRoPE (t, h, w) positions of a prompt with media, and the offset text positions past
+    # them take (next position = index + mrope_delta); None: text positions (the three axes agree)
+    mrope: object | None = None
+    mrope_delta: int = 0
     cancelled: bool = False
     t_submit: float = field(default_factory=time.monotonic)
     t_admit: float | None = None
@@ -71,6 +78,14 @@ class Sequence:
         if end > p:
             ids = ids + self.output_ids[max(start - p, 0) : end - p]
         return ids
+
+    def positions(self, start: int, end: int):
+        """MRoPE positions [3, end - start] of tokens start..end, or None for a text-only request."""
+        if self.mrope is None:
+            return None
+        prompt = np.asarray(self.mrope)[:, start:min(end, self.prompt_len)]
+        later = np.arange(max(start, self.prompt_len), end, dtype=np.int64) + self.mrope_delta
+        return np.concatenate([prompt, np.broadcast_to(later, (3, len(later)))], axis=1)
 
     @property
     def prefill_target(self) -> int:

@@ -55,6 +55,15 @@ class EngineRequest:
     retain_endpoint: bool = True  # capture the endpoint after the response (store:false children: False)
 
 
+@dataclass
+class ThinkingControl:
+    """Token ids the engine needs to follow and close a reasoning block."""
+
+    think_end_id: int | None  # </think>; None: the model has no reasoning channel
+    think_start_id: int | None = None
+    close_suffix: list[int] = field(default_factory=list)  # guidance + </think>, committed at the budget
+
+
 class Channel(str, enum.Enum):
     REASONING = "reasoning"
     ANSWER = "answer"

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 from ninfer.chat import ir
 from ninfer.chat.ir import Prompt
+from ninfer.chat.thinking import THINKING_GUIDANCE
 from ninfer.engine.types import ProgressEvent
 from ninfer.protocol.anthropic_errors import anthropic_error
 from ninfer.protocol.anthropic_lowering import AnthropicDefaults, MessagesRequest, parse_messages_request
@@ -86,11 +87,9 @@ _suffix_tokens: dict[int, int] = {}
 
 
 def _close_suffix_tokens(ctx: ServerContext) -> int:
-    """Tokens the engine commits to close thinking at the budget: its guidance text plus </think>."""
+    """Tokens the engine commits to close thinking at the budget: the guidance text plus </think>."""
     tokenizer = ctx.frontend.tokenizer
     if id(tokenizer) not in _suffix_tokens:
-        from ninfer.engine.engine import THINKING_GUIDANCE  # the engine's own text; imported only when needed
-
         _suffix_tokens[id(tokenizer)] = len(tokenizer.encode(THINKING_GUIDANCE)) + 1
     return _suffix_tokens[id(tokenizer)]
 
