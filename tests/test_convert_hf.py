@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from ninfer.artifact.container import Artifact
 from ninfer.artifact.convert_hf import convert_hf
-from ninfer.engine.loader import load_model, load_vision_tower
+from ninfer.engine.loader import load_model, load_mtp_head, load_vision_tower
 from ninfer.forward import ForwardBatch, ModelCache
 
 TOKENIZER_STUB = json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}})
@@ -105,12 +105,12 @@ def test_qwen_vlm_layout_with_mtp(tmp_path, moe):
     torch.manual_seed(1)
     text_cfg = _small_qwen_config(moe)
     hf = HFModel(HFConfig(**text_cfg)).eval()
-    # MTP weights as real checkpoints store them: per-expert for MoE (fused on conversion)
-    mtp = {"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.zeros(64)}
-    if moe:
+    head_weights = _mtp_weights(text_cfg)
+    mtp = _checkpoint_mtp(head_weights)
+    if moe:  # a marked expert: checks the per-expert -> fused order below
         for j in range(4):
-            for proj, shape in (("gate_proj", (32, 64)), ("up_proj", (32, 64)), ("down_proj", (64, 32))):
-                mtp[f"mtp.layers.0.mlp.experts.{j}.{proj}.weight"] = torch.full(shape, float(j))
+            mtp[f"mtp.layers.0.mlp.experts.{j}.gate_proj.weight"].fill_(float(j))
+            mtp[f"mtp.layers.0.mlp.experts.{j}.up_proj.weight"].fill_(float(j))
     model_type = "qwen3_5_moe" if moe else "qwen3_5"
     config = {"model_type": model_type, "architectures": ["Qwen3_5ForConditionalGeneration"],
               "text_config": {**text_cfg, "model_type": f"{model_type}_text", "mtp_num_hidden_layers": 1},
@@ -141,6 +141,88 @@ def test_qwen_vlm_layout_with_mtp(tmp_path, moe):
         fused = mtp_weights["layers.0.mlp.experts.gate_up_proj"]
         assert fused.shape == (4, 64, 64) and fused[2, 0, 0] == 2.0 and fused[3, 40, 0] == 3.0
         assert mtp_weights["layers.0.mlp.experts.down_proj"].shape == (4, 64, 32)
+        head_weights["layers.0.mlp.experts.gate_up_proj"] = fused  # the marked values
+    assert art.config("mtp")["hidden_size"] == 64 and art.config("mtp")["num_hidden_layers"] == 1
+    assert bool(art.config("mtp").get("num_experts")) == moe
+    trunk = load_model(art, torch.device("cpu"), torch.float32)
+    head = load_mtp_head(art, trunk, torch.device("cpu"), torch.float32)
+    loaded = head.state_dict()
+    assert loaded.keys() == head_weights.keys()
+    for k, v in loaded.items():
+        assert torch.equal(v, head_weights[k]), k
+    assert head.trunk is trunk and head.fc.weight.dtype == torch.float32
+    _drafts_run(trunk, head)
+
+
+def _mtp_weights(text_cfg: dict) -> dict[str, torch.Tensor]:
+    """A random MTP head at the text config's shape, in our (fused-expert) names."""
+    from ninfer.models.mtp import MTPHead, mtp_config_from_text
+    from ninfer.models.qwen3_5 import text_config_from_hf
+
+    head = MTPHead(mtp_config_from_text(text_config_from_hf(text_cfg)))
+    return {k: torch.randn_like(v) * 0.1 for k, v in head.state_dict().items()}
+
+
+def _checkpoint_mtp(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Named as real checkpoints store the MTP head: `mtp.*`, routed experts per expert (BF16 exports)."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.endswith("experts.gate_up_proj"):
+            prefix, inter = name[: -len(".gate_up_proj")], tensor.shape[1] // 2
+            for j in range(tensor.shape[0]):
+                out[f"mtp.{prefix}.{j}.gate_proj.weight"] = tensor[j, :inter].clone()
+                out[f"mtp.{prefix}.{j}.up_proj.weight"] = tensor[j, inter:].clone()
+        elif name.endswith("experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for j in range(tensor.shape[0]):
+                out[f"mtp.{prefix}.{j}.down_proj.weight"] = tensor[j].clone()
+        else:
+            out[f"mtp.{name}"] = tensor
+    return out
+
+
+@torch.no_grad()
+def _drafts_run(trunk, head, k: int = 2):
+    """The loaded head drafts from the loaded trunk's hidden states (shapes and finiteness only:
+    tests/test_mtp.py checks the numbers)."""
+    cache = ModelCache(trunk.cache_spec(), num_pages=8, page_size=8, num_state_slots=1, dtype=torch.float32)
+    head_cache = ModelCache(head.cache_spec(), num_pages=8, page_size=8, num_state_slots=1, dtype=torch.float32)
+    tokens = [1, 200, 33, 4]
+    batch = ForwardBatch.build([tokens], [0], [list(range(8))], 8)
+    hidden = trunk(batch, cache)
+    step0 = ForwardBatch.build([tokens[1:] + [5]], [0], [list(range(8))], 8)
+    drafts = head.propose(step0, head_cache, step0.input_ids, hidden, k)
+    assert drafts.shape == (1, k) and ((0 <= drafts) & (drafts < trunk.config["vocab_size"])).all()
+
+
+def test_a_partial_mtp_head_fails_conversion(tmp_path):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(1)
+    text_cfg = _small_qwen_config(False)
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_cfg)).eval()
+    mtp = _checkpoint_mtp(_mtp_weights(text_cfg))
+    del mtp["mtp.pre_fc_norm_hidden.weight"]
+    config = {"model_type": "qwen3_5", "text_config": {**text_cfg, "model_type": "qwen3_5_text"}}
+    _save_folder(tmp_path / "q", hf, config, mtp,
+                 rename=lambda k: k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k)
+    with pytest.raises(ValueError, match="MTP weights .* missing \\['pre_fc_norm_hidden.weight'\\]"):
+        convert_hf(tmp_path / "q", tmp_path / "q.ninfer", dtype=torch.float32, progress=False)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.6", "tiny-qwen3.6-moe"])
+def test_tiny_preset_with_an_mtp_head(tmp_path, preset):
+    from ninfer.artifact.presets import write_preset
+
+    art = Artifact(write_preset(preset, tmp_path / "t.ninfer", mtp=True, seed=3))
+    assert art.manifest.quantization["mtp"] == "float32"
+    trunk = load_model(art, torch.device("cpu"), torch.float32)
+    assert not any(n.startswith("mtp") for n in trunk.state_dict())  # the text model loads as before
+    head = load_mtp_head(art, trunk, torch.device("cpu"), torch.float32)
+    assert head.fc.weight.std() > 0.01 and torch.equal(head.norm.weight, torch.zeros(64))
+    _drafts_run(trunk, head)
+    with pytest.raises(ValueError, match="no MTP head"):
+        write_preset("tiny-llama", tmp_path / "l.ninfer", mtp=True)
 
 
 def _tiny_qwen_folder(folder, visual: dict, vision_config: dict | None):

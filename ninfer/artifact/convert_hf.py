@@ -1,9 +1,10 @@
 """Hugging Face checkpoint folder -> .ninfer (Llama, Qwen3.5/3.6 dense and MoE).
 
-Carries the text backbone and, when present, the MTP weights and the vision tower (`model.visual.*`
--> the `vision` component, its config from config.json's vision_config). Drafter weights have their
-own components in the format (`dflash.`, ...) and are mapped when their model code lands; until
-then they are skipped with a note.
+Carries the text backbone and, when present, the MTP head (`mtp.*` -> the `mtp` component, its
+config the MTP layer's shape from the text config, checked against the head's parameters) and the
+vision tower (`model.visual.*` -> the `vision` component, its config from config.json's
+vision_config). Drafter weights have their own components in the format (`dflash.`, ...) and are
+mapped when their model code lands; until then they are skipped with a note.
 """
 
 from __future__ import annotations
@@ -255,8 +256,9 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
 
     components: dict[str, dict[str, Any]] = {"text": text_config}
     if by_component.get("mtp"):
-        layers = text_config.get("mtp_num_hidden_layers", 1)
-        components["mtp"] = {"num_hidden_layers": layers}
+        from ninfer.models.mtp import mtp_config_from_text
+
+        components["mtp"] = mtp_config_from_text(text_config)  # the layer's shape: the head loads on its own
     if by_component.get("vision"):
         components["vision"] = vision_config
     tensors = {}
@@ -273,6 +275,10 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
             from ninfer.models.vision import check_vision_weights
 
             check_vision_weights(vision_config, group)
+        if component == "mtp":  # after expert fusion: per-expert MTP experts arrive fused here
+            from ninfer.models.mtp import check_mtp_weights
+
+            check_mtp_weights(components["mtp"], group)
         for inner, tensor in group.items():
             tensors[f"{component}.{inner}"] = tensor
     quantization: dict[str, Any] = {c: str(dtype).removeprefix("torch.") for c in components}

@@ -1,7 +1,8 @@
 """Synthetic random-weight models at named shapes.
 
 Tiny presets are written as .ninfer files for tests. Full-size shapes (`qwen3.6-27b`,
-`qwen3.6-35b-a3b`) are instantiated directly on the GPU for benchmarks, never written to disk.
+`qwen3.6-35b-a3b`) are instantiated directly on the GPU for benchmarks, never written to disk;
+`instantiate_mtp` adds a random MTP head to either.
 """
 
 from __future__ import annotations
@@ -103,6 +104,27 @@ def instantiate(name: str, device: str | torch.device = "cpu", dtype: torch.dtyp
     return model.eval()
 
 
+def instantiate_mtp(trunk: torch.nn.Module, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                    seed: int = 0, fuse: bool = True, kv_layer: int = 0) -> torch.nn.Module:
+    """A random-weight MTP head (ninfer.models.mtp) at the trunk's shape (an `instantiate`d preset,
+    full-size ones included), built directly on `device` and attached to the trunk, for tests and
+    for timing draft steps. fuse: the run-time form, as load_mtp_head gives it."""
+    from ninfer.models.mtp import MTPHead, mtp_config_from_text
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            head = MTPHead(mtp_config_from_text(trunk.config), kv_layer=kv_layer)
+            head.init_random_(seed)
+    finally:
+        torch.set_default_dtype(previous)
+    head.attach_(trunk)
+    if fuse:
+        prepare_for_inference_(head)
+    return head.eval()
+
+
 def _random_vision_tower(config: dict[str, Any], dtype: torch.dtype, seed: int) -> torch.nn.Module:
     from ninfer.models.vision import build_vision_tower
 
@@ -143,13 +165,16 @@ def tokenizer_json_for(preset: Preset) -> tuple[str, dict[str, Any]]:
 
 
 def write_preset(name: str, out_path: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 weights: str = "bf16", nvfp4_lm_head: bool = False, vision: bool = False) -> Path:
+                 weights: str = "bf16", nvfp4_lm_head: bool = False, vision: bool = False,
+                 mtp: bool = False) -> Path:
     """Write a tiny preset as a .ninfer artifact (random weights, real tokenizer and template).
 
     weights="nvfp4" quantizes the decoder's linears (ninfer.quant.nvfp4) from the same random
     weights that weights="bf16" (unquantized, stored in `dtype`) writes; nvfp4_lm_head also the
     untied lm_head (a tied preset has none: nothing more is quantized).
     vision (Qwen presets): add a random TINY_VISION_CONFIG tower as the `vision` component.
+    mtp (Qwen presets): add a random MTP head at the preset's shape as the `mtp` component (kept in
+    `dtype` with weights="nvfp4", as the converter keeps a checkpoint's).
     """
     if name not in FILE_PRESETS:
         raise ValueError(f"preset {name!r} is a full-size shape: it is instantiated on the GPU, not written")
@@ -160,6 +185,8 @@ def write_preset(name: str, out_path: str | Path, seed: int = 0, dtype: torch.dt
     preset = get_preset(name)
     if vision and preset.architecture == "llama":
         raise ValueError(f"preset {name!r} has no vision tower (Qwen presets only)")
+    if mtp and preset.architecture == "llama":
+        raise ValueError(f"preset {name!r} has no MTP head (Qwen presets only)")
     model = instantiate(name, "cpu", dtype, seed, fuse=False)  # separate tensors, no shared storage to save
     quantization: dict[str, Any] = {"text": str(dtype).removeprefix("torch.")}
     if weights == "nvfp4":
@@ -168,6 +195,11 @@ def write_preset(name: str, out_path: str | Path, seed: int = 0, dtype: torch.dt
         quantization.update(manifest_entry(quantize_model_(model, lm_head=nvfp4_lm_head)))
     tensors = unique_tensors(model.state_dict(), prefix="text.")
     components = {"text": preset.text_config()}
+    if mtp:
+        head = instantiate_mtp(model, "cpu", dtype, seed + 1, fuse=False)
+        components["mtp"] = head.config
+        tensors.update(unique_tensors(head.state_dict(), prefix="mtp."))
+        quantization["mtp"] = str(dtype).removeprefix("torch.")
     if vision:
         components["vision"] = dict(TINY_VISION_CONFIG, out_hidden_size=components["text"]["hidden_size"])
         tensors.update(unique_tensors(_random_vision_tower(components["vision"], dtype, seed).state_dict(),

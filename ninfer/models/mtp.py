@@ -189,3 +189,17 @@ def chain_batch(batch: ForwardBatch, page_size: int) -> ForwardBatch:
         query_lens_cpu=[1] * num_seqs,
         seq_lens_cpu=[n + 1 for n in batch.seq_lens_cpu],
     )
+
+
+def check_mtp_weights(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError unless `tensors` are exactly the head's parameters at their shapes (the
+    converter calls it, so a partial or mis-shaped head fails at conversion, not at load)."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in MTPHead(config).state_dict().items()}
+    missing = sorted(expected.keys() - tensors.keys())
+    unexpected = sorted(tensors.keys() - expected.keys())
+    wrong = sorted(k for k in expected.keys() & tensors.keys() if tuple(tensors[k].shape) != expected[k])
+    if missing or unexpected or wrong:
+        shapes = [f"{k} {tuple(tensors[k].shape)} != {expected[k]}" for k in wrong[:3]]
+        raise ValueError(f"MTP weights do not match the text config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}, wrong shape {shapes}")
