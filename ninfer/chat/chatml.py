@@ -7,6 +7,7 @@ reports them; the answer is never parsed for tool calls, since no call format is
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ninfer.chat.decoder import OutputDecoder
 from ninfer.chat.ir import Conversation, Prompt
@@ -31,9 +32,10 @@ class ChatMLFrontend:
                                      defaults=defaults or ServerPromptDefaults(),
                                      developer_as_system=self.developer_as_system)
 
-    def build_prompt(self, conversation: Conversation) -> Prompt:
-        """Token ids and cache boundaries; raises ninfer.chat.errors.PromptError subclasses."""
-        return self.builder.build(conversation)
+    def build_prompt(self, conversation: Conversation, media: Sequence[Any] | None = None) -> Prompt:
+        """Token ids and cache boundaries; raises ninfer.chat.errors.PromptError subclasses. `media` are the
+        prepared items of ir.media_parts(conversation): their placeholders are expanded to pads."""
+        return self.builder.build(conversation, media)
 
     def output_decoder(self, conversation: Conversation, prompt: Prompt) -> OutputDecoder:
         return OutputDecoder(starts_in_reasoning=prompt.thinking)

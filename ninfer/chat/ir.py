@@ -41,6 +41,7 @@ class ImagePart:
     source: str
     detail: str | None = None
     cache: CacheMark | None = None
+    param: str | None = field(default=None, compare=False)  # the request field, for media errors
     type: Literal["image"] = "image"
 
 
@@ -48,6 +49,7 @@ class ImagePart:
 class VideoPart:
     source: str
     cache: CacheMark | None = None
+    param: str | None = field(default=None, compare=False)
     type: Literal["video"] = "video"
 
 
@@ -89,6 +91,17 @@ Part = Union[TextPart, RefusalPart, ImagePart, VideoPart, ReasoningPart, ToolCal
 class Message:
     role: Role
     parts: list[Part] = field(default_factory=list)
+
+
+def media_parts(messages: list[Message]) -> list[Union[ImagePart, VideoPart]]:
+    """Every image and video of a conversation in prompt order, tool-result images included: the
+    order the router prepares them in and the prompt builder binds them in."""
+    found: list[Union[ImagePart, VideoPart]] = []
+    for message in messages:
+        for part in message.parts:
+            inner = part.content if isinstance(part, ToolResultPart) else [part]
+            found += [p for p in inner if isinstance(p, (ImagePart, VideoPart))]
+    return found
 
 
 @dataclass
@@ -137,6 +150,23 @@ class Conversation:
         return [t for t in self.tools if t.identity in allowed]
 
 
+@dataclass(frozen=True)
+class MediaSpan:
+    """One contiguous run of expanded placeholder pads in a prompt: an image, or one temporal group
+    (frame pair) of a video. `item` indexes Prompt.media; a video has one span per group, in order."""
+
+    start: int  # token index of the first pad
+    grid_thw: tuple[int, int, int]  # the run's patch grid: the image's, or (1, h, w) for a video group
+    kind: str  # "image" | "video"
+    digest: str  # the prepared media's SHA-256: part of the prefix identity
+    item: int
+
+    @property
+    def num_tokens(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w // 4  # 2x2 spatial merge
+
+
 @dataclass
 class Prompt:
     """A rendered prompt plus the boundaries the context cache needs (token offsets into token_ids)."""
@@ -148,7 +178,8 @@ class Prompt:
     input_boundary: int | None = None  # stable boundary before the response (contract: input checkpoint)
     cache_candidates: list[int] = field(default_factory=list)  # at most 4, ascending
     media: list[Part] = field(default_factory=list)  # image/video parts bound to placeholders, in order
-    media_token_offsets: list[int] = field(default_factory=list)  # index of each media's pad token in token_ids
+    media_token_offsets: list[int] = field(default_factory=list)  # index of each media's first pad token in token_ids
+    media_spans: list[MediaSpan] = field(default_factory=list)  # the expanded pad runs; empty when not expanded
     preserve_thinking: bool | None = None  # the value the template saw; None: the template's default
 
 

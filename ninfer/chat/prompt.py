@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from ninfer.chat import ir
@@ -14,6 +15,7 @@ from ninfer.chat.control_tokens import ControlTokens, TokenizedText, tokenize_re
 from ninfer.chat.errors import InvalidPromptError, TemplateRenderError
 from ninfer.chat.layout import Layout, message_layout, turn_start_at_or_before
 from ninfer.chat.lowering import CacheSpot, Lowered, Site, lower
+from ninfer.chat.media_tokens import Expansion, expand_media
 from ninfer.chat.options import ServerPromptDefaults, template_variables
 from ninfer.chat.probes import resolve_markers, with_leading_markers, with_markers
 from ninfer.chat.render import ChatTemplate
@@ -34,16 +36,19 @@ class PromptBuilder:
         self.defaults = defaults
         self.developer_as_system = developer_as_system
 
-    def build(self, conversation: ir.Conversation) -> ir.Prompt:
-        return _Build(self, conversation).prompt()
+    def build(self, conversation: ir.Conversation, media: Sequence[Any] | None = None) -> ir.Prompt:
+        """`media`: the prepared items (ninfer.media.PreparedMedia) of ir.media_parts(conversation), in
+        that order; with them each placeholder is expanded to its pads, without them it stays one pad."""
+        return _Build(self, conversation, media).prompt()
 
 
 class _Build:
     """One prompt build: the real render plus the probes that locate boundaries in it."""
 
-    def __init__(self, builder: PromptBuilder, conversation: ir.Conversation):
+    def __init__(self, builder: PromptBuilder, conversation: ir.Conversation, media: Sequence[Any] | None = None):
         self.b = builder
         self.conv = conversation
+        self.media = media
         options = conversation.options
         self.continuation = options.continue_final_message
         self.generation = options.add_generation_prompt and not self.continuation
@@ -69,17 +74,21 @@ class _Build:
         messages = self.lowered.messages
         full = self.render(messages, self.generation)  # inert text: client control spellings disarmed
         text = self._prefill_cut(full) if self.continuation else full
-        tokens = tokenize_rendered(text, self.b.controls, self.b.tokenizer)
-        full_controls = tokens.controls if text is full else self.b.controls.find(full)
+        text_controls = self.b.controls.find(text)
+        self._check_placeholders(text_controls)
+        expansion = self._expand(text, text_controls)
+        tokens = tokenize_rendered(expansion.text, self.b.controls, self.b.tokenizer)
+        full_controls = text_controls if text is full else self.b.controls.find(full)
         layout = self._layout(full, full_controls)
 
         def offsets(chars) -> list[int]:
             """Token offsets of the character offsets that are exact token frontiers of the prompt."""
-            found = (tokens.token_offset(c, self.b.tokenizer) for c in chars if c is not None and c <= len(text))
+            moved = (expansion.shift(c) for c in chars if c is not None and c <= len(text))
+            found = (tokens.token_offset(c, self.b.tokenizer) for c in moved if c is not None)
             return sorted({o for o in found if o is not None})
 
         boundary = offsets([self._input_boundary(full, full_controls, layout)])
-        media, media_offsets = self._bind_media(tokens)
+        media, media_offsets, spans = self._bind_media(tokens, expansion)
         return ir.Prompt(
             token_ids=tokens.ids,
             text=tokens.text,
@@ -89,6 +98,7 @@ class _Build:
             cache_candidates=offsets(self._cache_writes(full, layout)),
             media=media,
             media_token_offsets=media_offsets,
+            media_spans=spans,
             preserve_thinking=self.variables.get("preserve_thinking"),
         )
 
@@ -205,15 +215,42 @@ class _Build:
 
     # ---- media ---------------------------------------------------------------------------------
 
-    def _bind_media(self, tokens: TokenizedText) -> tuple[list[ir.Part], list[int]]:
-        pads = [(start, MEDIA_PADS[spelling]) for start, _, spelling in tokens.controls if spelling in MEDIA_PADS]
+    def _check_placeholders(self, controls: list[tuple[int, int, str]]) -> None:
+        kinds = [MEDIA_PADS[spelling] for _, _, spelling in controls if spelling in MEDIA_PADS]
         expected = [part.type for part in self.lowered.media]
-        if [kind for _, kind in pads] != expected:
+        if kinds != expected:
             raise InvalidPromptError(
-                f"the chat template placed {len(pads)} media placeholders for {len(expected)} image/video inputs",
+                f"the chat template placed {len(kinds)} media placeholders for {len(expected)} image/video inputs",
                 param="messages")
-        # A control token always starts a chunk, so each pad has an exact token offset.
-        return list(self.lowered.media), [tokens.token_offset(start, self.b.tokenizer) for start, _ in pads]
+
+    def _expand(self, text: str, controls: list[tuple[int, int, str]]) -> Expansion:
+        """The text with every placeholder expanded, or unchanged when no media were prepared."""
+        if self.media is None or not self.lowered.media:
+            return Expansion(text)
+        parts = ir.media_parts(self.conv.messages)
+        if len(parts) != len(self.media):
+            raise ValueError(f"{len(self.media)} prepared media for {len(parts)} media parts")
+        at = {id(part): k for k, part in enumerate(parts)}
+        ordered = [self.media[at[id(part)]] for part in self.lowered.media]  # template order
+        for part, prepared in zip(self.lowered.media, ordered):
+            if prepared.modality != part.type:
+                raise ValueError(f"a prepared {prepared.modality} was given for a {part.type} part")
+        return expand_media(text, controls, ordered)
+
+    def _bind_media(self, tokens: TokenizedText,
+                    expansion: Expansion) -> tuple[list[ir.Part], list[int], list[ir.MediaSpan]]:
+        """The media in placeholder order, each one's first pad token, and the expanded pad runs."""
+        media = list(self.lowered.media)
+        if not expansion.runs:
+            # A control token always starts a chunk, so each pad has an exact token offset.
+            pads = [start for start, _, spelling in tokens.controls if spelling in MEDIA_PADS]
+            return media, [tokens.token_offset(start, self.b.tokenizer) for start in pads], []
+        spans = [ir.MediaSpan(tokens.token_offset(run.char, self.b.tokenizer), run.grid_thw, run.kind, run.digest,
+                              run.item) for run in expansion.runs]
+        firsts: dict[int, int] = {}
+        for span in spans:
+            firsts.setdefault(span.item, span.start)
+        return media, [firsts[k] for k in range(len(media))], spans
 
 
 def _check_prefill(conversation: ir.Conversation) -> None:
