@@ -41,6 +41,25 @@ class ResolvedSampling:
 
 
 @dataclass
+class MediaInput:
+    """One prepared image or video of a prompt: its pads' place and the vision tower's input.
+
+    `group_starts` holds the token index of each pad run (one for an image, one per temporal group
+    for a video, whose groups are separated by timestamp text); `start` is the first of them and
+    `num_tokens` counts every pad of the item. `pixel_values` is the bf16 patch tensor
+    [t*h*w, 1536] (ninfer.media); `digest` identifies the media in the prefix cache.
+    """
+
+    start: int
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    kind: str  # "image" | "video"
+    digest: str
+    pixel_values: Any  # torch.Tensor; typed loosely so this module needs no torch import
+    group_starts: list[int] = field(default_factory=list)
+
+
+@dataclass
 class EngineRequest:
     request_id: str
     prompt_ids: list[int]
@@ -53,6 +72,7 @@ class EngineRequest:
     checkpoints: list[int] = field(default_factory=list)  # prompt positions worth retaining (input boundary, cache hints)
     session_key: str | None = None  # a conversation chain: its latest endpoint is retained
     retain_endpoint: bool = True  # capture the endpoint after the response (store:false children: False)
+    media: list[MediaInput] = field(default_factory=list)  # prompt images/videos in prompt order (vision)
 
 
 @dataclass
