@@ -10,6 +10,7 @@ from ninfer.config import ServerConfig
 from ninfer.server.app import create_app
 from ninfer.server.context import build_context
 from ninfer.server.engine_client import RayEngineClient
+from ninfer.server.media_client import RayMediaClient
 from ninfer.server.metrics_board import serve_router_feed
 from ninfer.server.observer import RequestObserver
 from ninfer.server.startup import configure_logging
@@ -22,8 +23,9 @@ class Router:
     def __init__(self, config: dict[str, Any], engine, store, media):
         cfg = ServerConfig(**config)
         configure_logging(cfg.log_level, serve_replica=True)
-        self.ctx = build_context(cfg, RayEngineClient(engine))
-        self.store, self.media = RayResponseStore(store), media  # media: used by vision as it lands
+        # like the store, media preparation is one deployment every router replica reaches by handle
+        self.ctx = build_context(cfg, RayEngineClient(engine), media=RayMediaClient(media) if cfg.vision else None)
+        self.store = RayResponseStore(store)
 
     def __serve_build_asgi_app__(self):
         # This replica's request log writer and request figures; /metrics reads every replica's figures.

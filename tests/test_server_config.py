@@ -100,7 +100,6 @@ def test_enum_flags_are_checked_by_the_parser(capsys):
 
 @pytest.mark.parametrize("argv,named", [
     (["--spec", "dflash"], "--spec dflash"),
-    (["--vision"], "--vision"),
     (["--kv-dtype", "nvfp4"], "--kv-dtype nvfp4"),
     (["--kv-dtype", "k8v4"], "--kv-dtype k8v4"),
     (["--context-cost-presets", "presets.json"], "--context-cost-presets"),

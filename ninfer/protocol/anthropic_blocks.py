@@ -82,7 +82,7 @@ def image_part(block: ImageBlock, param: str, ctx: BlockContext) -> ir.ImagePart
     if not ctx.vision:
         raise ProtocolError(f"{param}: media input needs the server started with --vision", param=param,
                             code="vision_disabled")
-    return ir.ImagePart(source=uri, cache=ctx.mark(block))
+    return ir.ImagePart(source=uri, cache=ctx.mark(block), param=f"{param}.source")
 
 
 def user_part(block: object, param: str, ctx: BlockContext) -> ir.Part:

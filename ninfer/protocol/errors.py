@@ -68,6 +68,16 @@ def from_engine_error(exc: Exception) -> ProtocolError:
     return ProtocolError(str(exc), code=code, status=status, param=None, extra=extra)
 
 
+def from_media_error(exc: Exception, params: list[str | None] | None = None) -> ProtocolError:
+    """Map a media/ error (ninfer.media.errors: code, status, item index) to its status and code,
+    naming the request field of the item when `params` (one per prepared item) knows it."""
+    item = getattr(exc, "item", None)
+    param = params[item] if params is not None and isinstance(item, int) and 0 <= item < len(params) else None
+    message = getattr(exc, "message", None) or str(exc)
+    return ProtocolError(f"{param}: {message}" if param else message, param=param,
+                         code=getattr(exc, "code", "media_error"), status=getattr(exc, "status", 500))
+
+
 def from_prompt_error(exc: Exception) -> ProtocolError:
     """Map a chat-frontend PromptError (code + param) to a 400 with the same code."""
     return ProtocolError(str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", "invalid_prompt"),

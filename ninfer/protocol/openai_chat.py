@@ -540,8 +540,8 @@ def _media(part: ImageContent | VideoContent, role: str, where: str, defaults: C
         raise ProtocolError("media input needs the server started with --vision", param=where, code="vision_disabled")
     cache = _breakpoint(part.prompt_cache_breakpoint, where)
     if isinstance(part, ImageContent):
-        return ir.ImagePart(source=url, detail=detail, cache=cache)
-    return ir.VideoPart(source=url, cache=cache)
+        return ir.ImagePart(source=url, detail=detail, cache=cache, param=where)
+    return ir.VideoPart(source=url, cache=cache, param=where)
 
 
 def _breakpoint(value: Any, where: str) -> ir.CacheMark | None:

@@ -238,7 +238,7 @@ def _message_part(part: Any, role: str, rules: ItemRules, where: str) -> tuple[i
             raise unsupported(f"{where}.type", "modality_not_supported", "video is accepted on user messages only")
         mark = _breakpoint(part.prompt_cache_breakpoint, where)
         url = _media_url(part.video_url, rules, where, "video_url")
-        return ir.VideoPart(source=url, cache=mark), _with_mark({"type": "input_video", "video_url": url}, mark)
+        return ir.VideoPart(source=url, cache=mark, param=f"{where}.video_url"), _with_mark({"type": "input_video", "video_url": url}, mark)
     return _unsupported_input(part, where)
 
 
@@ -261,7 +261,7 @@ def _image(part: InputImage, rules: ItemRules, where: str) -> tuple[ir.Part, dic
     mark = _breakpoint(part.prompt_cache_breakpoint, where)
     url = _media_url(part.image_url, rules, where, "image_url")
     wire = _with_mark({"type": "input_image", "image_url": url, "detail": "auto"}, mark)
-    return ir.ImagePart(source=url, detail=part.detail, cache=mark), wire
+    return ir.ImagePart(source=url, detail=part.detail, cache=mark, param=f"{where}.image_url"), wire
 
 
 def _media_url(url: str, rules: ItemRules, where: str, key: str) -> str:

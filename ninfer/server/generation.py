@@ -3,7 +3,7 @@
 An endpoint lowers its request to a GenerationSpec and supplies an OutputRenderer; everything in
 between is here and the same for all three:
 
-    measured (observer) -> prompt built off the loop -> engine request submitted
+    measured (observer) -> media prepared (media_prep) -> prompt built off the loop -> engine request submitted
         -> engine events through the output decoder (decoding.Generation)
         -> one JSON body, or SSE frames behind the keep-alive
 
@@ -24,10 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ninfer.chat import ir
 from ninfer.chat.errors import PromptError
-from ninfer.engine.types import EngineError, EngineRequest, ProgressEvent
+from ninfer.engine.types import ContextLengthExceededError, EngineError, EngineRequest, ProgressEvent
 from ninfer.protocol.errors import ProtocolError, from_engine_error, from_prompt_error
 from ninfer.server.context import ServerContext
 from ninfer.server.decoding import Generation, GenerationFailed, Outcome
+from ninfer.server.media_prep import PromptMedia, media_inputs, prepare_media
 from ninfer.server.observer import RequestShape, RequestTrace
 from ninfer.server.sse import SSE_HEADERS, with_keepalive
 
@@ -76,36 +77,70 @@ def checkpoints(prompt: ir.Prompt) -> list[int]:
     return sorted(marks)
 
 
-def build_prompt(ctx: ServerContext, conversation: ir.Conversation) -> ir.Prompt:
-    """Template + tokenizer; call it in a thread to keep the event loop free."""
+def build_prompt(ctx: ServerContext, conversation: ir.Conversation, media: PromptMedia | None = None) -> ir.Prompt:
+    """Template + tokenizer (+ media placeholders expanded to pads); call it in a thread to keep the
+    event loop free."""
     try:
-        return ctx.frontend.build_prompt(conversation)
+        return ctx.frontend.build_prompt(conversation, media.items if media is not None else None)
     except PromptError as exc:  # the conversation cannot become a prompt: the client must change it
         raise from_prompt_error(exc) from None
+
+
+async def count_prompt_tokens(ctx: ServerContext, conversation: ir.Conversation) -> int:
+    """The token count endpoints: the prompt a generation would see, media expanded; nothing runs."""
+    media = await prepare_media(ctx, conversation, hold=False)  # only the grids are needed
+    prompt = await asyncio.to_thread(build_prompt, ctx, conversation, media)
+    return len(prompt.token_ids)
+
+
+def check_engine_takes_media(request: EngineRequest, prompt: ir.Prompt) -> None:
+    """The one place generations with media are refused while the engine cannot consume
+    EngineRequest.media (vision prefill). Remove this check when it can; counting is unaffected."""
+    if request.media:
+        raise ProtocolError("image and video input cannot be generated from yet: the engine cannot run media; "
+                            "token counting with media works", param=prompt.media[0].param, code="vision_disabled")
+
+
+def check_media_context(ctx: ServerContext, prompt: ir.Prompt) -> None:
+    """An expanded media prompt must fit the context (the engine checks text prompts itself)."""
+    if prompt.media_spans and len(prompt.token_ids) > ctx.max_model_len:
+        raise from_engine_error(ContextLengthExceededError(len(prompt.token_ids), ctx.max_model_len))
 
 
 async def generate(request: Request, spec: GenerationSpec) -> Response:
     """Run a validated request through the engine and answer it as JSON or as an SSE stream."""
     ctx: ServerContext = request.app.state.ctx
     trace = request.app.state.observer.begin(spec.shape, request.state.request_id)  # validated: measured
-    with trace.preparation():
-        prompt = await asyncio.to_thread(build_prompt, ctx, spec.conversation)
-        decoder = ctx.frontend.output_decoder(spec.conversation, prompt)
-        submitted = spec.engine_request(prompt)
-        trace.submitting(submitted, prompt)
-        try:
-            events = trace.watch(await ctx.engine.open(submitted))
-        except EngineError as exc:
-            raise from_engine_error(exc) from None
+    media: PromptMedia | None = None
+    try:
+        with trace.preparation():
+            media = await prepare_media(ctx, spec.conversation, hold=True)  # live until the engine is done
+            prompt = await asyncio.to_thread(build_prompt, ctx, spec.conversation, media)
+            decoder = ctx.frontend.output_decoder(spec.conversation, prompt)
+            submitted = spec.engine_request(prompt)
+            if media is not None:
+                check_media_context(ctx, prompt)
+                submitted.media = media_inputs(prompt, media)
+                check_engine_takes_media(submitted, prompt)
+            trace.submitting(submitted, prompt)
+            try:
+                events = trace.watch(await ctx.engine.open(submitted))
+            except EngineError as exc:
+                raise from_engine_error(exc) from None
+    except BaseException:
+        if media is not None:
+            await media.release()
+        raise
     generation = Generation(events, decoder, prompt, single_call=spec.single_call)
     renderer = spec.renderer(generation)
     if not spec.shape.stream:
-        return await _aggregate(generation, renderer, trace)
-    frames = with_keepalive(_stream(generation, renderer, trace), ctx.keepalive_s)
+        return await _aggregate(generation, renderer, trace, media)
+    frames = with_keepalive(_stream(generation, renderer, trace, media), ctx.keepalive_s)
     return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _aggregate(generation: Generation, renderer: OutputRenderer, trace: RequestTrace) -> JSONResponse:
+async def _aggregate(generation: Generation, renderer: OutputRenderer, trace: RequestTrace,
+                     media: PromptMedia | None = None) -> JSONResponse:
     with trace.generation():  # exactly one terminal record, whatever happens below
         try:
             async for _ in generation.steps():
@@ -115,12 +150,15 @@ async def _aggregate(generation: Generation, renderer: OutputRenderer, trace: Re
         except GenerationFailed as exc:
             raise _engine_failure(exc) from None
         finally:
-            await generation.events.aclose()
+            await generation.events.aclose()  # the engine is done with the media now
+            if media is not None:
+                await media.release()
         outcome = _recorded(generation, trace)
         return JSONResponse(await renderer.body(outcome))  # a failure now is a response failure
 
 
-async def _stream(generation: Generation, renderer: OutputRenderer, trace: RequestTrace) -> AsyncIterator[bytes]:
+async def _stream(generation: Generation, renderer: OutputRenderer, trace: RequestTrace,
+                  media: PromptMedia | None = None) -> AsyncIterator[bytes]:
     try:
         with trace.generation():  # a client that goes away mid-stream ends here as a cancellation
             for frame in renderer.opening():
@@ -139,6 +177,8 @@ async def _stream(generation: Generation, renderer: OutputRenderer, trace: Reque
         yield b"".join(renderer.failure(err))
     finally:
         await generation.events.aclose()
+        if media is not None:
+            await media.release()
 
 
 def _recorded(generation: Generation, trace: RequestTrace) -> Outcome:

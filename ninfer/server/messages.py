@@ -9,7 +9,6 @@ Anthropic's shape because of the path (server.middleware).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -26,7 +25,7 @@ from ninfer.protocol.anthropic_output import Event, EventWriter, Identity, messa
 from ninfer.protocol.errors import ProtocolError
 from ninfer.server.context import ServerContext
 from ninfer.server.decoding import Outcome
-from ninfer.server.generation import GenerationSpec, build_prompt, engine_request, generate
+from ninfer.server.generation import GenerationSpec, count_prompt_tokens, engine_request, generate
 from ninfer.server.observer import RequestShape
 from ninfer.server.request_body import read_json
 from ninfer.server.sse import named_event
@@ -42,8 +41,7 @@ async def count_tokens(request: Request) -> JSONResponse:
     """The prompt a generation would see, tokenized; nothing reaches the engine."""
     ctx: ServerContext = request.app.state.ctx
     msg = parse_messages_request(await read_json(request), _defaults(ctx), counting=True)
-    prompt = await asyncio.to_thread(build_prompt, ctx, msg.conversation)
-    return JSONResponse({"input_tokens": len(prompt.token_ids)})
+    return JSONResponse({"input_tokens": await count_prompt_tokens(ctx, msg.conversation)})
 
 
 async def create_message(request: Request):

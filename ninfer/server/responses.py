@@ -14,7 +14,6 @@ stored-Response resources are not measured.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +42,7 @@ from ninfer.protocol.responses_output import (
 )
 from ninfer.server.context import ServerContext
 from ninfer.server.decoding import Generation, Outcome
-from ninfer.server.generation import GenerationSpec, build_prompt, engine_request, generate
+from ninfer.server.generation import GenerationSpec, count_prompt_tokens, engine_request, generate
 from ninfer.server.observer import RequestShape
 from ninfer.server.request_body import read_json
 from ninfer.server.sse import named_event
@@ -217,8 +216,8 @@ async def count_input_tokens(request: Request) -> JSONResponse:
     ctx: ServerContext = request.app.state.ctx
     prompt_request = parse_input_tokens_request(await read_json(request), ctx.chat_defaults)
     _, conversation = await _resolve(ctx, request.app.state.response_store, prompt_request)
-    prompt = await asyncio.to_thread(build_prompt, ctx, conversation)  # not a generation: not measured
-    return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt.token_ids)})
+    count = await count_prompt_tokens(ctx, conversation)  # not a generation: not measured
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
 
 async def compact_response(request: Request):

@@ -31,8 +31,6 @@ def unimplemented_options(cfg: ServerConfig) -> list[str]:
         problems.append("--draft-tokens: speculative decoding is not implemented yet")
     if cfg.lm_head_draft:
         problems.append("--lm-head-draft: speculative decoding is not implemented yet")
-    if cfg.vision:
-        problems.append("--vision: image and video input is not implemented yet")
     if cfg.kv_dtype not in KV_DTYPES:
         problems.append(f"--kv-dtype {cfg.kv_dtype}: {cfg.kv_dtype} KV storage is unsupported in this build "
                         f"(supported: {', '.join(KV_DTYPES)})")
