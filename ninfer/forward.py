@@ -107,9 +107,18 @@ class HostInputs:
     query_start_loc: np.ndarray  # [B+1] int32
     seq_lens: np.ndarray  # [B] int32
     state_slots: np.ndarray  # [B] int64
-    page_table: np.ndarray  # [B, width] int32, rows padded with page 0
+    page_tables: list[list[int]]  # each sequence's pages (the padding's positions included)
     query_lens: list[int]
     num_valid: int | None = None  # a padded one-sequence prefill: its real tokens
+
+    @property
+    def page_table(self) -> np.ndarray:
+        """[B, width] int32, rows padded with page 0."""
+        width = max((len(p) for p in self.page_tables), default=0) or 1
+        table = np.zeros((len(self.page_tables), width), dtype=np.int32)
+        for i, pages in enumerate(self.page_tables):
+            table[i, : len(pages)] = pages
+        return table
 
 
 def host_inputs(tokens: list[list[int]], cached_lens: list[int], page_tables: list[list[int]], page_size: int,
@@ -118,6 +127,8 @@ def host_inputs(tokens: list[list[int]], cached_lens: list[int], page_tables: li
     """Sequence i appends tokens[i] at positions cached_lens[i].. (or positions[i], a [3, n] MRoPE array,
     where given and not None: text positions are the case where the three axes agree).
     pad_to (one sequence only): append padding tokens up to that many (ForwardBatch.num_valid)."""
+    if pad_to is None and positions is None and all(len(t) == 1 for t in tokens):
+        return _one_token_inputs(tokens, cached_lens, page_tables, page_size, state_slots)
     num_valid = None
     if pad_to is not None:
         if len(tokens) != 1 or pad_to < len(tokens[0]):
@@ -147,10 +158,6 @@ def host_inputs(tokens: list[list[int]], cached_lens: list[int], page_tables: li
             extra = axes[0][:, -1:] + np.arange(1, len(pos_parts[0]) - axes[0].shape[1] + 1)
             axes[0] = np.concatenate([axes[0], extra], axis=1)
         flat_pos = np.concatenate(axes, axis=1)
-    width = max((len(p) for p in page_tables), default=0) or 1
-    table = np.zeros((len(page_tables), width), dtype=np.int32)
-    for i, pages in enumerate(page_tables):
-        table[i, : len(pages)] = pages
     ids = np.fromiter((x for toks in tokens for x in toks), dtype=np.int64, count=int(starts[-1]))
     return HostInputs(
         input_ids=ids,
@@ -159,9 +166,26 @@ def host_inputs(tokens: list[list[int]], cached_lens: list[int], page_tables: li
         query_start_loc=starts,
         seq_lens=np.asarray([c + n for c, n in zip(cached_lens, lens)], dtype=np.int32),
         state_slots=np.asarray(state_slots if state_slots is not None else range(len(tokens)), dtype=np.int64),
-        page_table=table,
+        page_tables=page_tables,
         query_lens=lens,
         num_valid=num_valid,
+    )
+
+
+def _one_token_inputs(tokens, cached_lens, page_tables, page_size, state_slots) -> HostInputs:
+    """host_inputs for rows of one token each (every decode step): plain list arithmetic, which costs
+    the host a few microseconds where the general path's per-row arrays cost tens."""
+    b = len(tokens)
+    slots = [pages[p // page_size] * page_size + p % page_size for p, pages in zip(cached_lens, page_tables)]
+    return HostInputs(
+        input_ids=np.asarray([t[0] for t in tokens], dtype=np.int64),
+        positions=np.asarray(cached_lens, dtype=np.int64),
+        slot_mapping=np.asarray(slots, dtype=np.int64),
+        query_start_loc=np.arange(b + 1, dtype=np.int32),
+        seq_lens=np.asarray(cached_lens, dtype=np.int32) + 1,
+        state_slots=np.asarray(state_slots if state_slots is not None else range(b), dtype=np.int64),
+        page_tables=page_tables,
+        query_lens=[1] * b,
     )
 
 

@@ -114,9 +114,8 @@ class DecodeInputs(StaticInputs):
         rows[2, :b] = h.slot_mapping
         rows[3, :b] = h.state_slots
         h32[:b] = h.seq_lens
-        table = h32[base: base + b * width].reshape(b, width)
-        used = h.page_table.shape[1]
-        table[:, :used] = h.page_table[:, :width]
+        for i, pages in enumerate(h.page_tables):
+            h32[base + i * width: base + i * width + len(pages)] = pages
         self.upload(n32=base + b * width)  # rows past the batch are not read
 
     def batch(self, b: int) -> ForwardBatch:
@@ -159,8 +158,9 @@ class PrefillInputs(StaticInputs):
         h64[3 * n] = state_slot
         h64[3 * n + 1] = h.num_valid
         h32[0] = h.seq_lens[0]
-        used = h.page_table.shape[1]  # the sequence's pages, then any valid page for the padding's positions
-        h32[1: 1 + used] = h.page_table[0]
+        table = h.page_tables[0]  # the sequence's pages, then any valid page for the padding's positions
+        used = len(table)
+        h32[1: 1 + used] = table
         self.upload(n32=1 + used)  # table entries past these are not read
 
     def batch(self) -> ForwardBatch:
