@@ -269,3 +269,79 @@ def test_unsupported_heads_fail_clearly():
         MTPHead({**cfg, "num_hidden_layers": 2})
     with pytest.raises(RuntimeError, match="no trunk"):
         MTPHead(cfg).compute_logits(torch.zeros(1, cfg["hidden_size"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: the Triton kernels (paged attention, fused rope + KV write, GEMVs, MoE) and graph capture
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def _to_cuda_bf16(trunk, head):
+    trunk.to("cuda", torch.bfloat16)  # in place: the head keeps pointing at the same trunk
+    head.to("cuda", torch.bfloat16)
+    return ModelCache(head.cache_spec(), NUM_PAGES, PAGE_SIZE, 1, torch.bfloat16, "cuda")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@torch.no_grad()
+def test_cuda_bf16_steps_match_the_reference(kind):
+    """The same steps as test_hidden_states_of_every_step_match_the_reference, teacher-forced with the
+    reference's drafts, in bf16 through the CUDA kernels: within bf16 rounding of the fp32 oracle."""
+    trunk, head, ref, _, _ = build(kind, shared_cache=False)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (6,), generator=gen).tolist()
+    hidden = torch.randn(6, trunk.config["hidden_size"], generator=gen)
+    drafts, want = ref.propose({}, 0, ids, hidden, K)
+    cache = _to_cuda_bf16(trunk, head)
+    batch = ForwardBatch.build([ids], [0], [[13, 4, 8, 1]], PAGE_SIZE, device="cuda")
+    out = head(batch, cache, batch.input_ids, hidden.to("cuda", torch.bfloat16))[-1:]
+    got = [out]
+    for d in drafts[:-1]:
+        batch = chain_batch(batch, PAGE_SIZE)
+        out = head(batch, cache, torch.tensor([d], device="cuda"), out)
+        got.append(out)
+    err = (torch.cat(got).float().cpu() - want).abs().max() / want.abs().max()
+    assert err < 0.03, err
+
+
+@pytest.mark.cuda
+@needs_cuda
+@torch.no_grad()
+def test_chained_draft_steps_capture_as_one_cuda_graph():
+    """Steps 1..K-1 of propose (chain_batch, the head, logits, argmax) need no host sync: captured once,
+    a replay equals the eager run, and new inputs copied into the static buffers are picked up."""
+    from ninfer.engine.graphs import capture
+
+    trunk, head, _, _, _ = build("moe", shared_cache=False)
+    cache = _to_cuda_bf16(trunk, head)
+    gen = torch.Generator().manual_seed(5)
+    ids = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 3)]
+    pages = [[9, 2, 14, 5], [11, 0, 7, 3]]
+    step0 = ForwardBatch.build(ids, [0, 0], pages, PAGE_SIZE, device="cuda")
+    hidden = torch.randn(8, trunk.config["hidden_size"], generator=gen).to("cuda", torch.bfloat16)
+    head(step0, cache, step0.input_ids, hidden)  # the step-0 KV the chain attends to
+    d0 = torch.tensor([3, 4], device="cuda")
+    h0 = torch.randn(2, trunk.config["hidden_size"], generator=gen).to("cuda", torch.bfloat16)
+
+    def chain():
+        step, d, h, drafts = step0, d0, h0, []
+        for _ in range(K - 1):
+            step = chain_batch(step, PAGE_SIZE)
+            h = head(step, cache, d, h)
+            d = head.compute_logits(h).argmax(-1)
+            drafts.append(d)
+        return torch.stack(drafts, dim=1)
+
+    eager = chain()
+    graph, out = capture(chain, torch.device("cuda"), warmups=2)
+    graph.replay()
+    assert torch.equal(out, eager)
+    d0.copy_(torch.tensor([7, 1]))
+    h0.normal_()
+    want = chain()
+    graph.replay()
+    assert torch.equal(out, want)

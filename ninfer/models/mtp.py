@@ -17,6 +17,13 @@ dict is exactly the checkpoint's `mtp.*` tensors.
 Drafting k tokens (`propose`) reuses the same layer k times: step 0 reads the trunk's hidden
 states, each later step the previous draft token and the head's own output (post `norm`), one
 position further on.
+
+What the head's KV holds, for whoever schedules it: the entry at KV index i is computed from the
+trunk's hidden state at i AND token i+1. So it can be written only once token i+1 is known (a
+prompt chunk's last row waits for the next chunk's first token, the prompt's last row for the
+first sampled token), a reused prefix of L tokens brings valid head entries for 0..L-2 only (L-1
+is rewritten with the new request's token L), and entries the chain wrote past the accepted
+position are stale until the next step 0 rewrites them (nothing reads them before).
 """
 
 from __future__ import annotations
