@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from ninfer.protocol.errors import ProtocolError, model_not_found
+from ninfer.server import openapi
 from ninfer.server.chat_completions import chat_completions
 from ninfer.server.context import ServerContext
 from ninfer.server.messages import count_tokens, create_message
@@ -20,7 +23,8 @@ from ninfer.server.responses import add_responses_routes
 def create_app(ctx: ServerContext, *, behind_serve_proxy: bool = False, response_store=None,
                observer: RequestObserver | None = None, metrics_feed: MetricsFeed | None = None) -> FastAPI:
     """`observer` and `metrics_feed` default to this process alone (the Ray Router passes its own)."""
-    app = FastAPI(title="ninfer", docs_url=None, redoc_url=None, openapi_url=None)
+    # /docs and /openapi.json sit behind --api-key like every route but /health (server.middleware)
+    app = FastAPI(title="ninfer", version=_version(), docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.ctx = ctx
     # Request lifecycle (JSONL, metrics, stderr) and /metrics; the endpoints reach them via app.state.
     app.state.observer = observer = observer or RequestObserver.for_config(ctx.config)
@@ -36,6 +40,7 @@ def create_app(ctx: ServerContext, *, behind_serve_proxy: bool = False, response
     add_responses_routes(app, response_store)  # None: an in-process ResponseStore
     app.add_api_route("/v1/messages", create_message, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
+    openapi.install(app, api_key=bool(ctx.config.api_key))  # after the routes: it declares their bodies
     app.add_middleware(EdgeMiddleware, api_key=ctx.config.api_key,
                        max_request_bytes=ctx.config.max_request_mib * 1024 * 1024,
                        upstream_request_id=behind_serve_proxy)
@@ -43,6 +48,13 @@ def create_app(ctx: ServerContext, *, behind_serve_proxy: bool = False, response
         app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"],
                            expose_headers=["x-request-id", "request-id"])
     return app
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("ninfer")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
 
 
 async def health(request: Request) -> JSONResponse:
