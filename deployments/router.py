@@ -11,8 +11,10 @@ from ninfer.server.app import create_app
 from ninfer.server.context import build_context
 from ninfer.server.engine_client import RayEngineClient
 from ninfer.server.media_client import RayMediaClient
+from ninfer.server.messages import count_message_tokens
 from ninfer.server.metrics_board import serve_router_feed
 from ninfer.server.observer import RequestObserver
+from ninfer.server.request_body import check_unicode
 from ninfer.server.startup import configure_logging
 from ninfer.store import RayResponseStore
 
@@ -34,3 +36,9 @@ class Router:
         # Serve's proxy stamps x-request-id
         return create_app(self.ctx, behind_serve_proxy=True, response_store=self.store, observer=observer,
                           metrics_feed=serve_router_feed(self.ctx.engine, observer.figures))
+
+    async def count_tokens(self, body: dict[str, Any]) -> int:
+        """POST /v1/messages/count_tokens for handle callers (`serve.get_app_handle("ninfer")`): the same
+        validation and prompt; a bad body raises the ProtocolError the route would render."""
+        check_unicode(body)  # what read_json checks for HTTP bodies
+        return await count_message_tokens(self.ctx, body)

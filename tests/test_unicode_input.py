@@ -123,3 +123,14 @@ def test_generation_after_a_refusal_is_unaffected(openai_server):
     assert post(openai_server, "/v1/chat/completions", template % (MODEL, LONE)).status_code == 400
     r = post(openai_server, "/v1/chat/completions", template.replace(" %s", "") % MODEL)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "The answer is 4."
+
+
+def test_bodies_from_python_callers_are_checked_the_same_way():
+    # the Router deployment's count_tokens handle method takes a dict, not JSON bytes
+    from ninfer.protocol.errors import ProtocolError
+    from ninfer.server.request_body import check_unicode
+
+    check_unicode({"messages": [{"role": "user", "content": "fine \U0001F600"}]})
+    with pytest.raises(ProtocolError) as caught:
+        check_unicode({"messages": [{"role": "user", "content": ["ok", "bad \udcff"]}]})
+    assert (caught.value.param, caught.value.code, caught.value.status) == ("messages[0].content[1]", "invalid_unicode", 400)

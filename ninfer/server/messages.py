@@ -40,8 +40,13 @@ def _defaults(ctx: ServerContext) -> AnthropicDefaults:
 async def count_tokens(request: Request) -> JSONResponse:
     """The prompt a generation would see, tokenized; nothing reaches the engine."""
     ctx: ServerContext = request.app.state.ctx
-    msg = parse_messages_request(await read_json(request), _defaults(ctx), counting=True)
-    return JSONResponse({"input_tokens": await count_prompt_tokens(ctx, msg.conversation)})
+    return JSONResponse({"input_tokens": await count_message_tokens(ctx, await read_json(request))})
+
+
+async def count_message_tokens(ctx: ServerContext, body: Any) -> int:
+    """count_tokens on a decoded body: also the Router deployment's handle method (notebooks)."""
+    msg = parse_messages_request(body, _defaults(ctx), counting=True)
+    return await count_prompt_tokens(ctx, msg.conversation)
 
 
 async def create_message(request: Request):

@@ -28,7 +28,7 @@ async def read_json(request: Request) -> Any:
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"the request body is not valid JSON ({exc})", code="invalid_json") from None
     if _may_hold_surrogates(raw):
-        _reject_surrogates(body)
+        check_unicode(body)
     return body
 
 
@@ -48,8 +48,10 @@ def _may_hold_surrogates(raw: bytes) -> bool:
     return _SURROGATE_ESCAPE.search(raw) is not None
 
 
-def _reject_surrogates(body: Any) -> None:
-    """A 400 naming a string (member name or value) that holds a lone surrogate; values in document order."""
+def check_unicode(body: Any) -> None:
+    """A 400 naming a string (member name or value) that holds a lone surrogate; values in document order.
+
+    Also for bodies that did not come as JSON (a Python caller's dict through a deployment handle)."""
     stack: list[tuple[Any, str]] = [(body, "")]
     while stack:
         node, path = stack.pop()
