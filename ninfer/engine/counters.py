@@ -25,6 +25,9 @@ class Counters:
     transfer_bytes_d2h: int = 0
     transfer_bytes_h2d: int = 0
     paused_seconds: float = 0.0
+    spec_rounds: int = 0  # decode rows that carried drafts
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # ---- observability (metrics and the request log) ----
     host_context_peak_bytes: int = 0
     context_transfer_bytes: dict[str, int] = field(  # "<resource>_<direction>": main_kv|state x d2h|h2d|d2d

@@ -29,6 +29,7 @@ from ninfer.engine.plan import RunnerOutput, StepPlan
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Scheduler
 from ninfer.engine.sequence import Sequence, Status
+from ninfer.engine.speculative import Proposer, accepted_prefix
 from ninfer.engine.types import (
     ContextLengthExceededError,
     EngineRequest,
@@ -71,6 +72,7 @@ class EngineSettings:
     host_context_bytes: int | None = None  # pause-snapshot budget; None: 8 GiB + 8 state images; 0: replay only
     no_cuda_graph: bool = False  # --no-cuda-graph: decode runs eagerly instead of replaying CUDA graphs
     scheduling_events: bool = False  # emit SchedulingEvents (pause/restore/replay) for the request log
+    draft_tokens: int = 0  # speculative decoding: the most drafts per decode row (with a proposer)
 
 
 def resolve_sampling(settings: EngineSettings, request: EngineRequest) -> ResolvedSampling:
@@ -102,7 +104,7 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, settings: EngineSettings, *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 thinking: ThinkingControl | None = None):
+                 thinking: ThinkingControl | None = None, proposer: Proposer | None = None):
         self.settings = settings
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -126,7 +128,9 @@ class Engine:
                                   num_state_slots=num_slots if slots else 0, num_lanes=settings.max_concurrency,
                                   vocab_size=tokenizer.vocab_size, device=self.device, dtype=dtype,
                                   cuda_graphs=not settings.no_cuda_graph, max_seq_len=settings.max_context,
-                                  kv_dtype=settings.kv_dtype, prefill_chunk=settings.prefill_chunk)
+                                  kv_dtype=settings.kv_dtype, prefill_chunk=settings.prefill_chunk,
+                                  speculative=proposer is not None and settings.draft_tokens > 0)
+        self.proposer = proposer
         self.hybrid = slots is not None
         model_cache = self.runner.cache
         # host bytes for pause snapshots: --host-context-mib, else 8 GiB plus 8 state images
@@ -137,7 +141,8 @@ class Engine:
                             snapshot_bytes=lambda n, state: transfers.snapshot_bytes(model_cache, n, state))
         self.cache = self.kv.cache  # the retained checkpoints (an index; the KV manager owns their pages)
         self.scheduler = Scheduler(max_concurrency=settings.max_concurrency, prefill_chunk=settings.prefill_chunk,
-                                   kv=self.kv)
+                                   kv=self.kv, draft_tokens=settings.draft_tokens if proposer else 0,
+                                   max_context=settings.max_context)
         self.thinking = thinking or ThinkingControl(think_end_id=None)
         self.counters = Counters()
         self.context = ContextExecutor(self.kv, model_cache, self.counters)
@@ -330,6 +335,7 @@ class Engine:
                     self._drain_inbox()
                     self._expire_waiting()
                     plan = self.scheduler.schedule()
+                    self._propose(plan)
                     self._admitted(plan)
                     self._preempted(plan)
                     for seq in plan.starved:
@@ -354,8 +360,12 @@ class Engine:
         with self.work.phase("device_wait"):
             output = self.runner.collect(plan, launched)
         with self.work.phase("engine_commit_output"):
-            finished = self._commit(plan, output)
-            self.scheduler.update(plan, output)
+            finished, committed = self._commit(plan, output)
+            if any(w.draft_ids for w in plan.decode):
+                ending = {id(s) for s, _ in finished}  # released below: nothing to roll back
+                live = [w for w in plan.decode if id(w.seq) not in ending]
+                self.runner.rollback(live, [committed[id(w.seq)] for w in live])
+            self.scheduler.update(plan, output, committed)
             counted = self.output.take_counted()
             if counted:
                 lanes, ids = zip(*counted)
@@ -364,9 +374,16 @@ class Engine:
                 self._finish(seq, reason)
         return True
 
-    def _commit(self, plan: StepPlan, output: RunnerOutput) -> list[tuple[Sequence, FinishReason]]:
-        """Commit each work's samples; returns the requests that ended, with why."""
-        finished = []
+    def _propose(self, plan: StepPlan) -> None:
+        """Ask the proposer for the drafts the plan's decode rows have room for."""
+        works = [w for w in plan.decode if w.draft_budget > 0]
+        if self.proposer is not None and works:
+            self.proposer.propose(works, [w.draft_budget for w in works])
+
+    def _commit(self, plan: StepPlan, output: RunnerOutput) -> tuple[list[tuple[Sequence, FinishReason]], dict]:
+        """Commit each work's samples; returns the requests that ended, with why, and the tokens each decode
+        row committed (its accepted drafts and the target's token after them)."""
+        finished, committed = [], {}
         prefill = plan.prefill
         if prefill is not None:
             seq = prefill.seq
@@ -384,19 +401,30 @@ class Engine:
             elif last and seq.max_tokens == 0:
                 finished.append((seq, FinishReason.LENGTH))
             elif last:
-                finished += self._commit_tokens(seq, output.sampled[0])
+                finished += self._commit_tokens(seq, output.sampled[0])[0]
         if plan.decode:
             self.counters.decode_steps += 1
         for work, sampled in zip(plan.decode, output.sampled[len(plan.works) - len(plan.decode):]):
-            finished += self._commit_tokens(work.seq, sampled)
-        return finished
+            row = sampled
+            if work.draft_ids:  # the drafts the target confirms, then its own token after them
+                accepted = accepted_prefix(work.draft_ids, sampled)
+                row = sampled[: accepted + 1]
+                c = self.counters
+                c.spec_rounds += 1
+                c.spec_drafted_tokens += len(work.draft_ids)
+                c.spec_accepted_tokens += accepted
+                work.seq.drafted += len(work.draft_ids)
+                work.seq.draft_accepted += accepted
+            ended, committed[id(work.seq)] = self._commit_tokens(work.seq, row)
+            finished += ended
+        return finished, committed
 
-    def _commit_tokens(self, seq: Sequence, tokens: list[int]) -> list[tuple[Sequence, FinishReason]]:
+    def _commit_tokens(self, seq: Sequence, tokens: list[int]) -> tuple[list[tuple[Sequence, FinishReason]], int]:
         committed, reason = self.output.commit(seq, tokens)
         if committed and self._recovering and seq.request_id in self._recovering:  # first fresh token after a restore
             self._recovering.discard(seq.request_id)
             self._scheduling_event(seq, "recovery_complete", None)
-        return [(seq, reason)] if reason is not None else []
+        return ([(seq, reason)] if reason is not None else []), committed
 
     def _drain_inbox(self) -> None:
         while True:

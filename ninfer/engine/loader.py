@@ -146,10 +146,12 @@ def load_mtp_head(artifact: Artifact, trunk: nn.Module, device: torch.device, dt
 
 
 def load_engine(path: str | Path, settings: EngineSettings | None = None, *, device: torch.device | None = None,
-                dtype: str = "auto", start: bool = True) -> Engine:
-    """Load an artifact into a started engine; the load itself runs on the engine's thread."""
+                dtype: str = "auto", start: bool = True, proposer=None) -> Engine:
+    """Load an artifact into a started engine; the load itself runs on the engine's thread. proposer: a
+    speculative drafter (ninfer.engine.speculative), used with settings.draft_tokens > 0."""
     if start:
-        return Engine.build_and_start(lambda: load_engine(path, settings, device=device, dtype=dtype, start=False))
+        return Engine.build_and_start(lambda: load_engine(path, settings, device=device, dtype=dtype, start=False,
+                                                          proposer=proposer))
     artifact = Artifact(path)
     device = device or pick_device()
     torch_dtype = pick_dtype(dtype, device)
@@ -160,7 +162,8 @@ def load_engine(path: str | Path, settings: EngineSettings | None = None, *, dev
         settings.eos_ids = set(artifact.manifest.extra.get("eos_token_ids", []))
     if not settings.sampling_presets:
         settings.sampling_presets = artifact.manifest.sampling_presets
-    engine = Engine(model, tokenizer, settings, device=device, dtype=torch_dtype, thinking=thinking_control(tokenizer))
+    engine = Engine(model, tokenizer, settings, device=device, dtype=torch_dtype, thinking=thinking_control(tokenizer),
+                    proposer=proposer)
     engine.artifact = artifact
     return engine
 

@@ -26,6 +26,7 @@ class SeqWork:
     media: list = field(default_factory=list)  # media spans inside [start, start + len(tokens)) (vision)
     sample: bool = True
     decode: bool = False  # a decode/verify row (else a prefill or replay chunk)
+    draft_budget: int = 0  # drafts this row may carry (its pages are reserved); the proposer fills draft_ids
 
     @property
     def end(self) -> int:

@@ -130,15 +130,19 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_pages: int, page_size: int, num_state_slots: int,
                  num_lanes: int, vocab_size: int, device: torch.device, dtype: torch.dtype,
                  cuda_graphs: bool = True, max_seq_len: int | None = None, kv_dtype: str = "bf16",
-                 prefill_chunk: int | None = None, prefill_pieces: bool | None = None):
-        """prefill_chunk: the engine's chunk length, for the prefill graph (None: no prefill graph).
+                 prefill_chunk: int | None = None, prefill_pieces: bool | None = None, speculative: bool = False):
+        """speculative: decode rows may carry drafts; hybrid models then get one rollback state slot per lane
+        (after the live slots) to put a row's recurrent state back when drafts are rejected.
+        prefill_chunk: the engine's chunk length, for the prefill graph (None: no prefill graph).
         prefill_pieces: cut shorter prefills into power-of-two pieces (None: NINFER_PREFILL_PIECES if set,
         else on CUDA devices only: on CPU there are no graphs to replay)."""
         self.model = model
         self.device = torch.device(device)
         self.page_size = page_size
-        self.cache = ModelCache(model.cache_spec(), num_pages, page_size, num_state_slots, dtype, self.device,
-                                kv_dtype=kv_dtype)
+        self.rollback_base = num_state_slots  # rollback slot of lane i: rollback_base + i
+        rollback_slots = num_lanes if speculative and num_state_slots else 0
+        self.cache = ModelCache(model.cache_spec(), num_pages, page_size, num_state_slots + rollback_slots, dtype,
+                                self.device, kv_dtype=kv_dtype)
         # generated-token counts per lane, for presence/frequency penalties
         self.counts = torch.zeros((num_lanes, vocab_size), dtype=torch.float32, device=self.device)
         self.vocab_size = vocab_size
@@ -443,6 +447,7 @@ class ModelRunner:
             if all(len(r) == 1 for r in rows):
                 launched.append(self.sample(seqs, self.forward(seqs, rows)))
             else:
+                self._save_states([w for w in plan.decode if w.draft_ids])
                 logits = self.forward(seqs, rows, all_logits=True)
                 per_row = [s for s, r in zip(seqs, rows) for _ in r]
                 steps = [len(s.output_ids) + j for s, r in zip(seqs, rows) for j in range(len(r))]
@@ -458,6 +463,33 @@ class ModelRunner:
             sampled.append(flat[at: at + n])
             at += n
         return RunnerOutput(sampled)
+
+    # ---- speculative rollback ----------------------------------------------------------------
+    def _save_states(self, works) -> None:
+        """Copy each drafting row's recurrent state to its lane's rollback slot (one batched copy)."""
+        if not works or self.cache.conv.shape[0] == 0:
+            return
+        src = self._tensor([w.seq.state_slot for w in works], torch.long)
+        dst = self._tensor([self.rollback_base + w.seq.lane for w in works], torch.long)
+        self.cache.conv[:, dst] = self.cache.conv[:, src]
+        self.cache.ssm[:, dst] = self.cache.ssm[:, src]
+
+    @torch.inference_mode()
+    def rollback(self, works, committed: list[int]) -> None:
+        """Rows that committed fewer tokens than they verified: their recurrent state ran past the last
+        committed position, so it is put back from the rollback slot and advanced over the committed
+        inputs again (one forward over those rows). Attention KV needs nothing: the slots past the
+        frontier are rewritten before anything reads them."""
+        if self.cache.conv.shape[0] == 0:
+            return
+        redo = [(w, c) for w, c in zip(works, committed) if w.draft_ids and c < len(w.tokens)]
+        if not redo:
+            return
+        src = self._tensor([self.rollback_base + w.seq.lane for w, _ in redo], torch.long)
+        dst = self._tensor([w.seq.state_slot for w, _ in redo], torch.long)
+        self.cache.conv[:, dst] = self.cache.conv[:, src]
+        self.cache.ssm[:, dst] = self.cache.ssm[:, src]
+        self.forward_eager([w.seq for w, _ in redo], [w.tokens[:c] for w, c in redo])
 
     def reset_lane(self, lane: int, output_ids: list[int]) -> None:
         """Start a lane's penalty counts over (from a restored request's committed output, if any)."""

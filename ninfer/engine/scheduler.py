@@ -20,13 +20,18 @@ from collections import deque
 from ninfer.engine.kv_manager import KVManager
 from ninfer.engine.plan import Admission, RunnerOutput, SeqWork, StepPlan
 from ninfer.engine.sequence import Sequence, Status
+from ninfer.engine.speculative import speculates
 
 BYPASS_LIMIT = 4  # fresh requests that may overtake a head that does not fit
 
 
 class Scheduler:
-    def __init__(self, *, max_concurrency: int, prefill_chunk: int, kv: KVManager):
+    def __init__(self, *, max_concurrency: int, prefill_chunk: int, kv: KVManager, draft_tokens: int = 0,
+                 max_context: int | None = None):
+        """draft_tokens: the most drafts a decode row may carry (speculative decoding; 0: none)."""
         self.max_concurrency = max_concurrency
+        self.draft_tokens = draft_tokens
+        self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
@@ -65,11 +70,11 @@ class Scheduler:
             self._plan = None
         return plan
 
-    def update(self, plan: StepPlan, output: RunnerOutput, accepted: dict[int, int] | None = None) -> None:
-        """Advance every planned sequence past the tokens the step computed. accepted[id(seq)]: the number of
-        a decode row's drafts the verifier kept (absent: none were proposed); a finished request is
-        released separately (`finish`)."""
-        accepted = accepted or {}
+    def update(self, plan: StepPlan, output: RunnerOutput, committed: dict[int, int] | None = None) -> None:
+        """Advance every planned sequence past the tokens the step computed. committed[id(seq)]: the tokens a
+        decode row committed (absent: one); its input and the drafts before its last committed token hold
+        valid KV and state. A finished request is released separately (`finish`)."""
+        committed = committed or {}
         prefill = plan.prefill
         if prefill is not None and prefill.seq.status is Status.PREFILL:
             seq = prefill.seq
@@ -79,8 +84,8 @@ class Scheduler:
         for work in plan.decode:
             seq = work.seq
             if seq.status is Status.DECODE:
-                # the input token and the accepted drafts hold valid KV / state; rejected positions are rewritten
-                seq.num_computed = work.start + 1 + accepted.get(id(seq), 0)
+                # rejected drafts' positions lie past the frontier: later steps rewrite them
+                seq.num_computed = work.start + committed.get(id(seq), 1)
 
     def finish(self, seq: Sequence, retain: bool) -> None:
         """Release a request that ended (retain: hand its context to the cache as an endpoint)."""
@@ -242,10 +247,25 @@ class Scheduler:
             if seq.status is not Status.DECODE or seq not in self.resident:
                 continue
             if self._reserve(seq, seq.num_computed + 1):
-                plan.decode.append(SeqWork(seq, seq.num_computed, [seq.output_ids[-1]], decode=True))
+                plan.decode.append(SeqWork(seq, seq.num_computed, [seq.output_ids[-1]], decode=True,
+                                           draft_budget=self._draft_budget(seq)))
             else:
                 self._starve(plan, seq)
         plan.decode = [w for w in plan.decode if w.seq in self.resident]
+
+    def _draft_budget(self, seq: Sequence) -> int:
+        """Drafts a decode row may carry: within its output and context limits, and only where the pages
+        for them are free (speculation never pauses or evicts anyone)."""
+        if not self.draft_tokens or not speculates(seq):
+            return 0
+        k = min(self.draft_tokens, seq.max_tokens - len(seq.output_ids) - 1)
+        if self.max_context is not None:
+            k = min(k, self.max_context - seq.total_len - 1)
+        while k > 0 and self.kv.pages_for(seq.num_computed + 1 + k) - len(seq.pages) > self.kv.pages.free_pages:
+            k -= 1
+        if k > 0:
+            self.kv.grow(seq, seq.num_computed + 1 + k)
+        return max(k, 0)
 
     def _plan_prefill(self, plan: StepPlan) -> None:
         """The oldest prefilling request's next chunk, stopped at a checkpoint position so its state can

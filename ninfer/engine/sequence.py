@@ -44,6 +44,8 @@ class Sequence:
     match: object | None = None  # context-cache Match chosen at admission, applied by the engine
     prefix_path: str = "root"  # "checkpoint" when admission reused a retained prefix
     preemptions: int = 0
+    drafted: int = 0  # speculative drafts proposed for this request, and those the target accepted
+    draft_accepted: int = 0
     paused_frontier: int = 0  # tokens computed when it last paused (the request log's paused event)
     # [3, prompt_len] MRoPE (t, h, w) positions of a prompt with media, and the offset text positions past
     # them take (next position = index + mrope_delta); None: text positions (the three axes agree)

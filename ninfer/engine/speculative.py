@@ -1,0 +1,67 @@
+"""Speculative decoding: proposers fill a decode row's drafts, one target traversal verifies them.
+
+A decode row carries the last committed token and up to k drafts; the target computes k+1 logit rows
+in one forward (ModelRunner.execute) and samples each row as it would without speculation (greedy:
+the argmax; seeded rows use their own output positions). `accepted_prefix` keeps the drafts the
+target agrees with, and the row commits them plus the target's token after them (the bonus), so
+greedy output is the same token for token. The runner then rolls recurrent state back to the last
+committed position (ModelRunner.rollback) and the KV written for rejected positions is rewritten by
+later steps (those slots lie past the computed frontier, so nothing reads them first).
+
+Rows that speculate: greedy, unpenalized, not inside a forced thinking-budget suffix. A sampled row
+would need rejection sampling against the drafter's distribution to keep the target distribution;
+until that lands those rows decode one token per step (drafts none), which is exact.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Protocol
+
+from ninfer.engine.plan import SeqWork
+from ninfer.engine.sequence import Sequence
+
+
+class Proposer(Protocol):
+    """Fills `work.draft_ids` (at most `budget` ids each) for the given decode works."""
+
+    def propose(self, works: list[SeqWork], budgets: list[int]) -> None: ...
+
+
+def speculates(seq: Sequence) -> bool:
+    """Whether this row may carry drafts (the module docstring says why the others do not)."""
+    return seq.sampling.greedy and not seq.sampling.penalized and not seq.forced
+
+
+def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:
+    """How many drafts the target's own tokens confirm: sampled[j] is the target's token after the input
+    and drafts[:j], so draft j stands while it equals sampled[j]."""
+    n = 0
+    while n < len(drafts) and drafts[n] == sampled[n]:
+        n += 1
+    return n
+
+
+class OracleProposer:
+    """Benchmark and test drafter: proposes a known continuation of each request (the target's own greedy
+    output, recorded by a run without speculation), each draft replaced by a random token with
+    probability `corrupt`, so acceptance lengths can be set without a trained drafter."""
+
+    def __init__(self, continuations: dict[str, list[int]], *, corrupt: float = 0.0, vocab: int = 1000,
+                 seed: int = 0):
+        self.continuations = continuations
+        self.corrupt = corrupt
+        self.vocab = vocab
+        self._rng = random.Random(seed)
+
+    def propose(self, works: list[SeqWork], budgets: list[int]) -> None:
+        for work, budget in zip(works, budgets):
+            seq = work.seq
+            known = self.continuations.get(seq.request_id, [])
+            done = len(seq.output_ids)
+            drafts = list(known[done: done + budget])
+            for j in range(len(drafts)):
+                if self._rng.random() < self.corrupt:
+                    drafts[j] = (drafts[j] + 1 + self._rng.randrange(self.vocab - 1)) % self.vocab
+            work.draft_ids = drafts
+            work.tokens = work.tokens[:1] + drafts
