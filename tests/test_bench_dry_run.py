@@ -54,3 +54,14 @@ def test_gpu_decode_quick_nvfp4_lm_head_is_recorded():
     assert kinds["ninfer_setup"]["lm_head"] == "nvfp4" and kinds["ninfer_decode"]["weights"] == "nvfp4"
     bad = subprocess.run(cmd[:-3] + ["bf16", "--nvfp4-lm-head"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert bad.returncode == 2 and "--nvfp4-lm-head needs nvfp4 in --weights" in bad.stderr
+
+
+def test_spec_verify_dry_run_reports_every_concurrency_and_draft_count():
+    cmd = [sys.executable, str(ROOT / "bench" / "spec_verify.py"), "--dry-run"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = {(r["concurrency"], r["drafts"]) for r in records if r["kind"] == "spec_verify"}
+    assert rows == {(c, k) for c in (1, 2) for k in (1, 3)}
+    summary = next(r for r in records if r["kind"] == "summary")
+    assert set(summary["ratios"]) == {"C1_k1", "C1_k3", "C2_k1", "C2_k3"}
