@@ -3,57 +3,37 @@ greedy output."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-from engine_helpers import assert_no_leak
+from engine_helpers import assert_no_leak, mixed_prompts, run_all, token_ids
 
 from ninfer.engine.engine import EngineSettings
 from ninfer.engine.loader import load_engine
-from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams, TokenEvent
+from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def _prompts(n: int) -> list[list[int]]:
-    """Mixed lengths, so prefill chunks and decode rows of different ages share batches."""
-    lengths = [3, 17, 5, 40, 9, 26, 2, 33]
-    return [[(7 * i + 13 * j) % 900 + 50 for j in range(lengths[i % len(lengths)])] for i in range(n)]
-
-
-def _run_all(engine, requests):
-    async def main():
-        async def one(req):
-            return [e async for e in engine.stream(req)]
-        return await asyncio.gather(*(one(r) for r in requests))
-    return asyncio.run(main())
-
-
-def _ids(events):
-    return [i for e in events if isinstance(e, TokenEvent) for i in e.token_ids]
-
-
 def _greedy_alone_and_batched(path, max_tokens=12, **batched_settings):
-    prompts = _prompts(8)
+    prompts = mixed_prompts(8)
 
     def requests():
         return [EngineRequest(f"r{i}", p, max_tokens=max_tokens, sampling=GREEDY) for i, p in enumerate(prompts)]
 
     alone_engine = load_engine(path, EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16))
     try:
-        alone = [_ids(alone_engine.generate(r)) for r in requests()]
+        alone = [token_ids(alone_engine.generate(r)) for r in requests()]
     finally:
         alone_engine.shutdown()
     settings = dict(max_context=256, max_concurrency=8, prefill_chunk=16)
     settings.update(batched_settings)
     batch_engine = load_engine(path, EngineSettings(**settings))
     try:
-        results = _run_all(batch_engine, requests())
+        results = run_all(batch_engine, requests())
         preemptions = batch_engine.scheduler.preemptions
     finally:
         batch_engine.shutdown()
     assert_no_leak(batch_engine)
-    return alone, [_ids(r) for r in results], [r[-1] for r in results], preemptions
+    return alone, [token_ids(r) for r in results], [r[-1] for r in results], preemptions
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen_path", "tiny_qwen_moe_path"])

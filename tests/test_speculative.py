@@ -5,15 +5,13 @@ inside an accepted run commit exactly the accepted prefix."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-from engine_helpers import assert_no_leak
+from engine_helpers import assert_no_leak, mixed_prompts, run_all, token_ids
 
 from ninfer.engine.engine import EngineSettings
 from ninfer.engine.loader import load_engine
 from ninfer.engine.speculative import OracleProposer, accepted_prefix
-from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams, TokenEvent
+from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, presence_penalty=0.0, frequency_penalty=0.0)  # drafts need unpenalized rows
 
@@ -25,26 +23,9 @@ def test_accepted_prefix_stops_at_the_first_disagreement():
     assert accepted_prefix([], [4]) == 0
 
 
-def _prompts(n: int) -> list[list[int]]:
-    lengths = [3, 17, 5, 40, 9, 26]
-    return [[(7 * i + 13 * j) % 900 + 50 for j in range(lengths[i % len(lengths)])] for i in range(n)]
-
-
-def _run(engine, requests):
-    async def main():
-        async def one(req):
-            return [e async for e in engine.stream(req)]
-        return await asyncio.gather(*(one(r) for r in requests))
-    return asyncio.run(main())
-
-
-def _ids(events):
-    return [i for e in events if isinstance(e, TokenEvent) for i in e.token_ids]
-
-
 def _requests(max_tokens=16, stop=None):
     return [EngineRequest(f"r{i}", p, max_tokens=max_tokens, sampling=GREEDY, stop=list(stop or []))
-            for i, p in enumerate(_prompts(6))]
+            for i, p in enumerate(mixed_prompts(6))]
 
 
 _BASELINES: dict = {}
@@ -56,7 +37,7 @@ def _baseline(path, max_tokens=16, stop=None):
     if key not in _BASELINES:
         engine = load_engine(path, EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16))
         try:
-            _BASELINES[key] = _run(engine, _requests(max_tokens, stop))
+            _BASELINES[key] = run_all(engine, _requests(max_tokens, stop))
         finally:
             engine.shutdown()
     return _BASELINES[key]
@@ -70,44 +51,44 @@ def test_greedy_output_with_drafts_equals_greedy_output_without(fixture, corrupt
     recurrent-state rollback."""
     path = request.getfixturevalue(fixture)
     base = _baseline(path)
-    oracle = OracleProposer({f"r{i}": _ids(ev) for i, ev in enumerate(base)}, corrupt=corrupt, vocab=900, seed=3)
+    oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=corrupt, vocab=900, seed=3)
     settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, draft_tokens=3)
     engine = load_engine(path, settings, proposer=oracle)
     try:
-        spec = _run(engine, _requests())
+        spec = run_all(engine, _requests())
         counters = engine.counters
     finally:
         engine.shutdown()
-    assert [_ids(e) for e in spec] == [_ids(e) for e in base]
+    assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert [e[-1].reason for e in spec] == [e[-1].reason for e in base]
     assert [e[-1].usage.completion_tokens for e in spec] == [e[-1].usage.completion_tokens for e in base]
     assert counters.spec_rounds > 0 and counters.spec_drafted_tokens > 0
     if corrupt == 0.0:  # every draft is the target's own token: all accepted, fewer steps
         assert counters.spec_accepted_tokens == counters.spec_drafted_tokens
-        assert counters.decode_steps < sum(len(_ids(e)) for e in base) // 4 * 2
+        assert counters.decode_steps < sum(len(token_ids(e)) for e in base) // 4 * 2
     if corrupt == 1.0:
         assert counters.spec_accepted_tokens < counters.spec_drafted_tokens // 4
     assert_no_leak(engine)
 
 
-def test_max_tokens_and_stop_strings_inside_an_accepted_run(tiny_qwen_path, qwen_tokenizer):
+def test_max_tokens_and_stop_strings_inside_an_acceptedrun_all(tiny_qwen_path, qwen_tokenizer):
     """A stop string or the output limit that falls inside a run of accepted drafts ends the request at
     exactly the same token as without speculation."""
     base = _baseline(tiny_qwen_path, max_tokens=7)
-    text = [qwen_tokenizer.decode(_ids(e)) for e in base]
+    text = [qwen_tokenizer.decode(token_ids(e)) for e in base]
     stop = next((t[2:4] for t in text if len(t) >= 4 and t[2:4].strip()), None)
-    oracle = OracleProposer({f"r{i}": _ids(ev) for i, ev in enumerate(_baseline(tiny_qwen_path, max_tokens=32))},
+    oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(_baseline(tiny_qwen_path, max_tokens=32))},
                             vocab=900)
     settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, draft_tokens=5)
     engine = load_engine(tiny_qwen_path, settings, proposer=oracle)
     try:
-        limited = _run(engine, _requests(max_tokens=7))
-        assert [_ids(e) for e in limited] == [_ids(e) for e in base]
-        assert all(len(_ids(e)) <= 7 for e in limited)
+        limited = run_all(engine, _requests(max_tokens=7))
+        assert [token_ids(e) for e in limited] == [token_ids(e) for e in base]
+        assert all(len(token_ids(e)) <= 7 for e in limited)
         if stop is not None:
             stopped_base = _baseline(tiny_qwen_path, max_tokens=32, stop=[stop])
-            stopped = _run(engine, _requests(max_tokens=32, stop=[stop]))
-            assert [_ids(e) for e in stopped] == [_ids(e) for e in stopped_base]
+            stopped = run_all(engine, _requests(max_tokens=32, stop=[stop]))
+            assert [token_ids(e) for e in stopped] == [token_ids(e) for e in stopped_base]
             assert [e[-1].reason for e in stopped] == [e[-1].reason for e in stopped_base]
             assert [e[-1].stop_string for e in stopped] == [e[-1].stop_string for e in stopped_base]
     finally:
