@@ -94,3 +94,41 @@ def test_max_tokens_and_stop_strings_inside_an_acceptedrun_all(tiny_qwen_path, q
     finally:
         engine.shutdown()
     assert isinstance(limited[0][-1], FinishEvent)
+
+
+def test_the_runner_returns_the_hidden_states_of_every_logit_row_when_asked():
+    """Drafters read the target's final hidden states (ARCHITECTURE "Designed in now"): a prefill chunk
+    gives its last token's row, a verify row all k+1; each row's logits are those hidden states through
+    the head, so the greedy samples are their argmax."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ninfer.artifact.presets import get_preset, instantiate
+    from ninfer.engine.plan import SeqWork, StepPlan
+    from ninfer.engine.runner import ModelRunner
+
+    model = instantiate("tiny-qwen3.6", "cpu", torch.float32, seed=0)
+    vocab = get_preset("tiny-qwen3.6").text_config()["vocab_size"]
+    runner = ModelRunner(model, num_pages=16, page_size=4, num_state_slots=2, num_lanes=1, vocab_size=vocab,
+                         device=torch.device("cpu"), dtype=torch.float32, speculative=True)
+    greedy = SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,
+                             frequency_penalty=0.0, seed=0)
+    seq = SimpleNamespace(num_computed=0, pages=list(range(8)), state_slot=0, lane=0, output_ids=[], sampling=greedy)
+    prompt = [11, 12, 13, 14, 15, 16, 17]
+    out = runner.execute(StepPlan(prefill=SeqWork(seq, 0, prompt), want_hidden=True))
+    hidden_size = get_preset("tiny-qwen3.6").text_config()["hidden_size"]
+
+    def head(h):
+        with torch.inference_mode():
+            return model.compute_logits(h)[:, :vocab].argmax(-1).tolist()
+
+    assert out.hidden[0].shape == (1, hidden_size)
+    assert out.sampled[0] == head(out.hidden[0])
+    seq.num_computed, seq.output_ids = len(prompt), out.sampled[0]
+    row = [seq.output_ids[-1], 3, 4, 5]
+    out = runner.execute(StepPlan(decode=[SeqWork(seq, seq.num_computed, row, draft_ids=row[1:], decode=True)],
+                                  want_hidden=True))
+    assert out.hidden[0].shape[0] == 4 and len(out.sampled[0]) == 4
+    assert out.sampled[0] == head(out.hidden[0])
+    assert runner.execute(StepPlan(decode=[SeqWork(seq, seq.num_computed, row[:1], decode=True)])).hidden is None

@@ -76,6 +76,7 @@ class StepPlan:
     after: list[ContextOp] = field(default_factory=list)  # captures at checkpoint positions
     preempted: list[Sequence] = field(default_factory=list)
     starved: list[Sequence] = field(default_factory=list)  # the oldest could not get room: ends at the context
+    want_hidden: bool = False  # RunnerOutput.hidden: the final hidden states of every logit row (drafters)
 
     @property
     def works(self) -> list[SeqWork]:
@@ -98,7 +99,8 @@ class StepPlan:
 @dataclass
 class RunnerOutput:
     """sampled[i]: the tokens drawn for plan.works[i] (one per logit row; [] where nothing was sampled).
-    hidden[i]: the final hidden states of those rows when the plan asked for them (drafters), else None."""
+    hidden (plan.want_hidden): hidden[i] the final hidden states [rows, H] of plan.works[i]'s logit rows
+    (a prefill chunk: its last token's), on the device; else None."""
 
     sampled: list[list[int]]
     hidden: list | None = None

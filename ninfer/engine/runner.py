@@ -72,6 +72,7 @@ class GraphEntry:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
     inputs: DecodeInputs | PrefillInputs
+    hidden: torch.Tensor | None = None  # the logit rows' final hidden states (a static output too)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], GraphEntry] = {}
         self.prefill_graphs: dict[tuple[int, int], GraphEntry] = {}
         self.graph_replays = 0  # decode replays
+        self.last_hidden: torch.Tensor | None = None  # the last forward's logit rows' hidden states
         # the sampler over each decode graph's logits, by batch size (sampled tokens as output)
         self.sampler_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.sampler_replays = 0
@@ -224,8 +226,11 @@ class ModelRunner:
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of the batch's logit rows; their final hidden states stay in `last_hidden` (drafters read
+        them; under capture the tensor is the graph's, rewritten by each replay)."""
         hidden = self.model(batch, self.cache)
-        return self.model.compute_logits(hidden[batch.logit_indices()])
+        self.last_hidden = hidden[batch.logit_indices()]
+        return self.model.compute_logits(self.last_hidden)
 
     def _capture_failed(self, what: str, exc: Exception) -> str:
         """Log a failed capture; returns the reason for graph_status."""
@@ -250,7 +255,7 @@ class ModelRunner:
                 graph, logits = capture(lambda batch=batch: self._logits(batch), self.device,
                                         warmups=2 if b == max_batch else 1, pool=pool)
                 pool = graph.pool()
-                self.graphs[(b, 1)] = GraphEntry(graph, logits, inputs)
+                self.graphs[(b, 1)] = GraphEntry(graph, logits, inputs, self.last_hidden)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # e.g. a model path that reads the device back: run decode eagerly
             self.graphs.clear()
@@ -299,7 +304,7 @@ class ModelRunner:
         batch = inputs.batch()
         try:
             graph, logits = capture(lambda: self._logits(batch), self.device, warmups=1)
-            self.prefill_graphs[(1, tokens)] = GraphEntry(graph, logits, inputs)
+            self.prefill_graphs[(1, tokens)] = GraphEntry(graph, logits, inputs, self.last_hidden)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # e.g. a MoE routing step that reads group sizes back to the host
             self.prefill_graphs.pop((1, tokens), None)
@@ -325,7 +330,7 @@ class ModelRunner:
                 inputs.placeholder(self.page_size)
                 batch = inputs.batch()
                 graph, logits = capture(lambda batch=batch: self._logits(batch), self.device, warmups=1, pool=pool)
-                self.prefill_graphs[(1, size)] = GraphEntry(graph, logits, inputs)
+                self.prefill_graphs[(1, size)] = GraphEntry(graph, logits, inputs, self.last_hidden)
                 pieces.append(size)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # no pieces then: a shorter prefill runs as one eager forward again
@@ -358,6 +363,7 @@ class ModelRunner:
             entry.inputs.fill(seqs, inputs, self.page_size)
             entry.graph.replay()
             self.graph_replays += 1
+            self.last_hidden = entry.hidden
             return entry.logits
         if len(seqs) != 1:
             return None
@@ -368,6 +374,7 @@ class ModelRunner:
                      self.page_size)
         entry.graph.replay()
         self.prefill_replays += 1
+        self.last_hidden = entry.hidden
         return entry.logits
 
     # ---- public API --------------------------------------------------------------------------
@@ -436,19 +443,23 @@ class ModelRunner:
         """Queue the plan's forwards and samplers without waiting for the device: the prefill chunk (one
         row, its last token, when it samples), then the decode batch in one traversal (a row per token of
         each work: the input token and its drafts)."""
-        launched = []
+        launched, self._hidden = [], []
         if plan.prefill is not None:
             work = plan.prefill
             logits = self.forward([work.seq], [work.tokens])
+            self._keep_hidden(plan, rows=1)
             if work.sample:  # cloned: from a graph it is a static output the decode step rewrites
                 launched.append(self.sample([work.seq], logits).clone())
         if plan.decode:
             seqs, rows = [w.seq for w in plan.decode], [w.tokens for w in plan.decode]
             if all(len(r) == 1 for r in rows):
-                launched.append(self.sample(seqs, self.forward(seqs, rows)))
+                logits = self.forward(seqs, rows)
+                self._keep_hidden(plan, rows=len(rows))
+                launched.append(self.sample(seqs, logits))
             else:
                 self._save_states([w for w in plan.decode if w.draft_ids])
                 logits = self.forward(seqs, rows, all_logits=True)
+                self._keep_hidden(plan, rows=sum(len(r) for r in rows))
                 per_row = [s for s, r in zip(seqs, rows) for _ in r]
                 steps = [len(s.output_ids) + j for s, r in zip(seqs, rows) for j in range(len(r))]
                 launched.append(self.sample(per_row, logits, steps=steps))
@@ -462,7 +473,18 @@ class ModelRunner:
             n = work.logit_rows
             sampled.append(flat[at: at + n])
             at += n
-        return RunnerOutput(sampled)
+        hidden = None
+        if plan.want_hidden:  # one [rows, hidden] tensor per forward, split by work (still on the device)
+            rows = torch.cat(self._hidden) if len(self._hidden) > 1 else self._hidden[0]
+            sizes = [1 if not w.decode else len(w.tokens) for w in plan.works]
+            hidden = list(rows.split(sizes))
+        return RunnerOutput(sampled, hidden)
+
+    def _keep_hidden(self, plan: StepPlan, rows: int) -> None:
+        """The forward's logit rows' hidden states, copied when the plan asks for them (a graph's are
+        rewritten by the next replay)."""
+        if plan.want_hidden:
+            self._hidden.append(self.last_hidden[:rows].clone())
 
     # ---- speculative rollback ----------------------------------------------------------------
     def _save_states(self, works) -> None:
