@@ -2,8 +2,9 @@
 
 Real PNG/JPEG bytes (pillow) and an MP4 (PyAV) made here, sent with the official openai and
 anthropic SDKs to the in-process app over a real socket. Token counts must equal the text-only
-count plus the expanded media tokens; generations carrying media are refused at the one engine
-gate until the engine consumes EngineRequest.media.
+count plus the expanded media tokens. The scripted engine here has no vision tower, so generations
+carrying media reach it and are refused there (vision_disabled); tests/test_vision_engine.py generates
+from media with a real tiny Qwen artifact.
 """
 
 from __future__ import annotations
@@ -262,10 +263,10 @@ def test_engine_request_media_point_at_their_pads(vision, media):
     assert [(s.start, s.grid_thw, s.kind) for s in found] == [(s.start, s.grid_thw, s.kind) for s in prompt.media_spans]
 
 
-# ---- generation: the engine gate ---------------------------------------------------------------------
+# ---- generation: an engine without a vision tower ------------------------------------------------------
 
 
-def test_generation_with_media_is_refused_until_the_engine_runs_vision(vision, media):
+def test_generation_with_media_is_refused_by_an_engine_without_a_tower(vision, media):
     client = oai(vision)
     for content in ([{"type": "image_url", "image_url": {"url": PNG_URI}}, {"type": "text", "text": QUESTION}],
                     [{"type": "image_url", "image_url": PNG_URI}]):  # the string form too

@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from ninfer.engine import transfers
+from ninfer.engine import media_inputs, transfers
 from ninfer.engine.context_ops import ContextExecutor
 from ninfer.engine.counters import Counters, HostWork
 from ninfer.engine.kv_manager import KVManager
@@ -44,6 +44,7 @@ from ninfer.engine.types import (
     ServerOverloadedError,
     ThinkingBudgetCapacityError,
     ThinkingControl,
+    VisionDisabledError,
 )
 
 log = logging.getLogger("ninfer.engine")
@@ -73,6 +74,7 @@ class EngineSettings:
     no_cuda_graph: bool = False  # --no-cuda-graph: decode runs eagerly instead of replaying CUDA graphs
     scheduling_events: bool = False  # emit SchedulingEvents (pause/restore/replay) for the request log
     draft_tokens: int = 0  # speculative decoding: the most drafts per decode row (with a proposer)
+    vision: bool = False  # --vision: the artifact's vision tower is loaded and requests may carry media
 
 
 def resolve_sampling(settings: EngineSettings, request: EngineRequest) -> ResolvedSampling:
@@ -324,8 +326,12 @@ class Engine:
         # attention-only models reuse any page-aligned prefix of a finished request; only hybrid
         # models need their state captured at the frontend's boundaries
         checkpoints = sorted({p for p in request.checkpoints if 0 < p < n}) if self.hybrid and s.prefix_reuse else []
+        if request.media and self.runner.vision_tower is None:
+            raise VisionDisabledError("media input needs the engine started with --vision (a vision tower)")
+        mrope, mrope_delta, prompt_key = media_inputs.setup(request)
         return Sequence(request=request, order=0, sampling=self.resolve_sampling(request), max_tokens=max_tokens,
-                        controller=controller, emit=emit, deadline=deadline, checkpoints=checkpoints)
+                        controller=controller, emit=emit, deadline=deadline, checkpoints=checkpoints,
+                        mrope=mrope, mrope_delta=mrope_delta, prompt_key=prompt_key)
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -122,7 +122,7 @@ class KVManager:
     def capture(self, seq: Sequence, end: int, kind: str) -> ContextOp | None:
         """Retain seq's first `end` tokens as a checkpoint: share their pages; for a hybrid model a new
         slot receives a copy of the state (the returned op, run once the state is at `end`)."""
-        tokens = tuple(seq.tokens(0, end))
+        tokens = tuple(seq.cache_key(0, end))
         if self.cache.has_prefix(tokens):
             return None
         slot = None
@@ -144,7 +144,7 @@ class KVManager:
         self.pages.release(seq.pages[keep:])
         pages, slot = seq.pages[:keep], seq.state_slot
         seq.pages, seq.state_slot = [], None
-        self.cache.add(tuple(seq.tokens(0, n)), pages, slot, "endpoint", session=seq.request.session_key)
+        self.cache.add(tuple(seq.cache_key(0, n)), pages, slot, "endpoint", session=seq.request.session_key)
 
     # ---- host snapshots -----------------------------------------------------------------------
     def plan_snapshot(self, seq: Sequence) -> ContextOp | None:

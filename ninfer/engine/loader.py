@@ -162,8 +162,11 @@ def load_engine(path: str | Path, settings: EngineSettings | None = None, *, dev
         settings.eos_ids = set(artifact.manifest.extra.get("eos_token_ids", []))
     if not settings.sampling_presets:
         settings.sampling_presets = artifact.manifest.sampling_presets
+    # without --vision no tower is read or allocated; with it, before the engine sizes its KV from free memory
+    tower = load_vision_tower(artifact, device, torch_dtype) if settings.vision else None
     engine = Engine(model, tokenizer, settings, device=device, dtype=torch_dtype, thinking=thinking_control(tokenizer),
                     proposer=proposer)
+    engine.runner.vision_tower = tower
     engine.artifact = artifact
     return engine
 

@@ -37,6 +37,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ninfer.engine import media_inputs
 from ninfer.engine.graphs import DecodeInputs, PrefillInputs, SamplerInputs, capture
 from ninfer.engine.plan import RunnerOutput, StepPlan
 from ninfer.engine.sampler import TOP_K_CAP, SamplingBatch, sample
@@ -138,6 +139,7 @@ class ModelRunner:
         prefill_pieces: cut shorter prefills into power-of-two pieces (None: NINFER_PREFILL_PIECES if set,
         else on CUDA devices only: on CPU there are no graphs to replay)."""
         self.model = model
+        self.vision_tower: torch.nn.Module | None = None  # set by the loader with --vision (media_inputs)
         self.device = torch.device(device)
         self.page_size = page_size
         self.rollback_base = num_state_slots  # rollback slot of lane i: rollback_base + i
@@ -431,6 +433,9 @@ class ModelRunner:
                          "state_slots", "num_valid", "logits_indices"):
                 if getattr(batch, name) is not None:
                     setattr(batch, name, self._upload(getattr(batch, name)))
+        # media pads in these rows: the vision tower's embeddings replace theirs (MRoPE sequences only,
+        # which never take the graphs or the prefill pieces)
+        batch.inputs_embeds = media_inputs.chunk_embeds(self.vision_tower, self.model, seqs, inputs, batch.input_ids)
         return self._logits(batch)
 
     # ---- the step contract ------------------------------------------------------------------

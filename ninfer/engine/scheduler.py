@@ -119,7 +119,8 @@ class Scheduler:
         very prefix a request wants would keep it out for good)."""
         if not self._free_lanes:
             return False, None
-        match = None if seq.snapshot is not None else self.kv.cache.lookup(seq.tokens(0, seq.total_len), record=False)
+        match = (None if seq.snapshot is not None
+                 else self.kv.cache.lookup(seq.cache_key(0, seq.total_len), record=False))
         keep = match.checkpoint if match else None
         if self.kv.can_fit(self._need(seq, match.length if match else 0), True, keep):
             return True, match

@@ -51,6 +51,10 @@ class Sequence:
     # them take (next position = index + mrope_delta); None: text positions (the three axes agree)
     mrope: object | None = None
     mrope_delta: int = 0
+    # the prompt's context-cache identity when it has media: pads replaced by (digest, grid, index in the
+    # item), so prefixes with different media never match (ninfer.engine.media_inputs); None: the token ids
+    prompt_key: list | None = None
+    media_embeds: dict = field(default_factory=dict)  # encoded media items (by index) until prefill passes them
     cancelled: bool = False
     t_submit: float = field(default_factory=time.monotonic)
     t_admit: float | None = None
@@ -80,6 +84,17 @@ class Sequence:
         if end > p:
             ids = ids + self.output_ids[max(start - p, 0) : end - p]
         return ids
+
+    def cache_key(self, start: int, end: int) -> list:
+        """What the context cache compares for tokens start..end: the token ids, media pads keyed by
+        their media (prompt_key)."""
+        if self.prompt_key is None:
+            return self.tokens(start, end)
+        p = self.prompt_len
+        key = self.prompt_key[start:min(end, p)]
+        if end > p:
+            key = key + self.output_ids[max(start - p, 0) : end - p]
+        return key
 
     def positions(self, start: int, end: int):
         """MRoPE positions [3, end - start] of tokens start..end, or None for a text-only request."""

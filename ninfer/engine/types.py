@@ -218,5 +218,11 @@ class InvalidRequestError(EngineError):
     code = "invalid_request"
 
 
+class VisionDisabledError(InvalidRequestError):
+    """Media in a request to an engine without a vision tower (started without --vision)."""
+
+    code = "vision_disabled"
+
+
 class EngineUnavailableError(EngineError):
     code = "engine_unavailable"

@@ -18,6 +18,7 @@ _ENGINE_STATUS = {
     "context_length_exceeded": 400,
     "thinking_budget_capacity_insufficient": 400,
     "invalid_request": 400,
+    "vision_disabled": 400,
     "engine_unavailable": 503,
 }
 

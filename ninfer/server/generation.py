@@ -93,14 +93,6 @@ async def count_prompt_tokens(ctx: ServerContext, conversation: ir.Conversation)
     return len(prompt.token_ids)
 
 
-def check_engine_takes_media(request: EngineRequest, prompt: ir.Prompt) -> None:
-    """The one place generations with media are refused while the engine cannot consume
-    EngineRequest.media (vision prefill). Remove this check when it can; counting is unaffected."""
-    if request.media:
-        raise ProtocolError("image and video input cannot be generated from yet: the engine cannot run media; "
-                            "token counting with media works", param=prompt.media[0].param, code="vision_disabled")
-
-
 def check_media_context(ctx: ServerContext, prompt: ir.Prompt) -> None:
     """An expanded media prompt must fit the context (the engine checks text prompts itself)."""
     if prompt.media_spans and len(prompt.token_ids) > ctx.max_model_len:
@@ -121,7 +113,6 @@ async def generate(request: Request, spec: GenerationSpec) -> Response:
             if media is not None:
                 check_media_context(ctx, prompt)
                 submitted.media = media_inputs(prompt, media)
-                check_engine_takes_media(submitted, prompt)
             trace.submitting(submitted, prompt)
             try:
                 events = trace.watch(await ctx.engine.open(submitted))

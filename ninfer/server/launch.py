@@ -51,7 +51,7 @@ FLAG_HELP: dict[str, tuple[str | None, str]] = {
     "lm_head_draft": (None, "load the optimized proposal head"),
     "default_max_tokens": ("N", "output limit when a request omits one"),
     "default_thinking_budget": ("N", "thinking-token cap for requests that start in thinking mode"),
-    "vision": (None, "accept image and video input (token counting; generation with media is refused until the engine runs vision)"),
+    "vision": (None, "accept image and video input (the artifact's vision tower is loaded)"),
     "no_cuda_graph": (None, "disable CUDA Graph decode"),
     "no_prefix_reuse": (None, "disable compatible-prefix caching"),
     "device_state_slots": ("N", "extra device state slots beyond --max-concurrency (default: --max-concurrency)"),

@@ -60,6 +60,7 @@ def engine_settings(cfg: ServerConfig) -> EngineSettings:
         prefix_reuse=not cfg.no_prefix_reuse, no_cuda_graph=cfg.no_cuda_graph,
         host_context_bytes=None if cfg.host_context_mib is None else cfg.host_context_mib * 1024 * 1024,
         scheduling_events=cfg.request_log_jsonl is not None,  # request_scheduling records need them
+        vision=cfg.vision,
     )
 
 
