@@ -19,6 +19,7 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 from ninfer.forward import ForwardBatch, ModelCache
 from ninfer.kernels import gdn
+from ninfer.models.mrope import MediaSpan, mrope_positions
 from ninfer.models.qwen3_5 import (
     QWEN3_6_SHAPES,
     Qwen3_5ForCausalLM,
@@ -139,6 +140,35 @@ def test_mrope_positions_match(models):
         logits = ours.compute_logits(ours(batch, new_cache(ours)))
         expected = hf(torch.tensor([prompt]), position_ids=positions[:, None, :]).logits[0]
     assert max_diff(logits, expected) < LOGITS_ATOL
+
+
+def test_image_span_positions_match_in_chunks_and_decode(models):
+    """Positions of a prompt with an image and a video frame (ninfer.models.mrope), prefilled in chunks that
+    split the spans and then decoded past the prompt (every axis at index + rope_delta), match HF given
+    the same [3, T] ids over the whole sequence."""
+    ours, hf = models
+    n = 60
+    mrope = mrope_positions(n, [MediaSpan(5, (1, 8, 12)), MediaSpan(40, (1, 4, 4), "video")])
+    seq = tokens(n + 3, seed=6)
+    positions = torch.cat([mrope.positions, (torch.arange(n, n + 3) + mrope.rope_delta).expand(3, -1)], dim=1)
+    cache, pages, done, out = new_cache(ours), [3, 0, 5, 1, 7], 0, []
+    for size in (13, 20, 27, 1, 1, 1):
+        batch = ForwardBatch.build([seq[done:done + size]], [done], [pages], PAGE_SIZE, state_slots=[2])
+        batch.positions = positions[:, done:done + size]
+        with torch.no_grad():
+            out.append(ours.compute_logits(ours(batch, cache)))
+        done += size
+    with torch.no_grad():
+        expected = hf(torch.tensor([seq]), position_ids=positions[:, None, :]).logits[0]
+    assert max_diff(torch.cat(out), expected) < LOGITS_ATOL
+    # the axes agreeing is plain RoPE: [3, T] equal rows give the 1-D path's logits
+    p = torch.arange(n)
+    plain = ForwardBatch.build([seq[:n]], [0], [pages], PAGE_SIZE, state_slots=[0])
+    with torch.no_grad():
+        one_d = ours.compute_logits(ours(plain, new_cache(ours)))
+        plain.positions = p.expand(3, -1)
+        three = ours.compute_logits(ours(plain, new_cache(ours)))
+    assert max_diff(one_d, three) == 0
 
 
 def test_chunked_prefill_continues_from_the_slots(models):
