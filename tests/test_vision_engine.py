@@ -94,25 +94,26 @@ def run(engine, request: EngineRequest) -> tuple[list[int], FinishEvent]:
 def reference(engine, request: EngineRequest, steps: int = MAX_TOKENS) -> list[int]:
     """Greedy tokens by uncached full forwards with inputs_embeds and MRoPE positions built here."""
     model, tower = engine.runner.model, engine.runner.vision_tower
+    device = engine.device
     spans = [MediaSpan(s, (1, m.grid_thw[1], m.grid_thw[2])) for m in request.media for s in m.group_starts]
-    mrope = mrope_positions(len(request.prompt_ids), spans)
+    mrope = mrope_positions(len(request.prompt_ids), spans, device=device)
     media_rows = {}
     for m in request.media:
-        emb = tower(m.pixel_values.float(), [m.grid_thw])
+        emb = tower(m.pixel_values.to(device, next(tower.parameters()).dtype), [m.grid_thw])
         media_rows.update(zip(item_token_indices(m).tolist(), emb))
     ids, out = list(request.prompt_ids), []
     width = engine.tokenizer.vocab_size
     for _ in range(steps):
         n = len(ids)
-        x = model.embed_tokens(torch.tensor(ids))
+        x = model.embed_tokens(torch.tensor(ids, device=device))
         for row, emb in media_rows.items():
             x[row] = emb
-        later = torch.arange(len(request.prompt_ids), n) + mrope.rope_delta
+        later = torch.arange(len(request.prompt_ids), n, device=device) + mrope.rope_delta
         positions = torch.cat([mrope.positions, later.expand(3, -1)], dim=1)
         pages = list(range(-(-n // 16)))
-        batch = ForwardBatch.build([ids], [0], [pages], 16, state_slots=[0])
+        batch = ForwardBatch.build([ids], [0], [pages], 16, state_slots=[0], device=device)
         batch.positions, batch.inputs_embeds = positions, x
-        cache = ModelCache(model.cache_spec(), len(pages), 16, 1, torch.float32)
+        cache = ModelCache(model.cache_spec(), len(pages), 16, 1, x.dtype, device)
         hidden = model(batch, cache)
         out.append(int(model.compute_logits(hidden[-1:])[0, :width].argmax()))
         ids.append(out[-1])
