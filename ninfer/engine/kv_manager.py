@@ -48,6 +48,8 @@ class KVManager:
         if slot and self.slots is not None and self.slots.free_slots == 0:
             if not any(e.state_slot is not None for e in self.cache.evictable(keep)):
                 return False
+        if pages <= self.pages.free_pages:
+            return True  # the common case: no need to walk the checkpoints' pages
         return pages <= self.pages.free_pages + self.reclaimable_pages(keep)
 
     # ---- making room (decisions that evict) -------------------------------------------------
