@@ -17,6 +17,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from engine_helpers import assert_no_leak, run_all, token_ids
 from PIL import Image
 from server_fixtures import LiveServer, base_context
 
@@ -170,6 +171,22 @@ def test_a_checkpoint_inside_an_image_reuses_part_of_it_and_encodes_the_rest(eng
     assert fin.usage.cached_tokens == mid
     assert engine.tower_calls == [[(1, 8, 8)]]  # the video is inside the prefix; the image is encoded, rows sliced
     assert tokens == reference(engine, later)
+
+
+@pytest.mark.parametrize("host_mib", [0, 64])  # replay (re-encodes the media) and host snapshots
+def test_pausing_media_requests_keeps_greedy_output(engine, vision_path, host_mib):
+    requests = [replace(prompt(image_seed=10 + i), request_id=f"p{i}") for i in range(4)]
+    alone = [run(engine, r)[0] for r in requests]
+    settings = EngineSettings(vision=True, max_context=512, prefill_chunk=CHUNK, page_size=4, greedy=True,
+                              max_concurrency=4, kv_capacity=96, state_slots=8, host_context_bytes=host_mib << 20)
+    pressed = load_engine(vision_path, settings, device=torch.device("cpu"), dtype="fp32")
+    try:
+        results = run_all(pressed, requests)
+        assert pressed.scheduler.preemptions > 0
+    finally:
+        pressed.shutdown()
+    assert [token_ids(r) for r in results] == alone
+    assert_no_leak(pressed)
 
 
 def test_an_engine_without_vision_refuses_media(vision_path):
