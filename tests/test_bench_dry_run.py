@@ -65,3 +65,15 @@ def test_spec_verify_dry_run_reports_every_concurrency_and_draft_count():
     assert rows == {(c, k) for c in (1, 2) for k in (1, 3)}
     summary = next(r for r in records if r["kind"] == "summary")
     assert set(summary["ratios"]) == {"C1_k1", "C1_k3", "C2_k1", "C2_k3"}
+
+
+def test_vision_ttft_dry_run_reuses_the_prefix_with_its_media():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "vision_ttft.py"), "--dry-run"], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    ttft = {(r["media"], r["attempt"]): r for r in records if r["kind"] == "vision_ttft"}
+    assert set(ttft) == {(m, a) for m in ("image", "video") for a in ("cold", "reused")}
+    for media in ("image", "video"):
+        assert ttft[(media, "cold")]["cached_tokens"] == 0
+        assert ttft[(media, "reused")]["cached_tokens"] == ttft[(media, "reused")]["prompt_tokens"] - 1
