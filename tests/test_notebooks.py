@@ -17,6 +17,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from process_helpers import processes_mentioning
 from server_fixtures import free_port, scripted_artifact, start_server, wait_until
 
 nbclient = pytest.importorskip("nbclient")
@@ -76,24 +77,13 @@ def test_ray_notebook_streams_from_the_engine_handle_and_counts_through_the_rout
         out = stdout_of(execute("ray_serve_handles.ipynb", timeout=150))
     finally:
         # a kernel that died mid-notebook leaves its local Ray behind: its processes name the temp dir
-        for pid in _processes_mentioning(str(work)):
+        for pid in processes_mentioning(str(work)):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        wait_until(lambda: not _processes_mentioning(str(work)), timeout=20)
+        wait_until(lambda: not processes_mentioning(str(work)), timeout=20)
         shutil.rmtree(work, ignore_errors=True)
     assert "engine ready: True" in out, out
     assert "[answer] The answer is 4." in out and "finish: stop" in out, out
     assert "(handle)" in out and "(HTTP)" in out, out
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for proc_dir in Path("/proc").glob("[0-9]*"):
-        try:
-            if text.encode() in (proc_dir / "cmdline").read_bytes():
-                found.append(int(proc_dir.name))
-        except OSError:
-            continue
-    return found

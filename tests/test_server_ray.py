@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from process_helpers import processes_mentioning
 from server_fixtures import MODEL, free_port, scripted_artifact, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,16 +107,5 @@ def test_serve_run_from_yaml_end_to_end(artifacts_dir, qwen_tokenizer):
             log.close()
     assert proc.returncode is not None
     # Serve's HTTP proxy and this cluster's GCS and raylet (their command lines name its temp dir) stop too
-    assert wait_until(lambda: not healthy() and not _processes_mentioning(str(work)), timeout=30)
+    assert wait_until(lambda: not healthy() and not processes_mentioning(str(work)), timeout=30)
     shutil.rmtree(work, ignore_errors=True)
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for proc_dir in Path("/proc").glob("[0-9]*"):
-        try:
-            if text.encode() in (proc_dir / "cmdline").read_bytes():
-                found.append(int(proc_dir.name))
-        except OSError:
-            continue
-    return found

@@ -241,3 +241,15 @@ def fuse_projections_(model: nn.Module) -> int:
         for merged_name, names in getattr(type(module), "FUSE", {}).items():
             made += fuse_linears_(module, merged_name, names)
     return made
+
+
+def check_component_weights(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) -> None:
+    """Raise ValueError unless `tensors` are exactly `module`'s parameters at their shapes (a meta-device
+    module is enough); converters call it so a partial or mis-shaped component fails at conversion."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    missing = sorted(expected.keys() - tensors.keys())
+    unexpected = sorted(tensors.keys() - expected.keys())
+    wrong = sorted(k for k in expected.keys() & tensors.keys() if tuple(tensors[k].shape) != expected[k])
+    if missing or unexpected or wrong:
+        shapes = [f"{k} {tuple(tensors[k].shape)} != {expected[k]}" for k in wrong[:3]]
+        raise ValueError(f"{what}: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {shapes}")

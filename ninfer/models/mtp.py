@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ninfer.forward import CacheSpec, ForwardBatch, ModelCache
-from ninfer.models.layers import RMSNorm, fuse_projections_
+from ninfer.models.layers import RMSNorm, check_component_weights, fuse_projections_
 from ninfer.models.qwen3_5 import DecoderLayer
 
 # Fields of the trunk's text config that shape the MTP layer (stored in the artifact's `mtp` component).
@@ -202,11 +202,5 @@ def check_mtp_weights(config: dict[str, Any], tensors: dict[str, torch.Tensor]) 
     """Raise ValueError unless `tensors` are exactly the head's parameters at their shapes (the
     converter calls it, so a partial or mis-shaped head fails at conversion, not at load)."""
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in MTPHead(config).state_dict().items()}
-    missing = sorted(expected.keys() - tensors.keys())
-    unexpected = sorted(tensors.keys() - expected.keys())
-    wrong = sorted(k for k in expected.keys() & tensors.keys() if tuple(tensors[k].shape) != expected[k])
-    if missing or unexpected or wrong:
-        shapes = [f"{k} {tuple(tensors[k].shape)} != {expected[k]}" for k in wrong[:3]]
-        raise ValueError(f"MTP weights do not match the text config: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}, wrong shape {shapes}")
+        module = MTPHead(config)
+    check_component_weights(module, tensors, "MTP weights do not match the text config")

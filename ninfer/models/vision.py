@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ninfer.models.layers import check_component_weights
+
 # Qwen3_5VisionConfig's defaults, which are the released towers' values except out_hidden_size
 # (the text hidden size: 5120 for 27B, 2048 for 35B-A3B), which checkpoints always state.
 _HF_DEFAULTS: dict[str, Any] = {
@@ -342,11 +344,5 @@ def check_vision_weights(config: dict[str, Any], tensors: dict[str, torch.Tensor
     """Raise ValueError unless `tensors` are exactly the tower's parameters at their shapes
     (the converter calls it, so a partial or mis-shaped tower fails at conversion, not at load)."""
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in build_vision_tower(config).state_dict().items()}
-    missing = sorted(expected.keys() - tensors.keys())
-    unexpected = sorted(tensors.keys() - expected.keys())
-    wrong = sorted(k for k in expected.keys() & tensors.keys() if tuple(tensors[k].shape) != expected[k])
-    if missing or unexpected or wrong:
-        shapes = [f"{k} {tuple(tensors[k].shape)} != {expected[k]}" for k in wrong[:3]]
-        raise ValueError(f"vision weights do not match the vision config: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}, wrong shape {shapes}")
+        module = build_vision_tower(config)
+    check_component_weights(module, tensors, "vision weights do not match the vision config")
