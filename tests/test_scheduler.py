@@ -133,3 +133,25 @@ def test_a_prompt_that_fills_the_whole_pool_is_admitted():
     full = seq(1, 16)
     s.waiting.append(full)
     assert admit(s) == [full]
+
+
+def test_a_request_restored_and_paused_again_in_one_step_keeps_its_snapshot():
+    """Admission restores a paused request, then the older request's decode row needs its page back: the
+    same plan pauses it again. Its restore copy is dropped (the host snapshot is still whole), it holds
+    no lane or pages, and the plan lists it as both admitted and preempted (the engine skips its lane
+    reset: a stress seed once failed the engine on it)."""
+    s = make(pages=3, page_size=4, lanes=4, slots=8)
+    a = seq(1, 8)
+    s.waiting.append(a)
+    plan = s.schedule()
+    s.update(plan, RunnerOutput([[7]]))
+    a.output_ids.append(7)
+    b = seq(2, 3)
+    snapshot = object()
+    b.snapshot, b.num_computed, b.status, b.t_paused = snapshot, 3, Status.PAUSED, 1.0
+    s.paused.append(b)
+    plan = s.schedule()
+    assert b in [x.seq for x in plan.admitted] and b in plan.preempted
+    assert b.lane is None and b.pages == [] and b.snapshot is snapshot and b.num_computed == 3
+    assert not [op for op in plan.before if op.kind == "restore"]
+    assert [w.seq for w in plan.decode] == [a]

@@ -473,7 +473,9 @@ class Engine:
                 self.counters.prompt_tokens += seq.prompt_len
                 if seq.request.return_progress:
                     seq.emit(ProgressEvent(seq.prompt_len, seq.cached_tokens, seq.cached_tokens, 0.0))
-            if seq.sampling.penalized:  # only penalties read a lane's counts: the others never count
+            # only penalties read a lane's counts; a request paused again by a later decision of this very
+            # step holds no lane (its counts start over when it is bound next)
+            if seq.sampling.penalized and seq.lane is not None:
                 self.runner.reset_lane(seq.lane, seq.output_ids)
             if route:
                 self._scheduling_event(seq, "restored", route)
