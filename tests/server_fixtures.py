@@ -59,15 +59,26 @@ def scripts_for(tokenizer) -> list[dict]:
 
 
 def scripted_artifact(folder: Path, tokenizer) -> Path:
-    """The scripted Qwen artifact (no tensors: the script is the model), written once per session folder."""
+    """The scripted Qwen artifact (the script is the model; its only tensors are a tiny vision tower),
+    written once per session folder."""
     from ninfer.artifact.qwen_tokenizer import build_qwen_tokenizer_json
 
     path = Path(folder) / "scripted-qwen.ninfer"
     if not path.exists():
+        from ninfer.artifact.presets import TINY_VISION_CONFIG
+        from ninfer.models.vision import build_vision_tower
+
+        # a tiny random vision tower too, so a server started with --vision loads one (the scripted model
+        # never reads its embeddings: media tests through it check preparation and counting)
+        vision = dict(TINY_VISION_CONFIG)
+        tower = build_vision_tower(vision)
+        tower.init_random_(0)
+        tensors = {f"vision.{k}": v.contiguous() for k, v in tower.state_dict().items()}
         manifest = Manifest(name=MODEL, architecture="scripted",
-                            components={"text": {"vocab_size": VOCAB, "eos": EOS, "scripts": scripts_for(tokenizer)}},
+                            components={"text": {"vocab_size": VOCAB, "eos": EOS, "scripts": scripts_for(tokenizer)},
+                                        "vision": vision},
                             extra={"eos_token_ids": [EOS, 248044]})
-        write_artifact(path, {}, manifest, build_qwen_tokenizer_json(), TEMPLATE.read_text())
+        write_artifact(path, tensors, manifest, build_qwen_tokenizer_json(), TEMPLATE.read_text())
     return path
 
 

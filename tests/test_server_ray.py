@@ -8,6 +8,8 @@ any other Ray instance on the machine.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import shutil
@@ -45,7 +47,7 @@ def serve_config(artifact: Path, port: int) -> dict:
     cfg["http_options"]["port"] = port
     args = cfg["applications"][0]["args"]
     # no retained prefixes, so a cancelled request must leave the KV pool empty
-    args.update(artifact=str(artifact), max_context=4096, no_prefix_reuse=True)
+    args.update(artifact=str(artifact), max_context=4096, no_prefix_reuse=True, vision=True)
     return cfg
 
 
@@ -85,6 +87,23 @@ def test_serve_run_from_yaml_end_to_end(artifacts_dir, qwen_tokenizer):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "The answer is 4."
         assert chunks[-1].usage.completion_tokens > 0
 
+        # media through the MediaPreprocessor deployment: an image is prepared there and its pads counted
+        text_only = {"model": MODEL, "messages": [{"role": "user", "content": "Describe it."}]}
+        with_image = {"model": MODEL, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _png_base64(64, 32)}},
+            {"type": "text", "text": "Describe it."}]}]}
+        counts = [httpx.post(url + "/v1/messages/count_tokens", json=body, timeout=60) for body in (text_only, with_image)]
+        assert [c.status_code for c in counts] == [200, 200], [c.text for c in counts]
+        # the image adds its pads (as ninfer.media prepares it here, in the test) between vision start and end
+        pads = _pads_of(_png_base64(64, 32))
+        assert counts[1].json()["input_tokens"] - counts[0].json()["input_tokens"] == pads + 2
+        bad = httpx.post(url + "/v1/messages/count_tokens", timeout=60, json={"model": MODEL, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                      "data": base64.b64encode(b"not a png").decode()}}]}]})
+        error = bad.json()["error"]  # Anthropic's shape: the field first, no code (contract: invalid media is a 400)
+        assert bad.status_code == 400 and error["type"] == "invalid_request_error", bad.text
+        assert error["message"].startswith("messages[0].content[0].source"), bad.text
+
         long_request = {"model": MODEL, "messages": [{"role": "user", "content": "LONG"}], "stream": True,
                         "max_tokens": 2500}
         with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/chat/completions",
@@ -109,3 +128,23 @@ def test_serve_run_from_yaml_end_to_end(artifacts_dir, qwen_tokenizer):
     # Serve's HTTP proxy and this cluster's GCS and raylet (their command lines name its temp dir) stop too
     assert wait_until(lambda: not healthy() and not processes_mentioning(str(work)), timeout=30)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def _png_base64(width: int, height: int) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _pads_of(png_base64: str) -> int:
+    from ninfer.media.preprocessor import MediaPreprocessor
+    from ninfer.media.types import MediaItem
+
+    prep = MediaPreprocessor(threads=1)
+    try:
+        batch = prep.prepare([MediaItem("image", "data:image/png;base64," + png_base64)], hold=False)
+        return batch.items[0].num_tokens
+    finally:
+        prep.close()
