@@ -160,7 +160,7 @@ class KVManager:
         if self.host_used + need > self.host_budget:
             return None
         self.host_used += need
-        seq.snapshot = PendingSnapshot(need, len(pages))
+        seq.snapshot = PendingSnapshot(need)
         return ContextOp("snapshot", seq, src_pages=list(pages), src_slot=seq.state_slot)
 
     def plan_restore(self, seq: Sequence) -> ContextOp:
@@ -173,15 +173,10 @@ class KVManager:
             self.host_used -= seq.snapshot.nbytes
             seq.snapshot = None
 
-    # ---- gauges -------------------------------------------------------------------------------
-    def clear_retained(self) -> None:
-        self.cache.clear()
-
 
 class PendingSnapshot:
     """Host bytes reserved for a snapshot the plan has not copied yet (the executor swaps in the
     HostSnapshot of the same size)."""
 
-    def __init__(self, nbytes: int, num_pages: int):
+    def __init__(self, nbytes: int):
         self.nbytes = nbytes
-        self.num_pages = num_pages

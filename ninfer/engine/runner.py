@@ -494,12 +494,15 @@ class ModelRunner:
     # ---- speculative rollback ----------------------------------------------------------------
     def _save_states(self, works) -> None:
         """Copy each drafting row's recurrent state to its lane's rollback slot (one batched copy)."""
-        if not works or self.cache.conv.shape[0] == 0:
-            return
-        src = self._tensor([w.seq.state_slot for w in works], torch.long)
-        dst = self._tensor([self.rollback_base + w.seq.lane for w in works], torch.long)
-        self.cache.conv[:, dst] = self.cache.conv[:, src]
-        self.cache.ssm[:, dst] = self.cache.ssm[:, src]
+        if works and self.cache.conv.shape[0]:
+            seqs = [w.seq for w in works]
+            self._copy_states([s.state_slot for s in seqs], [self.rollback_base + s.lane for s in seqs])
+
+    def _copy_states(self, src: list[int], dst: list[int]) -> None:
+        """Recurrent state slots src[i] -> dst[i], all rows in one indexed copy per tensor."""
+        src_t, dst_t = self._tensor(src, torch.long), self._tensor(dst, torch.long)
+        self.cache.conv[:, dst_t] = self.cache.conv[:, src_t]
+        self.cache.ssm[:, dst_t] = self.cache.ssm[:, src_t]
 
     @torch.inference_mode()
     def rollback(self, works, committed: list[int]) -> None:
@@ -512,10 +515,8 @@ class ModelRunner:
         redo = [(w, c) for w, c in zip(works, committed) if w.draft_ids and c < len(w.tokens)]
         if not redo:
             return
-        src = self._tensor([self.rollback_base + w.seq.lane for w, _ in redo], torch.long)
-        dst = self._tensor([w.seq.state_slot for w, _ in redo], torch.long)
-        self.cache.conv[:, dst] = self.cache.conv[:, src]
-        self.cache.ssm[:, dst] = self.cache.ssm[:, src]
+        seqs = [w.seq for w, _ in redo]
+        self._copy_states([self.rollback_base + s.lane for s in seqs], [s.state_slot for s in seqs])
         self.forward_eager([w.seq for w, _ in redo], [w.tokens[:c] for w, c in redo])
 
     def reset_lane(self, lane: int, output_ids: list[int]) -> None:

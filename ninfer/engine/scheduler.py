@@ -1,6 +1,6 @@
 """Decides what runs next; never touches tensors.
 
-`schedule()` returns a StepPlan and `update(plan, output, finished)` reads the step's result back; the
+`schedule()` returns a StepPlan and `update(plan, output, committed)` reads the step's result back; the
 scheduler is the only writer of a request's status and computed frontier.
 
 Policy (contract, "Execution behavior"):
