@@ -4,24 +4,52 @@ Two servers append to one campaign file (as successive model blocks would). Ever
 validate against ninfer/server/request_log.schema.json; every started generation gets exactly one
 terminal (success, stream, tool call, cancellation, engine failure); preparation rejections have no
 start; validation errors get nothing. A planted API key and planted prompt text must appear in no log.
+A --vision server (tiny Qwen3.6 with its tower) logs each request's own media preparation in
+request_start: cache miss, hit and single-flight join counts, sizes, and preparation seconds.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import logging
+import math
 import re
 import threading
+import time
 from collections import Counter
+from dataclasses import replace
 
 import httpx
 import jsonschema
+import numpy as np
+import openai
 import pytest
-from server_fixtures import MODEL, OUTPUTS, WEATHER_TOOL, scripted_artifact, start_server, wait_until
+import torch
+from PIL import Image
+from server_fixtures import (
+                             MODEL,
+                             OUTPUTS,
+                             WEATHER_TOOL,
+                             LiveServer,
+                             base_context,
+                             scripted_artifact,
+                             start_server,
+                             wait_until,
+)
 
+from ninfer.artifact.presets import write_preset
+from ninfer.config import ServerConfig
+from ninfer.engine.loader import load_engine
+from ninfer.media import MediaPreprocessor
+from ninfer.media import preprocessor as media_preprocessor
+from ninfer.protocol.openai_chat import ChatDefaults
+from ninfer.server.engine_client import LocalEngineClient
+from ninfer.server.media_client import LocalMediaClient
 from ninfer.server.oplog import RecordFormatter
 from ninfer.server.request_log import SCHEMA_PATH
+from ninfer.server.startup import engine_settings
 from ninfer.server.stats import StatsReporter
 
 KEY = "sk-PLANTED-KEY-9f8e7d"
@@ -229,3 +257,152 @@ def test_stderr_records_cover_the_lifecycle(campaign):
     assert f"{ids['cancelled']} cancelled:" in text and f"{ids['failed']} error: engine_failure" in text
     assert ids["invalid"] not in text
     assert "throughput: prefill" in text and "engine step failed" in text
+
+
+# ---- media preparation in request_start ------------------------------------------------------------
+#
+# serving.md, "Structured request log": "Successful request-start records include request-scoped
+# acquisition, media-preprocessing wall/work, tokenizer, cache hit/miss/single-flight, and payload-size
+# fields; they do not infer request behavior from process-global counter deltas." And "Multimodal request":
+# prepared payloads are keyed by SHA-256 of the acquired bytes plus modality, so repeated media in later
+# requests reuses the prepared input, and concurrent identical misses use one single-flight build.
+
+
+def png(seed: int, size: int = 256) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def png_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+IMAGE, TWIN = png(1), png(2)  # 256x256: grid (1, 16, 16), 256 raw patches, 64 Vision tokens
+IMAGE_PAYLOAD = {"items": 1, "source_bytes": len(IMAGE), "decoded_pixels": 256 * 256,
+                 "payload_bytes": 256 * 1536 * 2, "raw_patches": 256, "vision_tokens": 64}
+NO_MEDIA = {"items": 0, "cache": {"hits": 0, "misses": 0, "single_flight_joins": 0}, "source_bytes": 0,
+            "decoded_pixels": 0, "payload_bytes": 0, "raw_patches": 0, "vision_tokens": 0}
+BUILD_DELAY_S = 1.0  # a miss's build held open long enough for an identical item to join it
+
+
+def image_message(*images: bytes, text: str = "What is this?") -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": png_uri(data)}} for data in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def media_campaign(artifacts_dir, tmp_path_factory):
+    """A --vision server (tiny Qwen3.6 with its tower, CPU fp32) logging to JSONL: an image (a miss), the
+    same image again through Responses (a hit), a text-only request, then one request carrying a new
+    image twice while the first build is held open (a miss and a single-flight join)."""
+    path = artifacts_dir / "tiny-qwen3.6-vision.ninfer"
+    if not path.exists():
+        write_preset("tiny-qwen3.6", path, vision=True)
+    log_path = tmp_path_factory.mktemp("media") / "requests.jsonl"
+    cfg = ServerConfig(artifact=str(path), max_context=1024, page_size=16, vision=True, greedy=True, dtype="fp32",
+                       request_log_jsonl=str(log_path))
+    engine = load_engine(path, engine_settings(cfg), device=torch.device("cpu"), dtype="fp32")
+    media = MediaPreprocessor(64, 256, 2)
+    ctx = replace(base_context(path), config=cfg, engine=LocalEngineClient(engine), max_model_len=cfg.max_model_len,
+                  chat_defaults=ChatDefaults(vision=True), media=LocalMediaClient(media))
+    live = LiveServer(ctx, engine)
+    ids: dict[str, str] = {}
+    try:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def chat(name: str, messages: list[dict]) -> None:
+            raw = client.chat.completions.with_raw_response.create(model=ctx.model_id, max_tokens=4, messages=messages)
+            assert raw.parse().usage.completion_tokens == 4
+            ids[name] = raw.headers["x-request-id"]
+
+        chat("miss", image_message(IMAGE))
+        raw = client.responses.with_raw_response.create(model=ctx.model_id, max_output_tokens=16, input=[
+            {"role": "user", "content": [{"type": "input_image", "image_url": png_uri(IMAGE), "detail": "auto"},
+                                         {"type": "input_text", "text": "And now?"}]}])
+        assert raw.parse().usage.input_tokens > 64
+        ids["hit"] = raw.headers["x-request-id"]
+        chat("text", [{"role": "user", "content": "Hello there"}])
+
+        build = media_preprocessor.prepare_image
+
+        def slow_build(*args, **kwargs):
+            time.sleep(BUILD_DELAY_S)
+            return build(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(media_preprocessor, "prepare_image", slow_build)
+            chat("joined", image_message(TWIN, TWIN))
+        assert media.snapshot()["leases"] == 0
+    finally:
+        live.stop()
+        media.close()
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    return {"records": records, "ids": ids}
+
+
+def start_of(records: list[dict], http_id: str) -> dict:
+    (start,) = [r for r in by_http_id(records, http_id) if r["event"] == "request_start"]
+    return start
+
+
+def test_media_records_validate_against_the_schema(media_campaign):
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text()))
+    for record in media_campaign["records"]:
+        errors = sorted(validator.iter_errors(record), key=str)
+        assert not errors, (record["event"], [e.message for e in errors[:3]])
+    events = Counter(r["event"] for r in media_campaign["records"])
+    assert events["request_start"] == events["request_done"] == 4 and events["request_rejected"] == 0
+
+
+def test_a_first_image_is_a_cache_miss_with_its_preparation_seconds(media_campaign):
+    start = start_of(media_campaign["records"], media_campaign["ids"]["miss"])
+    assert start["request"]["media_item_count"] == 1
+    assert start["media"] == {**IMAGE_PAYLOAD, "cache": {"hits": 0, "misses": 1, "single_flight_joins": 0}}
+    prep = start["preparation_seconds"]
+    for name, seconds in prep.items():
+        assert isinstance(seconds, float) and math.isfinite(seconds), (name, seconds)
+    for name in ("total", "media_acquisition", "media_preprocess_wall", "media_preprocess_work", "tokenizer"):
+        assert prep[name] > 0, (name, prep)
+    # one item: the preprocessor's wall covers its acquisition and decode/resize/pack work; the router's
+    # preparation total covers the preprocessor's wall and the prompt build
+    assert prep["media_acquisition"] + prep["media_preprocess_work"] <= prep["media_preprocess_wall"]
+    assert prep["media_preprocess_wall"] + prep["tokenizer"] <= prep["total"]
+
+
+def test_the_same_image_again_is_a_cache_hit_without_preprocessing_work(media_campaign):
+    start = start_of(media_campaign["records"], media_campaign["ids"]["hit"])
+    assert start["request"]["protocol"] == "openai_responses"  # every generation protocol logs media
+    assert start["media"] == {**IMAGE_PAYLOAD, "cache": {"hits": 1, "misses": 0, "single_flight_joins": 0}}
+    prep = start["preparation_seconds"]
+    assert prep["media_preprocess_work"] == 0.0  # the prepared payload was reused, nothing decoded
+    assert math.isfinite(prep["media_preprocess_wall"]) and prep["media_preprocess_wall"] > 0
+    assert prep["media_acquisition"] > 0 and prep["tokenizer"] > 0  # the bytes are still acquired and hashed
+
+
+def test_a_text_only_request_logs_zero_media(media_campaign):
+    start = start_of(media_campaign["records"], media_campaign["ids"]["text"])
+    assert start["request"]["media_item_count"] == 0 and start["media"] == NO_MEDIA
+    prep = start["preparation_seconds"]
+    assert {k: v for k, v in prep.items() if k.startswith("media_")} == {
+        "media_acquisition": 0.0, "media_gate_wait": 0.0, "media_preprocess_wall": 0.0, "media_preprocess_work": 0.0}
+    assert prep["total"] > 0 and prep["tokenizer"] > 0
+
+
+def test_an_identical_item_during_a_build_joins_it(media_campaign):
+    """Two copies of one new image in one request: one build (a miss), and the copy waits on it."""
+    start = start_of(media_campaign["records"], media_campaign["ids"]["joined"])
+    assert start["media"]["items"] == 2 and start["media"]["payload_bytes"] == 2 * IMAGE_PAYLOAD["payload_bytes"]
+    assert start["media"]["cache"] == {"hits": 0, "misses": 1, "single_flight_joins": 1}
+    prep = start["preparation_seconds"]
+    # work counts the one build; the joined copy waited on it and did none
+    assert BUILD_DELAY_S <= prep["media_preprocess_work"] < 2 * BUILD_DELAY_S
+    assert prep["media_preprocess_wall"] >= BUILD_DELAY_S
+
+
+def test_the_text_campaign_logs_zero_media(campaign):
+    """The scripted server has no --vision: every request_start still carries the media fields, all zero."""
+    starts = [r for r in campaign["records"] if r["event"] == "request_start"]
+    assert starts and all(r["media"] == NO_MEDIA for r in starts)
+    assert all(r["preparation_seconds"]["tokenizer"] > 0 for r in starts)

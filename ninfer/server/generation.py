@@ -16,6 +16,7 @@ how a client disconnect frees its pages.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
@@ -86,6 +87,14 @@ def build_prompt(ctx: ServerContext, conversation: ir.Conversation, media: Promp
         raise from_prompt_error(exc) from None
 
 
+def _timed_build_prompt(ctx: ServerContext, conversation: ir.Conversation,
+                        media: PromptMedia | None) -> tuple[ir.Prompt, float]:
+    """build_prompt and its seconds, measured in the worker thread (the thread hop is not tokenizer time)."""
+    start = time.perf_counter()
+    prompt = build_prompt(ctx, conversation, media)
+    return prompt, time.perf_counter() - start
+
+
 async def count_prompt_tokens(ctx: ServerContext, conversation: ir.Conversation) -> int:
     """The token count endpoints: the prompt a generation would see, media expanded; nothing runs."""
     media = await prepare_media(ctx, conversation, hold=False)  # only the grids are needed
@@ -107,7 +116,9 @@ async def generate(request: Request, spec: GenerationSpec) -> Response:
     try:
         with trace.preparation():
             media = await prepare_media(ctx, spec.conversation, hold=True)  # live until the engine is done
-            prompt = await asyncio.to_thread(build_prompt, ctx, spec.conversation, media)
+            trace.media_prepared(media.batch.stats if media is not None else None)
+            prompt, seconds = await asyncio.to_thread(_timed_build_prompt, ctx, spec.conversation, media)
+            trace.prompt_built(seconds)
             decoder = ctx.frontend.output_decoder(spec.conversation, prompt)
             submitted = spec.engine_request(prompt)
             if media is not None:

@@ -6,7 +6,10 @@ requests and get no request id):
 
     trace = request.app.state.observer.begin(RequestShape.of("openai_chat", conversation, ...), request_id)
     with trace.preparation():                 # a failure here -> request_rejected, then re-raised
+        media = await prepare_media(...)
+        trace.media_prepared(media.batch.stats)   # the preprocessor's request-scoped MediaStats
         prompt = build_prompt(...)
+        trace.prompt_built(seconds)           # template + tokenizer + media placeholder expansion
         trace.submitting(engine_request, prompt)
         events = await ctx.engine.open(engine_request)
     with trace.generation():                  # exactly one terminal: request_done or request_error
@@ -41,6 +44,7 @@ from ninfer.engine.types import (
     SchedulingEvent,
     TokenEvent,
 )
+from ninfer.media import MediaStats
 from ninfer.protocol.errors import ProtocolError, from_engine_error
 from ninfer.server.metrics import RequestFigures
 from ninfer.server.request_log import ModelIdentity, RequestLog, server_start_fields
@@ -127,6 +131,8 @@ class RequestTrace:
         self.t_admit: float | None = None
         self.t_first: float | None = None
         self.engine_request: EngineRequest | None = None
+        self.media_stats = MediaStats()  # a text-only request keeps these zeros
+        self.tokenizer_seconds = 0.0
         self.prompt_tokens = 0
         self.thinking = False
         self.sampling: dict[str, Any] | None = None
@@ -146,6 +152,16 @@ class RequestTrace:
             self._reject(_as_protocol_error(exc))
             raise
         self._start()
+
+    def media_prepared(self, stats: MediaStats | None) -> None:
+        """The request's own media figures, as the preprocessor measured them (PreparedBatch.stats);
+        None for a request without media."""
+        if stats is not None:
+            self.media_stats = stats
+
+    def prompt_built(self, seconds: float) -> None:
+        """Seconds spent rendering the template, tokenizing and expanding media placeholders."""
+        self.tokenizer_seconds = seconds
 
     def submitting(self, engine_request: EngineRequest, prompt) -> None:
         """Called just before the engine submission. With the request log on, the seed the engine would
@@ -178,8 +194,15 @@ class RequestTrace:
         log.info("%s %s start: prompt %d tokens, max_tokens %d (%s), %s, tools %d, thinking %s", self.http_id,
                  s.protocol, self.prompt_tokens, budget, "client" if s.requested_output_tokens is not None else "default",
                  "stream" if s.stream else "non-stream", s.tool_count, "on" if self.thinking else "off")
+        m = self.media_stats
         self._write("request_start", request=self._request_fields(),
-                    preparation_seconds={"total": (self.t_submit or time.monotonic()) - self.t_begin})
+                    preparation_seconds={"total": (self.t_submit or time.monotonic()) - self.t_begin,
+                                         "media_acquisition": m.acquire_seconds,
+                                         "media_gate_wait": m.gate_wait_seconds,
+                                         "media_preprocess_wall": m.wall_seconds,
+                                         "media_preprocess_work": m.work_seconds,
+                                         "tokenizer": self.tokenizer_seconds},
+                    media=self._media_fields())
 
     # ---- generation --------------------------------------------------------------------------
     async def watch(self, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -315,6 +338,14 @@ class RequestTrace:
             "tool_count": s.tool_count, "tool_choice": s.tool_choice, "has_tool_history": s.has_tool_history,
             "requested_reasoning_effort": s.requested_reasoning_effort,
         }
+
+    def _media_fields(self) -> dict[str, Any]:
+        """request_start.media: this request's items, cache outcomes and sizes (never process-global deltas)."""
+        m = self.media_stats
+        return {"items": m.items,
+                "cache": {"hits": m.cache_hits, "misses": m.cache_misses, "single_flight_joins": m.single_flight_joins},
+                "source_bytes": m.source_bytes, "decoded_pixels": m.decoded_pixels, "payload_bytes": m.payload_bytes,
+                "raw_patches": m.raw_patches, "vision_tokens": m.vision_tokens}
 
     def _request_fields(self) -> dict[str, Any]:
         req = self.engine_request
