@@ -54,7 +54,7 @@ def main() -> None:
     lane_pages = -(-(args.context + max(args.drafts) + args.steps * (max(args.drafts) + 1) + 8) // page)
     runner = ModelRunner(model, num_pages=lanes * lane_pages, page_size=page, num_state_slots=lanes, num_lanes=lanes,
                          vocab_size=cfg["vocab_size"], device=device, dtype=dtype, cuda_graphs=True,
-                         max_seq_len=lane_pages * page, speculative=True)
+                         max_seq_len=lane_pages * page, draft_tokens=max(args.drafts))
     greedy = SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,
                              frequency_penalty=0.0, seed=0, greedy=True, penalized=False)
 

@@ -40,6 +40,16 @@ class ForwardBatch:
     # padding (KV slot -1: nothing written; no recurrent-state change; no logits), so that a prompt
     # can replay the CUDA graph of a longer forward
     num_valid: torch.Tensor | None = None
+    # a speculative verify batch (`verify_inputs`): every sequence appends `verify_width` tokens (its
+    # last committed token and its drafts, padded up to the width), each with a logit row. Attention runs
+    # them as one-query decode rows (`row_seq_lens` [T] int32: the context each row sees, padding
+    # clamped to the sequence's last real row); the recurrent layers step position by position, the
+    # state after position j < width-1 going to `verify_slots[:, j]` ([B, width-1] int64) and the last
+    # one to the sequence's own slot, so a rejection restores any accepted position by one slot copy
+    verify_width: int = 0
+    row_seq_lens: torch.Tensor | None = None
+    row_seq_lens_cpu: list[int] | None = None
+    verify_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -48,7 +58,12 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         """Every sequence advances by exactly one token (the CUDA-graph-capturable shape)."""
-        return all(n == 1 for n in self.query_lens_cpu)
+        return not self.verify_width and all(n == 1 for n in self.query_lens_cpu)
+
+    def row_page_table(self) -> torch.Tensor:
+        """A verify batch's page table with one row per token (each sequence's row repeated)."""
+        return self.page_table.repeat_interleave(self.verify_width, dim=0,
+                                                 output_size=self.page_table.shape[0] * self.verify_width)
 
     def logit_indices(self) -> torch.Tensor:
         """The rows logits are computed for: `logits_indices` when set (every verified position), else
@@ -96,6 +111,24 @@ class ForwardBatch:
         )
 
 
+    @classmethod
+    def for_verify(cls, h: "HostInputs", device: torch.device | str = "cpu") -> "ForwardBatch":
+        """The eager batch of `verify_inputs`' host arrays (uploads through `upload` when given)."""
+
+        def t(data, dtype):
+            return torch.as_tensor(data, dtype=dtype).to(device)
+
+        return cls(
+            input_ids=t(h.input_ids, torch.long), positions=t(h.positions, torch.long),
+            query_start_loc=t(h.query_start_loc, torch.int32), seq_lens=t(h.seq_lens, torch.int32),
+            page_table=t(h.page_table, torch.int32), slot_mapping=t(h.slot_mapping, torch.long),
+            state_slots=t(h.state_slots, torch.long), query_lens_cpu=h.query_lens, seq_lens_cpu=h.seq_lens.tolist(),
+            logits_indices=t(np.arange(len(h.input_ids)), torch.long), verify_width=h.verify_width,
+            row_seq_lens=t(h.row_seq_lens, torch.int32), row_seq_lens_cpu=h.row_seq_lens.tolist(),
+            verify_slots=t(h.verify_slots, torch.long),
+        )
+
+
 @dataclass
 class HostInputs:
     """A step's model inputs as host arrays: what both the eager path (ForwardBatch.build) and the CUDA
@@ -110,6 +143,9 @@ class HostInputs:
     page_tables: list[list[int]]  # each sequence's pages (the padding's positions included)
     query_lens: list[int]
     num_valid: int | None = None  # a padded one-sequence prefill: its real tokens
+    verify_width: int = 0  # a verify batch (verify_inputs): tokens per sequence, padding included
+    row_seq_lens: np.ndarray | None = None  # [T] int32, verify batches: the context of each row
+    verify_slots: np.ndarray | None = None  # [B, width-1] int64, verify batches: per-position state slots
 
     @property
     def page_table(self) -> np.ndarray:
@@ -169,6 +205,47 @@ def host_inputs(tokens: list[list[int]], cached_lens: list[int], page_tables: li
         page_tables=page_tables,
         query_lens=lens,
         num_valid=num_valid,
+    )
+
+
+def verify_inputs(rows: list[list[int]], cached_lens: list[int], page_tables: list[list[int]], page_size: int,
+                  state_slots: list[int], verify_slots: list[list[int]], width: int,
+                  positions: list | None = None) -> HostInputs:
+    """A verify batch: sequence i appends rows[i] (its last token and 0..width-1 drafts) at positions
+    cached_lens[i].., padded with token 0 up to `width` tokens. Padding writes no KV (slot -1), its
+    attention rows see what the last real row sees, and its recurrent steps run into state that is
+    never kept (a row's accepted position is always a real one). verify_slots[i]: width-1 state slots.
+    positions[i]: a [3, width] MRoPE array where given and not None (else text positions)."""
+    b = len(rows)
+    ids = np.zeros((b, width), dtype=np.int64)
+    pos = np.zeros((b, width), dtype=np.int64)
+    slots = np.full((b, width), -1, dtype=np.int64)
+    row_lens = np.zeros((b, width), dtype=np.int32)
+    for i, (toks, cached, pages) in enumerate(zip(rows, cached_lens, page_tables)):
+        n = len(toks)
+        if not 0 < n <= width:
+            raise ValueError(f"a verify row holds 1..{width} tokens, not {n}")
+        ids[i, :n] = toks
+        pos[i] = np.arange(cached, cached + width)
+        real = pos[i, :n]
+        slots[i, :n] = np.asarray(pages, dtype=np.int64)[real // page_size] * page_size + real % page_size
+        row_lens[i] = cached + np.minimum(np.arange(width), n - 1) + 1
+    flat_pos = pos.reshape(-1)
+    if positions is not None and any(p is not None for p in positions):
+        flat_pos = np.concatenate([np.asarray(p, dtype=np.int64) if p is not None else np.broadcast_to(q, (3, width))
+                                   for p, q in zip(positions, pos)], axis=1)
+    return HostInputs(
+        input_ids=ids.reshape(-1),
+        positions=flat_pos,
+        slot_mapping=slots.reshape(-1),
+        query_start_loc=np.arange(b + 1, dtype=np.int32) * width,
+        seq_lens=np.asarray(cached_lens, dtype=np.int32) + width,
+        state_slots=np.asarray(state_slots, dtype=np.int64),
+        page_tables=page_tables,
+        query_lens=[width] * b,
+        verify_width=width,
+        row_seq_lens=row_lens.reshape(-1),
+        verify_slots=np.asarray(verify_slots, dtype=np.int64).reshape(b, width - 1),
     )
 
 

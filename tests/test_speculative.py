@@ -116,7 +116,7 @@ def test_the_runner_returns_the_hidden_states_of_every_logit_row_when_asked():
     model = instantiate("tiny-qwen3.6", "cpu", torch.float32, seed=0)
     vocab = get_preset("tiny-qwen3.6").text_config()["vocab_size"]
     runner = ModelRunner(model, num_pages=16, page_size=4, num_state_slots=2, num_lanes=1, vocab_size=vocab,
-                         device=torch.device("cpu"), dtype=torch.float32, speculative=True)
+                         device=torch.device("cpu"), dtype=torch.float32, draft_tokens=3)
     greedy = SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,
                              frequency_penalty=0.0, seed=0)
     seq = SimpleNamespace(num_computed=0, pages=list(range(8)), state_slot=0, lane=0, output_ids=[], sampling=greedy)
@@ -147,3 +147,68 @@ def test_the_runner_returns_the_hidden_states_of_every_logit_row_when_asked():
 def test_greedy_output_with_drafts_equals_greedy_output_without_on_cuda(tiny_qwen_path, request):
     test_greedy_output_with_drafts_equals_greedy_output_without("tiny_qwen_path", 0.35, request,
                                                                 device=torch.device("cuda"))
+
+
+# ---- the MTP proposer (--spec mtp) ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_mtp_path(artifacts_dir):
+    from ninfer.artifact.presets import write_preset
+
+    return write_preset("tiny-qwen3.6", artifacts_dir / "tiny-qwen3.6-mtp.ninfer", seed=0, mtp=True)
+
+
+def _reference_drafts(engine, tokens: list[int], k: int) -> list[int]:
+    """The MTP head's k greedy drafts after `tokens`, recomputed from scratch: the trunk over all but the last
+    token, the head over every position (paired with the next token) in a fresh cache, then its chain."""
+    from ninfer.forward import ForwardBatch, ModelCache
+
+    runner, head = engine.runner, engine.proposer.head
+    n = len(tokens) - 1  # trunk positions with a known next token
+    pages = list(range(-(-(n + k + 1) // 4)))
+    cache = ModelCache(runner.cache.spec, len(pages), 4, 1, torch.float32)
+    with torch.inference_mode():
+        trunk = ForwardBatch.build([tokens[:n]], [0], [pages], 4, [0])
+        hidden = runner.model(trunk, cache)
+        batch = ForwardBatch.build([tokens[1:]], [0], [pages], 4, [0])
+        return head.propose(batch, cache, batch.input_ids, hidden, k)[0].tolist()
+
+
+@pytest.mark.parametrize("max_concurrency", [1, 3])
+def test_mtp_drafts_equal_a_from_scratch_head_and_output_equals_plain_greedy(tiny_qwen_mtp_path, max_concurrency):
+    """--spec mtp (contract: server options, speculative sections): the engine's MTP proposer keeps the head's
+    KV in the trunk's cache across rounds (prefill chunks, accepted runs, rejections); every draft it proposes
+    equals the head run from scratch over the whole sequence, and the committed output equals plain greedy
+    decoding token for token. A random head's drafts are almost never accepted, so after recording them the
+    test verifies the oracle's drafts instead (the target's own continuation, a share corrupted): runs of
+    every length are committed, and the head must follow them."""
+    base = _baseline(tiny_qwen_mtp_path)
+    settings = EngineSettings(max_context=256, max_concurrency=max_concurrency, prefill_chunk=16, draft_tokens=3,
+                              spec="mtp")
+    engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
+    oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=5)
+    seen = []
+    propose = engine.proposer.propose
+
+    def recording(works, budgets):
+        propose(works, budgets)
+        seen.extend((w.seq.tokens(0, w.seq.total_len), list(w.draft_ids), b) for w, b in zip(works, budgets))
+        oracle.propose(works, budgets)
+
+    engine.proposer.propose = recording
+    try:
+        spec = run_all(engine, _requests())
+        counters = engine.counters
+    finally:
+        engine.shutdown()
+    assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
+    assert counters.spec_rounds > 0 and len(seen) >= counters.spec_rounds
+    assert counters.spec_accepted_tokens > counters.spec_rounds // 2  # multi-token commits happened
+    assert all(e[-1].timings.draft_n is not None for e in spec if len(token_ids(e)) > 2)
+    checked = 0
+    for tokens, drafts, budget in seen[:: max(1, len(seen) // 12)]:  # a sample of rounds, every stage
+        assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
+        checked += 1
+    assert checked >= 6
+    assert_no_leak(engine)

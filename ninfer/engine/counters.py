@@ -28,10 +28,17 @@ class Counters:
     spec_rounds: int = 0  # decode rows that carried drafts
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_fallback_steps: int = 0  # decode rows of a speculative engine that carried none
     # ---- observability (metrics and the request log) ----
     host_context_peak_bytes: int = 0
     context_transfer_bytes: dict[str, int] = field(  # "<resource>_<direction>": main_kv|state x d2h|h2d|d2d
         default_factory=lambda: {f"{r}_{d}": 0 for r in ("main_kv", "state") for d in ("d2h", "h2d", "d2d")})
+
+
+    def count_round(self, drafted: int, accepted: int) -> None:
+        self.spec_rounds += 1
+        self.spec_drafted_tokens += drafted
+        self.spec_accepted_tokens += accepted
 
 
 HOST_PHASES = ("engine_boundary", "program_submit", "program_post", "engine_commit_output", "engine_maintenance")

@@ -74,6 +74,8 @@ class EngineSettings:
     no_cuda_graph: bool = False  # --no-cuda-graph: decode runs eagerly instead of replaying CUDA graphs
     scheduling_events: bool = False  # emit SchedulingEvents (pause/restore/replay) for the request log
     draft_tokens: int = 0  # speculative decoding: the most drafts per decode row (with a proposer)
+    spec: str | None = None  # --spec: the loader builds this drafter from the artifact (mtp, dflash, dflash2)
+    lm_head_draft: bool = False  # --lm-head-draft: drafts scored on the artifact's proposal head (draft_head)
     vision: bool = False  # --vision: the artifact's vision tower is loaded and requests may carry media
 
 
@@ -111,14 +113,19 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         spec = model.cache_spec()
+        drafts = settings.draft_tokens if proposer is not None else 0
+        # a drafter with KV of its own (the MTP head) rides in the trunk's cache as more attention layers
+        cache_spec = proposer.cache_spec(spec) if hasattr(proposer, "cache_spec") else spec
         num_slots = settings.state_slots or 2 * settings.max_concurrency
         self.kv_sizing = None
         if settings.kv_capacity == "auto":
+            verify_slots = settings.max_concurrency * drafts  # ModelRunner: per-position verify states
             self.kv_sizing = auto_kv_capacity(
                 model, page_size=settings.page_size, prefill_chunk=settings.prefill_chunk,
-                num_state_slots=num_slots if spec.num_state_layers else 0, max_context=settings.max_context,
-                max_concurrency=settings.max_concurrency, vocab_size=tokenizer.vocab_size, device=self.device,
-                dtype=dtype, kv_dtype=settings.kv_dtype, cuda_graphs=not settings.no_cuda_graph)
+                num_state_slots=num_slots + verify_slots if spec.num_state_layers else 0,
+                max_context=settings.max_context, max_concurrency=settings.max_concurrency,
+                vocab_size=tokenizer.vocab_size, device=self.device, dtype=dtype, kv_dtype=settings.kv_dtype,
+                cuda_graphs=not settings.no_cuda_graph, spec=cache_spec)
             capacity = self.kv_sizing.tokens
             log.info("KV capacity auto: %d tokens (%s)", capacity, self.kv_sizing.as_dict())
         else:
@@ -131,8 +138,10 @@ class Engine:
                                   vocab_size=tokenizer.vocab_size, device=self.device, dtype=dtype,
                                   cuda_graphs=not settings.no_cuda_graph, max_seq_len=settings.max_context,
                                   kv_dtype=settings.kv_dtype, prefill_chunk=settings.prefill_chunk,
-                                  speculative=proposer is not None and settings.draft_tokens > 0)
-        self.proposer = proposer
+                                  draft_tokens=drafts, cache_spec=cache_spec)
+        self.proposer = proposer if drafts else None
+        if hasattr(self.proposer, "bind"):
+            self.proposer.bind(self.runner)
         self.hybrid = slots is not None
         model_cache = self.runner.cache
         # host bytes for pause snapshots: --host-context-mib, else 8 GiB plus 8 state images
@@ -286,6 +295,10 @@ class Engine:
             "host_context_used_bytes": self.kv.host_used,
             "host_context_capacity_bytes": self.kv.host_budget,
             **{k: v for k, v in vars(c).items() if k not in ("requests", "context_transfer_bytes")},
+            "spec_decode_rounds": c.spec_rounds,
+            "spec_decode_draft_tokens": c.spec_drafted_tokens,
+            "spec_decode_accepted_tokens": c.spec_accepted_tokens,
+            "spec_decode_fallback_steps": c.spec_fallback_steps,
             "requests": dict(c.requests),
             "context_transfer_bytes": dict(c.context_transfer_bytes),
             **self.work.snapshot(),
@@ -341,6 +354,9 @@ class Engine:
                     self._drain_inbox()
                     self._expire_waiting()
                     plan = self.scheduler.schedule()
+                    if self.proposer is not None:  # drafters read the target's hidden states
+                        plan.want_hidden = True
+                        plan.want_prefill_hidden = getattr(self.proposer, "wants_prefill_hidden", False)
                     self._propose(plan)
                     self._admitted(plan)
                     self._preempted(plan)
@@ -372,6 +388,8 @@ class Engine:
                 live = [w for w in plan.decode if id(w.seq) not in ending]
                 self.runner.rollback(live, [committed[id(w.seq)] for w in live])
             self.scheduler.update(plan, output, committed)
+            if hasattr(self.proposer, "observe"):  # the drafter's half-step over the committed positions
+                self.proposer.observe(plan, output, committed)
             counted = self.output.take_counted()
             if counted:
                 lanes, ids = zip(*counted)
@@ -415,12 +433,11 @@ class Engine:
             if work.draft_ids:  # the drafts the target confirms, then its own token after them
                 accepted = accepted_prefix(work.draft_ids, sampled)
                 row = sampled[: accepted + 1]
-                c = self.counters
-                c.spec_rounds += 1
-                c.spec_drafted_tokens += len(work.draft_ids)
-                c.spec_accepted_tokens += accepted
-                work.seq.drafted += len(work.draft_ids)
-                work.seq.draft_accepted += accepted
+                self.counters.count_round(len(work.draft_ids), accepted)
+                work.seq.count_round(len(work.draft_ids), accepted)
+            elif self.proposer is not None:  # a speculative engine's row decoding one token
+                self.counters.spec_fallback_steps += 1
+                work.seq.spec_fallback_steps += 1
             ended, committed[id(work.seq)] = self._commit_tokens(work.seq, row)
             finished += ended
         return finished, committed
@@ -492,13 +509,15 @@ class Engine:
             seq.emit(ProgressEvent(seq.prompt_len, seq.cached_tokens, min(computed, seq.prompt_len), elapsed))
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        if hasattr(self.proposer, "forget"):
+            self.proposer.forget(seq)
         self.output.flush_tail(seq, reason)
         self.scheduler.finish(seq, retain=reason not in (FinishReason.CANCELLED, FinishReason.ERROR))
         if seq.preemptions:
             self._recovering.discard(seq.request_id)
             self._scheduling_event(seq, "terminal", None)
         self._drop(seq)
-        seq.emit(self.output.finish_event(seq, reason, error))
+        seq.emit(self.output.finish_event(seq, reason, error, speculative=self.proposer is not None))
         self._count_outcome(reason.value)
 
     # ---- observability: pause/restore events --------------------------------------------------

@@ -173,6 +173,70 @@ class PrefillInputs(StaticInputs):
         )
 
 
+class VerifyInputs(StaticInputs):
+    """Verify graphs' inputs: b sequences (the first b rows) appending `width` tokens each (the last token
+    and its drafts, padded: forward.verify_inputs). int64: input_ids, positions, slot_mapping (max_batch
+    * width each), state slots [max_batch], per-position state slots [max_batch, width-1], logit rows
+    (0..T-1, fixed); int32: sequence lengths [max_batch], row lengths [max_batch * width], page table
+    [max_batch, page width]."""
+
+    def __init__(self, max_batch: int, width: int, pages: int, device: torch.device):
+        tokens = max_batch * width
+        super().__init__(3 * tokens + max_batch * width + tokens, max_batch + tokens + max_batch * pages, device)
+        self.max_batch, self.width, self.pages = max_batch, width, pages
+        self.qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=device) * width
+        h64, _ = self.host()
+        h64[-tokens:] = np.arange(tokens)  # logit rows: every token, in both host images
+        self._images[1][0].numpy()[-tokens:] = np.arange(tokens)
+
+    def _views64(self, t: torch.Tensor | np.ndarray):
+        mb, w = self.max_batch, self.width
+        tokens = mb * w
+        return (t[:tokens], t[tokens: 2 * tokens], t[2 * tokens: 3 * tokens], t[3 * tokens: 3 * tokens + mb],
+                t[3 * tokens + mb: 3 * tokens + mb * w].reshape(mb, w - 1), t[3 * tokens + mb * w:])
+
+    def _views32(self, t: torch.Tensor | np.ndarray):
+        mb, tokens = self.max_batch, self.max_batch * self.width
+        return t[:mb], t[mb: mb + tokens], t[mb + tokens:].reshape(mb, self.pages)
+
+    def placeholder(self) -> None:
+        """Warm-up and capture inputs: rows of token 0 over page 0, every state slot 0."""
+        h64, h32 = self.host()
+        h64[: -self.max_batch * self.width] = 0
+        h32[:] = 1
+        self._views32(h32)[2][:] = 0
+        self.upload()
+
+    def fits(self, seqs) -> bool:
+        return all(len(s.pages) <= self.pages for s in seqs)
+
+    def load(self, h: HostInputs) -> None:
+        """A verify batch's host arrays (forward.verify_inputs with this width) into the buffers."""
+        b, w = len(h.query_lens), self.width
+        h64, h32 = self.host()
+        ids, pos, slots, own, scratch, _ = self._views64(h64)
+        ids[: b * w], pos[: b * w], slots[: b * w] = h.input_ids, h.positions, h.slot_mapping
+        own[:b] = h.state_slots
+        scratch[:b] = h.verify_slots
+        seq_lens, row_lens, table = self._views32(h32)
+        seq_lens[:b] = h.seq_lens
+        row_lens[: b * w] = h.row_seq_lens
+        for i, pages in enumerate(h.page_tables):
+            table[i, : len(pages)] = pages
+        self.upload()
+
+    def batch(self, b: int) -> ForwardBatch:
+        w = self.width
+        ids, pos, slots, own, scratch, logit_rows = self._views64(self.i64)
+        seq_lens, row_lens, table = self._views32(self.i32)
+        return ForwardBatch(
+            input_ids=ids[: b * w], positions=pos[: b * w], query_start_loc=self.qsl[: b + 1],
+            seq_lens=seq_lens[:b], page_table=table[:b], slot_mapping=slots[: b * w], state_slots=own[:b],
+            query_lens_cpu=[w] * b, seq_lens_cpu=DeviceOnlyLengths([0] * b), logits_indices=logit_rows[: b * w],
+            verify_width=w, row_seq_lens=row_lens[: b * w], verify_slots=scratch[:b],
+        )
+
+
 class SamplerInputs(StaticInputs):
     """The sampler graphs' per-row settings (batch b uses the first b columns). int64 rows:
     SamplingBatch.LONG_ROWS (top_k, seed, output index), then the lane; int32 rows hold the float32

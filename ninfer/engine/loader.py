@@ -145,6 +145,35 @@ def load_mtp_head(artifact: Artifact, trunk: nn.Module, device: torch.device, dt
     return prepare_for_inference_(head.attach_(trunk)).eval()
 
 
+def load_proposer(artifact: Artifact, trunk: nn.Module, settings: EngineSettings, device: torch.device,
+                  dtype: torch.dtype):
+    """The drafter --spec selects, from the artifact's components (before the engine sizes its KV)."""
+    if settings.spec != "mtp":
+        raise ValueError(f"--spec {settings.spec} is not supported by this build yet (supported: mtp)")
+    if not settings.draft_tokens:
+        settings.draft_tokens = 3
+    from ninfer.engine.mtp_proposer import MTPProposer
+
+    head = load_mtp_head(artifact, trunk, device, dtype, kv_layer=trunk.cache_spec().num_attn_layers)
+    draft_head = load_draft_head(artifact, device, dtype) if settings.lm_head_draft else None
+    return MTPProposer(head, draft_head)
+
+
+def load_draft_head(artifact: Artifact, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The artifact's proposal head (`draft_head` component, ninfer.models.draft_head) on the device."""
+    from safetensors import safe_open
+
+    from ninfer.models.draft_head import DraftHead
+
+    config = artifact.config("draft_head")
+    with safe_open(str(artifact.path), framework="pt", device=str(device)) as f:
+        weights = {name.removeprefix("draft_head."): f.get_tensor(name)
+                   for name in artifact.tensor_names if name.startswith("draft_head.")}
+    head = DraftHead(config["num_tokens"], config["hidden_size"], dtype=dtype, device=device)
+    head.load_state_dict({k: (v if k == "token_ids" else v.to(dtype)) for k, v in weights.items()}, strict=True)
+    return head.eval()
+
+
 def load_engine(path: str | Path, settings: EngineSettings | None = None, *, device: torch.device | None = None,
                 dtype: str = "auto", start: bool = True, proposer=None) -> Engine:
     """Load an artifact into a started engine; the load itself runs on the engine's thread. proposer: a
@@ -164,6 +193,8 @@ def load_engine(path: str | Path, settings: EngineSettings | None = None, *, dev
         settings.sampling_presets = artifact.manifest.sampling_presets
     # without --vision no tower is read or allocated; with it, before the engine sizes its KV from free memory
     tower = load_vision_tower(artifact, device, torch_dtype) if settings.vision else None
+    if proposer is None and settings.spec:
+        proposer = load_proposer(artifact, model, settings, device, torch_dtype)
     engine = Engine(model, tokenizer, settings, device=device, dtype=torch_dtype, thinking=thinking_control(tokenizer),
                     proposer=proposer)
     engine.runner.vision_tower = tower

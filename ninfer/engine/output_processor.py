@@ -73,7 +73,9 @@ class OutputProcessor:
             if tail:
                 seq.emit(TokenEvent([], seq.controller.channel, tail))
 
-    def finish_event(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> FinishEvent:
+    def finish_event(self, seq: Sequence, reason: FinishReason, error: str | None = None,
+                     speculative: bool = False) -> FinishEvent:
+        """speculative: the engine runs a drafter (the event then carries the request's speculative counts)."""
         now = time.monotonic()
         admitted = seq.t_admit or now
         first = seq.t_first or now
@@ -83,9 +85,16 @@ class OutputProcessor:
             prompt_ms=(first - admitted) * 1000.0 if seq.t_admit else 0.0,
             predicted_n=len(seq.output_ids),
             predicted_ms=((seq.t_last or first) - first) * 1000.0,
+            draft_n=seq.drafted if seq.spec_rounds else None,
+            draft_n_accepted=seq.draft_accepted if seq.spec_rounds else None,
         )
+        spec = None
+        if speculative:
+            spec = {"rounds": seq.spec_rounds, "drafted_tokens": seq.drafted, "accepted_tokens": seq.draft_accepted,
+                    "fallback_steps": seq.spec_fallback_steps, "accepted_per_position": list(seq.accepted_per_position)}
         usage = Usage(prompt_tokens=seq.prompt_len, cached_tokens=seq.cached_tokens,
                       completion_tokens=len(seq.output_ids), reasoning_tokens=seq.controller.reasoning_tokens)
         return FinishEvent(reason, usage, timings, stop_string=seq.controller.stop_string,
                            thinking_budget_applied=seq.controller.budget_applied,
-                           preemptions=seq.preemptions, prefix_reuse_path=seq.prefix_path, error=error)
+                           preemptions=seq.preemptions, prefix_reuse_path=seq.prefix_path, error=error,
+                           speculative=spec)

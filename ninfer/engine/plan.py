@@ -77,6 +77,7 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)
     starved: list[Sequence] = field(default_factory=list)  # the oldest could not get room: ends at the context
     want_hidden: bool = False  # RunnerOutput.hidden: the final hidden states of every logit row (drafters)
+    want_prefill_hidden: bool = False  # RunnerOutput.prefill_hidden: every prefill token's (the MTP head)
 
     @property
     def works(self) -> list[SeqWork]:
@@ -100,7 +101,9 @@ class StepPlan:
 class RunnerOutput:
     """sampled[i]: the tokens drawn for plan.works[i] (one per logit row; [] where nothing was sampled).
     hidden (plan.want_hidden): hidden[i] the final hidden states [rows, H] of plan.works[i]'s logit rows
-    (a prefill chunk: its last token's), on the device; else None."""
+    (a prefill chunk: its last token's), on the device; else None. prefill_hidden (plan.want_prefill_hidden):
+    the prefill chunk's final hidden states, every token's."""
 
     sampled: list[list[int]]
     hidden: list | None = None
+    prefill_hidden: object | None = None  # [chunk tokens, H] on the device (plan.want_prefill_hidden)

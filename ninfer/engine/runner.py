@@ -38,11 +38,11 @@ from types import SimpleNamespace
 import torch
 
 from ninfer.engine import media_inputs
-from ninfer.engine.graphs import DecodeInputs, PrefillInputs, SamplerInputs, capture
+from ninfer.engine.graphs import DecodeInputs, PrefillInputs, SamplerInputs, VerifyInputs, capture
 from ninfer.engine.plan import RunnerOutput, StepPlan
 from ninfer.engine.sampler import TOP_K_CAP, SamplingBatch, sample
 from ninfer.engine.sequence import Sequence
-from ninfer.forward import ForwardBatch, ModelCache
+from ninfer.forward import CacheSpec, ForwardBatch, ModelCache, verify_inputs
 from ninfer.kernels.backend import use_triton
 
 log = logging.getLogger("ninfer.engine")
@@ -72,8 +72,9 @@ class GraphEntry:
 
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
-    inputs: DecodeInputs | PrefillInputs
+    inputs: DecodeInputs | PrefillInputs | VerifyInputs
     hidden: torch.Tensor | None = None  # the logit rows' final hidden states (a static output too)
+    all_hidden: torch.Tensor | None = None  # every token's final hidden states (static as well)
 
 
 @dataclass(frozen=True)
@@ -132,9 +133,14 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_pages: int, page_size: int, num_state_slots: int,
                  num_lanes: int, vocab_size: int, device: torch.device, dtype: torch.dtype,
                  cuda_graphs: bool = True, max_seq_len: int | None = None, kv_dtype: str = "bf16",
-                 prefill_chunk: int | None = None, prefill_pieces: bool | None = None, speculative: bool = False):
-        """speculative: decode rows may carry drafts; hybrid models then get one rollback state slot per lane
-        (after the live slots) to put a row's recurrent state back when drafts are rejected.
+                 prefill_chunk: int | None = None, prefill_pieces: bool | None = None, draft_tokens: int = 0,
+                 cache_spec: CacheSpec | None = None):
+        """draft_tokens: the most drafts a decode row may carry (speculative decoding; 0: none). Hybrid
+        models then get draft_tokens state slots per lane after the live slots: a verify forward keeps
+        the recurrent state of each verified position there (ForwardBatch.verify_slots), and `rollback`
+        puts the accepted one back with one copy. Verify forwards of every batch size replay CUDA graphs
+        of width draft_tokens + 1 (shorter rows padded).
+        cache_spec: the cache to allocate (default the model's; a drafter may ride in it as extra layers).
         prefill_chunk: the engine's chunk length, for the prefill graph (None: no prefill graph).
         prefill_pieces: cut shorter prefills into power-of-two pieces (None: NINFER_PREFILL_PIECES if set,
         else on CUDA devices only: on CPU there are no graphs to replay)."""
@@ -142,10 +148,11 @@ class ModelRunner:
         self.vision_tower: torch.nn.Module | None = None  # set by the loader with --vision (media_inputs)
         self.device = torch.device(device)
         self.page_size = page_size
-        self.rollback_base = num_state_slots  # rollback slot of lane i: rollback_base + i
-        rollback_slots = num_lanes if speculative and num_state_slots else 0
-        self.cache = ModelCache(model.cache_spec(), num_pages, page_size, num_state_slots + rollback_slots, dtype,
-                                self.device, kv_dtype=kv_dtype)
+        self.draft_tokens = draft_tokens
+        self.verify_base = num_state_slots  # state of lane l after verified position j: verify_base + l*k + j
+        verify_slots = num_lanes * draft_tokens if num_state_slots else 0
+        self.cache = ModelCache(cache_spec or model.cache_spec(), num_pages, page_size, num_state_slots + verify_slots,
+                                dtype, self.device, kv_dtype=kv_dtype)
         # generated-token counts per lane, for presence/frequency penalties
         self.counts = torch.zeros((num_lanes, vocab_size), dtype=torch.float32, device=self.device)
         self.vocab_size = vocab_size
@@ -168,6 +175,11 @@ class ModelRunner:
         self.prefill_replays = 0
         self.eager_steps = 0
         self._decode_inputs: DecodeInputs | None = None
+        self._verify_inputs: VerifyInputs | None = None
+        self.last_verify_width = 0  # the last verify forward's tokens per sequence (rollback reads it)
+        self.last_all_hidden: torch.Tensor | None = None  # the last forward's every-token hidden states
+        self._token_rows: list[torch.Tensor] | None = None  # a prefill's, while plan.want_prefill_hidden
+        self._prefill_hidden: torch.Tensor | None = None
         self._sampler_inputs: SamplerInputs | None = None
         self.fused_sampler = False
         self.sampler_status = self._choose_sampler()
@@ -186,6 +198,8 @@ class ModelRunner:
             self.graph_status = self._capture_decode(num_lanes, width)
             if self.graphs:
                 self.graph_status += "; " + self._capture_sampler(num_lanes)
+            if self.graphs and draft_tokens:
+                self.graph_status += "; " + self._capture_verify(num_lanes, draft_tokens + 1, width)
             if prefill_chunk:
                 self.graph_status += "; " + self._capture_prefill(prefill_chunk, width)
         log.info("CUDA graphs: %s", self.graph_status)
@@ -231,6 +245,7 @@ class ModelRunner:
         """Logits of the batch's logit rows; their final hidden states stay in `last_hidden` (drafters read
         them; under capture the tensor is the graph's, rewritten by each replay)."""
         hidden = self.model(batch, self.cache)
+        self.last_all_hidden = hidden
         self.last_hidden = hidden[batch.logit_indices()]
         return self.model.compute_logits(self.last_hidden)
 
@@ -257,13 +272,34 @@ class ModelRunner:
                 graph, logits = capture(lambda batch=batch: self._logits(batch), self.device,
                                         warmups=2 if b == max_batch else 1, pool=pool)
                 pool = graph.pool()
-                self.graphs[(b, 1)] = GraphEntry(graph, logits, inputs, self.last_hidden)
+                self.graphs[(b, 1)] = GraphEntry(graph, logits, inputs, self.last_hidden, self.last_all_hidden)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # e.g. a model path that reads the device back: run decode eagerly
             self.graphs.clear()
             self._decode_inputs = None
             return "off: " + self._capture_failed("decode", exc)
         return f"on: batch sizes 1..{max_batch}, page-table width {width}"
+
+    @torch.inference_mode()
+    def _capture_verify(self, max_batch: int, width: int, pages: int) -> str:
+        """One verify graph per batch size (`width` tokens per sequence), in the decode graphs' pool: a verify
+        forward and a decode forward never run in the same step. Placeholder rows write no KV they
+        should not: page 0's slots and state slot 0, as the decode capture does."""
+        inputs = self._verify_inputs = VerifyInputs(max_batch, width, pages, self.device)
+        inputs.placeholder()
+        pool = self.graphs[(max_batch, 1)].graph.pool()
+        try:
+            for b in range(max_batch, 0, -1):
+                batch = inputs.batch(b)
+                graph, logits = capture(lambda batch=batch: self._logits(batch), self.device, warmups=1, pool=pool)
+                self.graphs[(b, width)] = GraphEntry(graph, logits, inputs, self.last_hidden, self.last_all_hidden)
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:
+            for b in range(max_batch, 0, -1):
+                self.graphs.pop((b, width), None)
+            self._verify_inputs = None
+            return "verify eager: " + self._capture_failed("verify", exc)
+        return f"verify graphs of {width} tokens per sequence"
 
     @torch.inference_mode()
     def _capture_sampler(self, max_batch: int) -> str:
@@ -306,7 +342,7 @@ class ModelRunner:
         batch = inputs.batch()
         try:
             graph, logits = capture(lambda: self._logits(batch), self.device, warmups=1)
-            self.prefill_graphs[(1, tokens)] = GraphEntry(graph, logits, inputs, self.last_hidden)
+            self.prefill_graphs[(1, tokens)] = GraphEntry(graph, logits, inputs, self.last_hidden, self.last_all_hidden)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # e.g. a MoE routing step that reads group sizes back to the host
             self.prefill_graphs.pop((1, tokens), None)
@@ -332,7 +368,8 @@ class ModelRunner:
                 inputs.placeholder(self.page_size)
                 batch = inputs.batch()
                 graph, logits = capture(lambda batch=batch: self._logits(batch), self.device, warmups=1, pool=pool)
-                self.prefill_graphs[(1, size)] = GraphEntry(graph, logits, inputs, self.last_hidden)
+                self.prefill_graphs[(1, size)] = GraphEntry(graph, logits, inputs, self.last_hidden,
+                                                            self.last_all_hidden)
                 pieces.append(size)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # no pieces then: a shorter prefill runs as one eager forward again
@@ -355,7 +392,7 @@ class ModelRunner:
         if any(len(t) != len(inputs[0]) for t in inputs) or any(getattr(s, "mrope", None) is not None for s in seqs):
             return None  # ragged rows, or MRoPE positions (the graphs' buffers hold one position per token)
         if n > 1 and all_logits:
-            return None  # verification rows: no verify graphs captured yet, they run eagerly
+            return None  # verification rows: `verify`
         entry = (self.graphs if n == 1 else self.prefill_graphs).get((len(seqs), n))
         if entry is None:
             return None
@@ -365,7 +402,7 @@ class ModelRunner:
             entry.inputs.fill(seqs, inputs, self.page_size)
             entry.graph.replay()
             self.graph_replays += 1
-            self.last_hidden = entry.hidden
+            self.last_hidden, self.last_all_hidden = entry.hidden, entry.all_hidden
             return entry.logits
         if len(seqs) != 1:
             return None
@@ -376,7 +413,7 @@ class ModelRunner:
                      self.page_size)
         entry.graph.replay()
         self.prefill_replays += 1
-        self.last_hidden = entry.hidden
+        self.last_hidden, self.last_all_hidden = entry.hidden, entry.all_hidden
         return entry.logits
 
     # ---- public API --------------------------------------------------------------------------
@@ -392,7 +429,15 @@ class ModelRunner:
                 and getattr(seqs[0], "mrope", None) is None):
             return self._forward_pieces(seqs[0], inputs[0])
         logits = self._replay(seqs, inputs, all_logits=all_logits)
-        return logits if logits is not None else self.forward_eager(seqs, inputs, all_logits=all_logits)
+        logits = logits if logits is not None else self.forward_eager(seqs, inputs, all_logits=all_logits)
+        self._keep_token_rows(sum(len(t) for t in inputs))
+        return logits
+
+    def _keep_token_rows(self, n: int) -> None:
+        """While a prefill's hidden states are collected (plan.want_prefill_hidden): the last forward's
+        first n rows (its real tokens), copied before the next forward rewrites a graph's."""
+        if self._token_rows is not None:
+            self._token_rows.append(self.last_all_hidden[:n].clone())
 
     def _forward_pieces(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
         """A shorter prefill by its plan: each piece replayed (or eager where no graph fits), the last
@@ -407,6 +452,7 @@ class ModelRunner:
             logits = self._replay([piece], part, pad_to)
             if logits is None:
                 logits = self.forward_eager([piece], part, pad_to)
+            self._keep_token_rows(len(part[0]))
             start += size
         return logits
 
@@ -448,10 +494,14 @@ class ModelRunner:
         """Queue the plan's forwards and samplers without waiting for the device: the prefill chunk (one
         row, its last token, when it samples), then the decode batch in one traversal (a row per token of
         each work: the input token and its drafts)."""
-        launched, self._hidden = [], []
+        launched, self._hidden, self._prefill_hidden = [], [], None
         if plan.prefill is not None:
             work = plan.prefill
+            self._token_rows = [] if plan.want_prefill_hidden else None
             logits = self.forward([work.seq], [work.tokens])
+            if self._token_rows is not None:
+                rows, self._token_rows = self._token_rows, None
+                self._prefill_hidden = torch.cat(rows) if len(rows) > 1 else rows[0]
             self._keep_hidden(plan, rows=1)
             if work.sample:  # cloned: from a graph it is a static output the decode step rewrites
                 launched.append(self.sample([work.seq], logits).clone())
@@ -462,13 +512,56 @@ class ModelRunner:
                 self._keep_hidden(plan, rows=len(rows))
                 launched.append(self.sample(seqs, logits))
             else:
-                self._save_states([w for w in plan.decode if w.draft_ids])
-                logits = self.forward(seqs, rows, all_logits=True)
-                self._keep_hidden(plan, rows=sum(len(r) for r in rows))
-                per_row = [s for s, r in zip(seqs, rows) for _ in r]
-                steps = [len(s.output_ids) + j for s, r in zip(seqs, rows) for j in range(len(r))]
-                launched.append(self.sample(per_row, logits, steps=steps))
+                width = max(len(r) for r in rows)
+                logits = self.verify(seqs, rows, width)
+                self._keep_hidden(plan, rows=len(rows) * width, width=width, lens=[len(r) for r in rows])
+                per_row = [s for s in seqs for _ in range(width)]
+                steps = [len(s.output_ids) + j for s in seqs for j in range(width)]
+                launched.append(self._real_rows(self.sample(per_row, logits, steps=steps), rows, width))
         return launched
+
+    def _real_rows(self, tokens: torch.Tensor, rows: list[list[int]], width: int) -> torch.Tensor:
+        """A padded verify batch's sampled tokens without the padding's rows (in order, as collect reads them)."""
+        if all(len(r) == width for r in rows):
+            return tokens
+        keep = [i * width + j for i, r in enumerate(rows) for j in range(len(r))]
+        return tokens[self._tensor(keep, torch.long)]
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence], rows: list[list[int]], width: int | None = None) -> torch.Tensor:
+        """One traversal over each sequence's last token and drafts (rows[i], padded to `width`): float32
+        logits of every position [B * width, V], from the verify graph of this batch size when captured
+        (MRoPE sequences run eagerly). Recurrent state: see ModelRunner.__init__ and `rollback`."""
+        width = width or max(len(r) for r in rows)
+        if width - 1 > self.draft_tokens:
+            raise ValueError(f"a verify row of {width} tokens exceeds the {self.draft_tokens} drafts allocated")
+        self.last_verify_width = width
+        positions = [_positions(s, width) for s in seqs]  # MRoPE sequences: theirs (and no graph)
+        mrope = any(p is not None for p in positions)
+        h = verify_inputs(rows, [s.num_computed for s in seqs], [s.pages for s in seqs], self.page_size,
+                          [s.state_slot if s.state_slot is not None else 0 for s in seqs],
+                          [self._verify_slots(s.lane, width) for s in seqs], width, positions if mrope else None)
+        entry = self.graphs.get((len(seqs), width))
+        if entry is not None and not mrope and entry.inputs.fits(seqs):
+            entry.inputs.load(h)
+            entry.graph.replay()
+            self.graph_replays += 1
+            self.last_hidden, self.last_all_hidden = entry.hidden, entry.all_hidden
+            return entry.logits
+        self.eager_steps += 1
+        batch = ForwardBatch.for_verify(h)
+        if self.device.type != "cpu":
+            for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "slot_mapping",
+                         "state_slots", "logits_indices", "row_seq_lens", "verify_slots"):
+                setattr(batch, name, self._upload(getattr(batch, name)))
+        return self._logits(batch)
+
+    def _verify_slots(self, lane: int | None, width: int) -> list[int]:
+        """The lane's per-position state slots of a verify forward (see __init__)."""
+        if not self.cache.conv.shape[0]:
+            return [0] * (width - 1)
+        base = self.verify_base + (lane or 0) * self.draft_tokens
+        return list(range(base, base + width - 1))
 
     def collect(self, plan: StepPlan, launched: list[torch.Tensor]) -> RunnerOutput:
         """Read the sampled ids back: the one host synchronization of a step."""
@@ -483,41 +576,39 @@ class ModelRunner:
             rows = torch.cat(self._hidden) if len(self._hidden) > 1 else self._hidden[0]
             sizes = [1 if not w.decode else len(w.tokens) for w in plan.works]
             hidden = list(rows.split(sizes))
-        return RunnerOutput(sampled, hidden)
+        return RunnerOutput(sampled, hidden, self._prefill_hidden)
 
-    def _keep_hidden(self, plan: StepPlan, rows: int) -> None:
+    def _keep_hidden(self, plan: StepPlan, rows: int, width: int = 0, lens: list[int] | None = None) -> None:
         """The forward's logit rows' hidden states, copied when the plan asks for them (a graph's are
-        rewritten by the next replay)."""
+        rewritten by the next replay); a padded verify batch's without the padding's rows."""
         if plan.want_hidden:
-            self._hidden.append(self.last_hidden[:rows].clone())
+            hidden = self.last_hidden[:rows]
+            if width and lens and any(n != width for n in lens):
+                hidden = hidden[self._tensor([i * width + j for i, n in enumerate(lens) for j in range(n)], torch.long)]
+            self._hidden.append(hidden.clone())
 
     # ---- speculative rollback ----------------------------------------------------------------
-    def _save_states(self, works) -> None:
-        """Copy each drafting row's recurrent state to its lane's rollback slot (one batched copy)."""
-        if works and self.cache.conv.shape[0]:
-            seqs = [w.seq for w in works]
-            self._copy_states([s.state_slot for s in seqs], [self.rollback_base + s.lane for s in seqs])
+    @torch.inference_mode()
+    def rollback(self, works, committed: list[int], width: int | None = None) -> None:
+        """After a verify forward of `width` tokens per row: a row that committed c tokens needs the recurrent
+        state after its position c-1, which the forward left in that position's slot (the last position's
+        in the sequence's own slot). One indexed copy per state tensor brings it back for every row that
+        committed fewer than `width` (padded rows always do). Attention KV needs nothing: slots past the
+        frontier are rewritten before anything reads them."""
+        if self.cache.conv.shape[0] == 0:
+            return
+        width = width or self.last_verify_width
+        # every row of the forward, drafts or not: a shorter row was padded up to the width
+        redo = [(w.seq, c) for w, c in zip(works, committed) if width > 1 and 0 < c < width]
+        if redo:
+            src = [self.verify_base + (s.lane or 0) * self.draft_tokens + c - 1 for s, c in redo]
+            self._copy_states(src, [s.state_slot for s, _ in redo])
 
     def _copy_states(self, src: list[int], dst: list[int]) -> None:
         """Recurrent state slots src[i] -> dst[i], all rows in one indexed copy per tensor."""
         src_t, dst_t = self._tensor(src, torch.long), self._tensor(dst, torch.long)
         self.cache.conv[:, dst_t] = self.cache.conv[:, src_t]
         self.cache.ssm[:, dst_t] = self.cache.ssm[:, src_t]
-
-    @torch.inference_mode()
-    def rollback(self, works, committed: list[int]) -> None:
-        """Rows that committed fewer tokens than they verified: their recurrent state ran past the last
-        committed position, so it is put back from the rollback slot and advanced over the committed
-        inputs again (one forward over those rows). Attention KV needs nothing: the slots past the
-        frontier are rewritten before anything reads them."""
-        if self.cache.conv.shape[0] == 0:
-            return
-        redo = [(w, c) for w, c in zip(works, committed) if w.draft_ids and c < len(w.tokens)]
-        if not redo:
-            return
-        seqs = [w.seq for w, _ in redo]
-        self._copy_states([self.rollback_base + s.lane for s in seqs], [s.state_slot for s in seqs])
-        self.forward_eager([w.seq for w, _ in redo], [w.tokens[:c] for w, c in redo])
 
     def reset_lane(self, lane: int, output_ids: list[int]) -> None:
         """Start a lane's penalty counts over (from a restored request's committed output, if any)."""

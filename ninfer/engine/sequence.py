@@ -46,6 +46,9 @@ class Sequence:
     preemptions: int = 0
     drafted: int = 0  # speculative drafts proposed for this request, and those the target accepted
     draft_accepted: int = 0
+    spec_rounds: int = 0  # its decode rows that carried drafts, and those that carried none
+    spec_fallback_steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds whose draft j stood
     paused_frontier: int = 0  # tokens computed when it last paused (the request log's paused event)
     # [3, prompt_len] MRoPE (t, h, w) positions of a prompt with media, and the offset text positions past
     # them take (next position = index + mrope_delta); None: text positions (the three axes agree)
@@ -61,6 +64,16 @@ class Sequence:
     t_first: float | None = None
     t_last: float | None = None
     t_paused: float | None = None
+
+    def count_round(self, drafted: int, accepted: int) -> None:
+        """One verification round: `drafted` drafts, the first `accepted` of them confirmed."""
+        self.spec_rounds += 1
+        self.drafted += drafted
+        self.draft_accepted += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position += [0] * (drafted - len(self.accepted_per_position))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
 
     @property
     def request_id(self) -> str:

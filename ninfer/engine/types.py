@@ -131,6 +131,8 @@ class Timings:
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
+    draft_n: int | None = None  # speculative requests that drafted: drafts proposed, and those accepted
+    draft_n_accepted: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The llama.cpp timings object; zero-count or zero-duration cases give finite zero rates."""
@@ -142,6 +144,7 @@ class Timings:
             return ms / n if n > 0 and ms > 0 else 0.0
 
         intervals = max(self.predicted_n - 1, 0)
+        drafts = {} if self.draft_n is None else {"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted}
         return {
             "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
@@ -152,6 +155,7 @@ class Timings:
             "predicted_ms": self.predicted_ms,
             "predicted_per_token_ms": per(self.predicted_ms, intervals),
             "predicted_per_second": rate(intervals, self.predicted_ms),
+            **drafts,
         }
 
 
@@ -165,6 +169,9 @@ class FinishEvent:
     preemptions: int = 0
     prefix_reuse_path: str = "root"  # "checkpoint" when a retained prefix was reused
     error: str | None = None
+    # a speculative engine's counts for this request (rounds, drafted_tokens, accepted_tokens,
+    # fallback_steps, accepted_per_position); None without speculative decoding
+    speculative: dict[str, Any] | None = None
 
 
 @dataclass

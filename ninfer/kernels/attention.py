@@ -123,7 +123,14 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, page_size: int,
     scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton kernels for CUDA tensors (decode: device lengths only, graph-capturable); else the reference."""
+    """Triton kernels for CUDA tensors (decode: device lengths only, graph-capturable); else the reference.
+    A verify batch (ForwardBatch.verify_width) runs as one decode row per token, each over its own context:
+    row j of a sequence computes what a plain decode step at that position computes, with the same kernel."""
+    if batch.verify_width:
+        rows = getattr(batch, "_decode_rows", None)
+        if rows is None:  # built once per forward, not per layer
+            rows = batch._decode_rows = _verify_rows(batch)
+        batch = rows
     if use_triton(q):
         from ninfer.kernels import triton_attention
 
@@ -135,3 +142,16 @@ def paged_attention(
                                               batch.page_table, page_size, scale, max(batch.query_lens_cpu),
                                               k_scale=k_scale, v_scale=v_scale)
     return paged_attention_ref(q, k_cache, v_cache, batch, page_size, scale, k_scale, v_scale)
+
+
+def _verify_rows(batch: ForwardBatch) -> ForwardBatch:
+    """A verify batch seen as decode rows: one row per token, its page-table row repeated, the row's own
+    context length (ForwardBatch.row_seq_lens)."""
+    tokens = batch.row_seq_lens.shape[0]
+    return ForwardBatch(
+        input_ids=batch.input_ids, positions=batch.positions,
+        query_start_loc=torch.arange(tokens + 1, dtype=torch.int32, device=batch.seq_lens.device),
+        seq_lens=batch.row_seq_lens, page_table=batch.row_page_table(), slot_mapping=batch.slot_mapping,
+        state_slots=batch.state_slots, query_lens_cpu=[1] * tokens,
+        seq_lens_cpu=batch.row_seq_lens_cpu if batch.row_seq_lens_cpu is not None else batch.seq_lens_cpu,
+    )

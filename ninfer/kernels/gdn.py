@@ -52,6 +52,9 @@ class GDNMetadata:
     # taken at the last real token (state_cu_seqlens: [0, num_valid])
     valid: torch.Tensor | None = None
     state_cu_seqlens: torch.Tensor | None = None
+    # a verify batch (ForwardBatch.verify_width): each sequence's tokens are stepped one position at a
+    # time with the decode kernels; (state slot in, state slot out) of every position, [B] each
+    verify_steps: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch) -> "GDNMetadata":
@@ -63,6 +66,11 @@ class GDNMetadata:
         seq_idx = torch.repeat_interleave(seqs, query_lens, output_size=num_tokens)
         pos_in_seq = torch.arange(num_tokens, device=qsl.device) - qsl.long()[seq_idx]
         is_decode = batch.is_decode
+        if batch.verify_width:
+            return cls(cu_seqlens=qsl.to(torch.int32), state_slots=batch.state_slots.long(),
+                       has_initial_state=(batch.seq_lens.long() - query_lens) > 0, seq_idx=seq_idx,
+                       pos_in_seq=pos_in_seq, query_lens_cpu=list(batch.query_lens_cpu), is_decode=False,
+                       verify_steps=_verify_steps(batch))
         valid = state_cu_seqlens = None
         if batch.num_valid is not None:
             valid = (torch.arange(num_tokens, device=qsl.device) < batch.num_valid)[:, None]
@@ -80,6 +88,17 @@ class GDNMetadata:
             valid=valid,
             state_cu_seqlens=state_cu_seqlens,
         )
+
+
+def _verify_steps(batch: ForwardBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Position j reads the state position j-1 left (the sequence's own slot for j = 0) and writes it to
+    verify_slots[:, j]; the last position writes the sequence's own slot, which thus ends where a
+    fully accepted row needs it."""
+    own, scratch = batch.state_slots.long(), batch.verify_slots.long()
+    width = batch.verify_width
+    ins = [own] + [scratch[:, j] for j in range(width - 1)]
+    outs = [scratch[:, j] for j in range(width - 1)] + [own]
+    return list(zip(ins, outs))
 
 
 def _chunk_indices(query_lens: list[int], query_start_loc: torch.Tensor) -> torch.Tensor:
@@ -116,6 +135,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, 
     conv_cache: [S, C, K-1] one layer's conv-state slots, updated in place. Returns [T, C].
     """
     weight = weight.reshape(weight.shape[0], -1)
+    if meta.verify_steps is not None:
+        return _conv_steps(x, weight, conv_cache, meta)
     if meta.is_decode and use_triton(x):
         from ninfer.kernels import triton_gdn
 
@@ -140,6 +161,8 @@ def gated_delta_rule(
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay), beta: [T, Hv];
     ssm_cache: [S, Hv, Dk, Dv] fp32 one layer's state slots, updated in place. Returns [T, Hv, Dv].
     """
+    if meta.verify_steps is not None:
+        return _delta_rule_steps(q, k, v, g, beta, ssm_cache, meta)
     if meta.is_decode and use_triton(q):
         from ninfer.kernels import triton_gdn
 
@@ -165,6 +188,50 @@ def gated_delta_rule(
         out = out[0]
     ssm_cache.index_copy_(0, meta.state_slots, final.to(ssm_cache.dtype))
     return out
+
+
+def _by_position(x: torch.Tensor, meta: GDNMetadata) -> torch.Tensor:
+    """[B * width, ...] -> [B, width, ...]: a verify batch's tokens by sequence and position (a view)."""
+    return x.view(len(meta.query_lens_cpu), meta.query_lens_cpu[0], *x.shape[1:])
+
+
+def _conv_steps(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, meta: GDNMetadata) -> torch.Tensor:
+    """short_conv over a verify batch: one decode step per position (the decode step's kernel and
+    arithmetic, so a verified position computes what plain decoding computes there)."""
+    y = torch.empty_like(x)
+    xs, ys = _by_position(x, meta), _by_position(y, meta)
+    triton = use_triton(x)
+    if triton:
+        from ninfer.kernels import triton_gdn
+    for j, (slot_in, slot_out) in enumerate(meta.verify_steps):
+        if triton:
+            triton_gdn.conv1d_update(xs[:, j], weight, conv_cache, slot_in=slot_in, slot_out=slot_out, out=ys[:, j])
+        else:
+            out, final = causal_conv1d_update(xs[:, j], weight, conv_cache.index_select(0, slot_in))
+            ys[:, j] = out
+            conv_cache.index_copy_(0, slot_out, final.to(conv_cache.dtype))
+    return y
+
+
+def _delta_rule_steps(q, k, v, g, beta, ssm_cache: torch.Tensor, meta: GDNMetadata) -> torch.Tensor:
+    """gated_delta_rule over a verify batch: one recurrent step per position, each state kept in its slot."""
+    o = torch.empty_like(v)
+    qs, ks, vs, gs, bs, os_ = (_by_position(t, meta) for t in (q, k, v, g, beta, o))
+    triton = use_triton(q)
+    if triton:
+        from ninfer.kernels import triton_gdn
+    for j, (slot_in, slot_out) in enumerate(meta.verify_steps):
+        if triton:
+            triton_gdn.recurrent_gated_delta_rule(qs[:, j], ks[:, j], vs[:, j], gs[:, j], bs[:, j], ssm_cache,
+                                                  slot_in=slot_in, slot_out=slot_out, out=os_[:, j])
+        else:
+            out, final = fused_recurrent_gated_delta_rule(
+                qs[:, j, None], ks[:, j, None], vs[:, j, None], g=gs[:, j, None], beta=bs[:, j, None],
+                initial_state=ssm_cache.index_select(0, slot_in), output_final_state=True,
+                use_qk_l2norm_in_kernel=True)
+            os_[:, j] = out[:, 0]
+            ssm_cache.index_copy_(0, slot_out, final.to(ssm_cache.dtype))
+    return o
 
 
 # ---------------------------------------------------------------------------------------------

@@ -150,11 +150,12 @@ def _slots(n: int, device: torch.device) -> torch.Tensor:
 def conv1d_update(
     x: torch.Tensor, weight: torch.Tensor, state_in: torch.Tensor, state_out: torch.Tensor | None = None,
     slot_in: torch.Tensor | None = None, slot_out: torch.Tensor | None = None,
-    has_initial_state: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [N, C]; weight: [C, K]; state_in/state_out: [S, C, K-1] read at slot_in[n], written at
     slot_out[n] (default: rows 0..N-1; state_out defaults to state_in, in place).
-    has_initial_state [N] bool: False reads the state as zero. -> y [N, C]."""
+    has_initial_state [N] bool: False reads the state as zero. -> y [N, C] (into `out` when given:
+    rows may be strided, as a verify batch's positions are)."""
     num, channels = x.shape
     width = state_in.shape[-1]
     weight = weight.reshape(channels, -1)
@@ -164,7 +165,8 @@ def conv1d_update(
     assert state_out.stride(2) == 1
     slot_in = _slots(num, x.device) if slot_in is None else slot_in
     slot_out = slot_in if slot_out is None else slot_out
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out is None else out
+    assert y.stride(1) == 1
     if num == 0:
         return y
     block_c = 256
@@ -206,10 +208,11 @@ def recurrent_gated_delta_rule(
     state_in: torch.Tensor, state_out: torch.Tensor | None = None, slot_in: torch.Tensor | None = None,
     slot_out: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None,
     scale: float | None = None, use_qk_l2norm: bool = True, block_v: int = 32, num_warps: int = 4,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per sequence. q, k: [N, Hk, Dk]; v: [N, Hv, Dv]; g (log decay), beta: [N, Hv];
     state_in/state_out: [S, Hv, Dk, Dv] fp32 read at slot_in[n], written at slot_out[n] (defaults:
-    rows 0..N-1, in place). -> o [N, Hv, Dv] in v's dtype."""
+    rows 0..N-1, in place). -> o [N, Hv, Dv] in v's dtype (into `out` when given)."""
     num, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
@@ -219,7 +222,8 @@ def recurrent_gated_delta_rule(
         assert s.shape[1:] == (hv, dk, dv) and s[0].is_contiguous()
     slot_in = _slots(num, q.device) if slot_in is None else slot_in
     slot_out = slot_in if slot_out is None else slot_out
-    o = torch.empty((num, hv, dv), dtype=v.dtype, device=v.device)
+    o = torch.empty((num, hv, dv), dtype=v.dtype, device=v.device) if out is None else out  # out: may be strided
+    assert o.stride(2) == 1
     if num == 0:
         return o
     bv = min(block_v, triton.next_power_of_2(dv))

@@ -1,0 +1,132 @@
+"""The MTP proposer: drafts for every speculating decode row from the model's MTP head.
+
+The head's KV rides in the trunk's cache as one more attention layer (same pages, page tables and
+slots), so pauses, snapshots, prefix reuse and page copies carry it with the trunk's.
+
+Per step, two halves (ninfer.models.mtp says what the head computes):
+- `observe` (after the step's tokens are committed): one head forward over every position whose
+  trunk hidden state is new this step (a prefill chunk's tokens, a verify row's committed ones),
+  paired with the token that follows it (now known). This writes the head's KV at those positions and
+  leaves, per sequence that decodes next, the head's output at its last position and the greedy
+  draft it gives (both on the device).
+- `propose` (before the next verify forward): k-1 more head steps from there, one token each (the
+  previous draft in, the previous output as hidden), then one read back of all drafts.
+
+Drafts are greedy (the head's argmax). With the target sampling each verified row as it would
+without drafts and a draft standing only where it equals the target's token, the committed tokens
+are the target's own: a point-mass proposal makes that the lossless rejection rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
+from ninfer.engine.sequence import Sequence, Status
+from ninfer.engine.speculative import speculates
+from ninfer.forward import CacheSpec, ForwardBatch
+from ninfer.models.mtp import chain_batch
+
+
+@dataclass
+class _Frontier:
+    """What a sequence's next drafts start from: the head's output at trunk position `position`
+    (the one before the sequence's last committed token) and the draft it gave."""
+
+    position: int
+    hidden: torch.Tensor  # [H]
+    draft: torch.Tensor  # [] int64
+
+
+class MTPProposer:
+    name = "mtp"
+    wants_prefill_hidden = True
+
+    def __init__(self, head: torch.nn.Module, draft_head: torch.nn.Module | None = None):
+        """head: an MTPHead attached to the trunk, built with kv_layer = trunk.num_attn_layers; draft_head:
+        the optimized proposal head (--lm-head-draft), else the trunk's lm_head scores the drafts."""
+        self.head = head
+        self.draft_head = draft_head
+        self.runner = None
+        self._frontier: dict[str, _Frontier] = {}
+
+    def cache_spec(self, trunk_spec: CacheSpec) -> CacheSpec:
+        return self.head.cache_spec(trunk_spec)
+
+    def bind(self, runner) -> None:
+        self.runner = runner
+
+    def forget(self, seq: Sequence) -> None:
+        self._frontier.pop(seq.request_id, None)
+
+    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.draft_head is not None:
+            return self.draft_head.propose(hidden)
+        width = self.runner.vocab_size
+        return self.head.compute_logits(hidden)[:, :width].argmax(-1)
+
+    # ---- after a step: the head over the positions the trunk computed ----------------------------
+    @torch.inference_mode()
+    def observe(self, plan: StepPlan, output: RunnerOutput, committed: dict[int, int]) -> None:
+        rows: list[tuple[Sequence, int, torch.Tensor]] = []  # (seq, first position, hidden [n, H])
+        if plan.prefill is not None and output.prefill_hidden is not None:
+            work = plan.prefill
+            seq = work.seq
+            if seq.status is not Status.FINISHED and seq.total_len > work.end:  # the next token is known
+                rows.append((seq, work.start, output.prefill_hidden))
+        offset = len(plan.works) - len(plan.decode)
+        for i, work in enumerate(plan.decode):
+            seq, c = work.seq, committed.get(id(work.seq), 0)
+            if c and seq.status is not Status.FINISHED and output.hidden is not None:
+                rows.append((seq, work.start, output.hidden[offset + i][:c]))
+        if not rows:
+            return
+        runner = self.runner
+        seqs = [s for s, _, _ in rows]
+        starts = [p for _, p, _ in rows]
+        lens = [h.shape[0] for _, _, h in rows]
+        tokens = [s.tokens(p + 1, p + 1 + n) for s, p, n in zip(seqs, starts, lens)]
+        positions = [s.positions(p, p + n) for s, p, n in zip(seqs, starts, lens)]
+        batch = ForwardBatch.build(tokens, starts, [s.pages for s in seqs], runner.page_size, device="cpu",
+                                   positions=positions)
+        for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "slot_mapping",
+                     "state_slots"):
+            setattr(batch, name, runner._upload(getattr(batch, name)))
+        hidden = torch.cat([h for _, _, h in rows]) if len(rows) > 1 else rows[0][2]
+        out = self.head(batch, runner.cache, batch.input_ids, hidden)
+        last = out[batch.last_token_indices()]
+        drafts = self._argmax(last)
+        for j, (seq, p, n) in enumerate(zip(seqs, starts, lens)):
+            if seq.status is Status.DECODE or seq.total_len == p + n + 1:
+                self._frontier[seq.request_id] = _Frontier(p + n - 1, last[j], drafts[j])
+
+    # ---- before a step: the chain of drafts ---------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, works: list[SeqWork], budgets: list[int]) -> None:
+        ready = [(w, b, self._frontier.get(w.seq.request_id)) for w, b in zip(works, budgets)]
+        ready = [(w, b, f) for w, b, f in ready if f is not None and f.position == w.seq.num_computed - 1
+                 and speculates(w.seq)]
+        if not ready:
+            return
+        runner = self.runner
+        k = max(b for _, b, _ in ready)
+        seqs = [w.seq for w, _, _ in ready]
+        drafts = [torch.stack([f.draft for _, _, f in ready])]
+        if k > 1:
+            starts = [f.position for _, _, f in ready]
+            base = ForwardBatch.build([[0]] * len(seqs), starts, [s.pages for s in seqs], runner.page_size,
+                                      device="cpu", positions=[s.positions(p, p + 1) for s, p in zip(seqs, starts)])
+            for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "slot_mapping",
+                         "state_slots"):
+                setattr(base, name, runner._upload(getattr(base, name)))
+            h, step = torch.stack([f.hidden for _, _, f in ready]), base
+            for _ in range(k - 1):
+                step = chain_batch(step, runner.page_size)
+                h = self.head(step, runner.cache, drafts[-1], h)
+                drafts.append(self._argmax(h))
+        table = torch.stack(drafts, dim=1).tolist()  # the proposal's one read back
+        for (work, budget, _), ids in zip(ready, table):
+            work.draft_ids = ids[:budget]
+            work.tokens = work.tokens[:1] + work.draft_ids
