@@ -31,6 +31,8 @@ def main() -> None:
     p.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument("--context", type=int, default=1024, help="tokens already in each sequence's cache")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--fast-verify", action="store_true",
+                   help="verify rows as one matmul pass (EngineSettings.exact_verify=False)")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, two steps")
     args = p.parse_args()
     if args.dry_run:
@@ -54,7 +56,8 @@ def main() -> None:
     lane_pages = -(-(args.context + max(args.drafts) + args.steps * (max(args.drafts) + 1) + 8) // page)
     runner = ModelRunner(model, num_pages=lanes * lane_pages, page_size=page, num_state_slots=lanes, num_lanes=lanes,
                          vocab_size=cfg["vocab_size"], device=device, dtype=dtype, cuda_graphs=True,
-                         max_seq_len=lane_pages * page, draft_tokens=max(args.drafts))
+                         max_seq_len=lane_pages * page, draft_tokens=max(args.drafts),
+                         exact_verify=not args.fast_verify)
     greedy = SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,
                              frequency_penalty=0.0, seed=0, greedy=True, penalized=False)
 
@@ -77,7 +80,8 @@ def main() -> None:
         return sorted(times[2:])[len(times[2:]) // 2]
 
     summary = {}
-    emit(kind="spec_verify_setup", shape=args.shape, weights=args.weights, device=str(device), graph_status=runner.graph_status)
+    emit(kind="spec_verify_setup", shape=args.shape, weights=args.weights, device=str(device),
+         exact_verify=not args.fast_verify, graph_status=runner.graph_status)
     for c in args.concurrency:
         seqs = [SimpleNamespace(num_computed=args.context, pages=list(range(i * lane_pages, (i + 1) * lane_pages)),
                                 state_slot=i, lane=i, output_ids=[1], sampling=greedy, mrope=None) for i in range(c)]

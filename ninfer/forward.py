@@ -17,7 +17,7 @@ KV storage (`--kv-dtype`, `ModelCache(kv_dtype=...)`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,6 +50,10 @@ class ForwardBatch:
     row_seq_lens: torch.Tensor | None = None
     row_seq_lens_cpu: list[int] | None = None
     verify_slots: torch.Tensor | None = None
+    # tensors computed from the inputs once per forward and shared by the layers (the verify batch's
+    # decode-row view); whoever runs a forward clears it first (ModelRunner._logits), so a CUDA graph
+    # captures their computation instead of baking in values from a warm-up's inputs
+    derived: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -77,3 +77,27 @@ def test_vision_ttft_dry_run_reuses_the_prefix_with_its_media():
     for media in ("image", "video"):
         assert ttft[(media, "cold")]["cached_tokens"] == 0
         assert ttft[(media, "reused")]["cached_tokens"] == ttft[(media, "reused")]["prompt_tokens"] - 1
+
+
+def _records(script: str, *args: str) -> list[dict]:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--dry-run", *args], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_spec_e2e_dry_run_keeps_outputs_equal_at_every_acceptance_length():
+    """bench/spec_e2e.py (issue 21 benchmark (b)): the oracle drafter at set acceptance lengths, MTP head drafting
+    too; every run's output equals the run without drafts (the benchmark's own check)."""
+    records = _records("spec_e2e.py", "--with-mtp", "--reference", "verify")
+    summary = next(r for r in records if r["kind"] == "summary")
+    assert set(summary["results"]) == {f"C{c}_L{a}" for c in (1, 2) for a in (1.5, 2.5, 3.5)}
+    assert summary["all_outputs_equal"]
+    measured = [r["acceptance_measured"] for r in records if r.get("acceptance_target")]
+    assert measured and all(m >= 1.0 for m in measured)
+
+
+def test_verify_exactness_dry_run_compares_every_batch():
+    records = _records("verify_exactness.py")
+    rows = [r for r in records if r["kind"] == "verify_exactness"]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["same_argmax"] for r in rows)

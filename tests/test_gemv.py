@@ -31,6 +31,26 @@ def _problem(m, n, k, bias, seed, dtype=torch.float32, device="cpu"):
 # ---- the kernel in Triton's interpreter (fp32) ----------------------------------------------------
 
 
+@needs_interpreter
+@pytest.mark.parametrize("path", ["fma", "fma_split", "dot", "heuristic"])
+@pytest.mark.parametrize("like", [1, 2, 3])
+def test_rows_like_computes_every_row_as_the_smaller_product_in_interpreter(path, like):
+    """Speculative verification (issue 21): with rows_like=B, a product of B*w rows (up to 64, past the plain
+    kernel's 16) gives each row exactly what the B-row product of its own group gives: same config, same
+    row block, the groups in blocks along the grid's third axis."""
+    from ninfer.kernels.triton_gemv import gemv
+
+    x, w, b = _problem(like * 5, 33, 70, True, seed=like)
+    cfg = _configs()[path]
+    together = gemv(x, w, b, config=cfg, rows_like=like)
+    alone = torch.cat([gemv(x[i: i + like], w, b, config=cfg) for i in range(0, x.shape[0], like)])
+    assert torch.equal(together, alone)
+    big = _problem(48, 17, 40, False, seed=9)[0]
+    assert gemv(big, _problem(1, 17, 40, False, seed=9)[1], rows_like=8).shape == (48, 17)
+
+
+
+
 def _configs():
     from ninfer.kernels.triton_gemv import GemvConfig
 

@@ -46,11 +46,9 @@ def test_reference_command_line_maps_onto_the_config():
     assert (cfg.max_context, cfg.kv_capacity, cfg.max_concurrency, cfg.kv_dtype) == (240000, 240000, 2, "fp8")
     assert (cfg.spec, cfg.draft_tokens, cfg.lm_head_draft, cfg.preserve_thinking) == ("mtp", 3, True, True)
     assert cfg.state_slots == 4  # two lanes plus two extra device slots
-    with pytest.raises(UnsupportedOptionError) as err:
-        check_implemented(cfg)
-    for flag in ("--spec", "--draft-tokens", "--lm-head-draft"):
-        assert flag in str(err.value)
-    assert "--kv-dtype" not in str(err.value)  # fp8 KV is implemented
+    check_implemented(cfg)  # every flag of the example is implemented (the artifact is checked when it exists)
+    settings = engine_settings(cfg)
+    assert (settings.spec, settings.draft_tokens, settings.lm_head_draft, settings.kv_dtype) == ("mtp", 3, True, "fp8")
 
 
 def test_defaults_and_sampling_flags_reach_the_engine_settings():
@@ -120,12 +118,15 @@ def test_yaml_configs_are_valid_server_configs():
     tiny = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     check_implemented(ServerConfig(**tiny["applications"][0]["args"]))
     assert tiny["http_options"] == {"host": "127.0.0.1", "port": 8080}
-    for name, spec in (("qwen27b", "--spec mtp"), ("qwen35b-a3b", "--spec dflash")):
+    for name in ("qwen27b", "qwen35b-a3b"):
         app = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())["applications"][0]
         cfg = ServerConfig(**app["args"])
         assert cfg.max_context == cfg.kv_capacity == 240000 and cfg.max_concurrency == 2
-        with pytest.raises(UnsupportedOptionError, match=spec):
-            build_app(app["args"])
+    check_implemented(ServerConfig(**yaml.safe_load((ROOT / "configs" / "qwen27b.yaml").read_text())
+                                   ["applications"][0]["args"]))  # --spec mtp passes the gate
+    dflash = yaml.safe_load((ROOT / "configs" / "qwen35b-a3b.yaml").read_text())["applications"][0]["args"]
+    with pytest.raises(UnsupportedOptionError, match="--spec dflash"):
+        build_app(dflash)
     with pytest.raises(ValueError, match="http_options.port"):
         build_app({"artifact": "m.ninfer", "port": 9000})
 
@@ -165,3 +166,20 @@ def test_api_key_from_the_environment_when_no_flag_or_arg(monkeypatch):
     assert parse(["m.ninfer"]).api_key is None
     monkeypatch.delenv("NINFER_API_KEY")
     assert parse(["m.ninfer"]).api_key is None
+
+
+def test_speculative_options_need_their_components_in_the_artifact(artifacts_dir, tiny_qwen_path):
+    """--spec mtp and --lm-head-draft load artifact components (contract: "The artifact need only contain the
+    Text backbone and the optional components selected for this process"): one that is missing stops startup
+    with the flag and the component named, before any model is loaded."""
+    from ninfer.artifact.presets import write_preset
+    from ninfer.models.draft_head import add_draft_head
+
+    with pytest.raises(UnsupportedOptionError, match="--spec mtp needs the artifact's 'mtp' component"):
+        check_implemented(ServerConfig(artifact=str(tiny_qwen_path), spec="mtp"))
+    with_mtp = write_preset("tiny-qwen3.6", artifacts_dir / "startup-mtp.ninfer", mtp=True)
+    check_implemented(ServerConfig(artifact=str(with_mtp), spec="mtp", draft_tokens=2))
+    with pytest.raises(UnsupportedOptionError, match="--lm-head-draft needs the artifact's 'draft_head'"):
+        check_implemented(ServerConfig(artifact=str(with_mtp), spec="mtp", lm_head_draft=True))
+    both = add_draft_head(with_mtp, artifacts_dir / "startup-mtp-head.ninfer", num_tokens=512)
+    check_implemented(ServerConfig(artifact=str(both), spec="mtp", lm_head_draft=True))

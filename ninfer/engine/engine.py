@@ -76,6 +76,9 @@ class EngineSettings:
     draft_tokens: int = 0  # speculative decoding: the most drafts per decode row (with a proposer)
     spec: str | None = None  # --spec: the loader builds this drafter from the artifact (mtp, dflash, dflash2)
     lm_head_draft: bool = False  # --lm-head-draft: drafts scored on the artifact's proposal head (draft_head)
+    # verified positions round exactly as plain decode steps (greedy output identical with and without
+    # drafts); False: one matmul pass over all verify rows, faster where B <= 2 (ModelRunner.verify)
+    exact_verify: bool = True
     vision: bool = False  # --vision: the artifact's vision tower is loaded and requests may carry media
 
 
@@ -138,7 +141,7 @@ class Engine:
                                   vocab_size=tokenizer.vocab_size, device=self.device, dtype=dtype,
                                   cuda_graphs=not settings.no_cuda_graph, max_seq_len=settings.max_context,
                                   kv_dtype=settings.kv_dtype, prefill_chunk=settings.prefill_chunk,
-                                  draft_tokens=drafts, cache_spec=cache_spec)
+                                  draft_tokens=drafts, cache_spec=cache_spec, exact_verify=settings.exact_verify)
         self.proposer = proposer if drafts else None
         if hasattr(self.proposer, "bind"):
             self.proposer.bind(self.runner)

@@ -204,8 +204,9 @@ def load_engine(path: str | Path, settings: EngineSettings | None = None, *, dev
 
 def engine_from_preset(name: str, settings: EngineSettings | None = None, *, device: torch.device | None = None,
                        dtype: str = "auto", seed: int = 0, start: bool = True, weights: str = "bf16",
-                       nvfp4_lm_head: bool = False) -> Engine:
+                       nvfp4_lm_head: bool = False, proposer=None) -> Engine:
     """A random-weight preset built directly on the device (full-size shapes for benchmarks: no file).
+    proposer: a drafter, or a function of the built trunk that returns one.
 
     weights="nvfp4": the random weights are quantized in place on the device (one linear at a time,
     so peak memory stays near the unquantized model's), then the model gets its run-time form;
@@ -214,7 +215,7 @@ def engine_from_preset(name: str, settings: EngineSettings | None = None, *, dev
     if start:
         return Engine.build_and_start(
             lambda: engine_from_preset(name, settings, device=device, dtype=dtype, seed=seed, start=False,
-                                       weights=weights, nvfp4_lm_head=nvfp4_lm_head))
+                                       weights=weights, nvfp4_lm_head=nvfp4_lm_head, proposer=proposer))
     from ninfer.artifact.presets import get_preset, instantiate, tokenizer_json_for
 
     if weights not in ("bf16", "nvfp4"):
@@ -241,4 +242,7 @@ def engine_from_preset(name: str, settings: EngineSettings | None = None, *, dev
     if not settings.sampling_presets:
         settings.sampling_presets = preset.sampling_presets
     tokenizer = Tokenizer.from_json_str(tokenizer_json)
-    return Engine(model, tokenizer, settings, device=device, dtype=torch_dtype, thinking=thinking_control(tokenizer))
+    if proposer is not None and not hasattr(proposer, "propose"):  # a factory of the trunk (a random MTP head)
+        proposer = proposer(model)
+    return Engine(model, tokenizer, settings, device=device, dtype=torch_dtype, thinking=thinking_control(tokenizer),
+                  proposer=proposer)

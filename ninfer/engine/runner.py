@@ -30,6 +30,7 @@ synchronization per step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from ninfer.engine.sampler import TOP_K_CAP, SamplingBatch, sample
 from ninfer.engine.sequence import Sequence
 from ninfer.forward import CacheSpec, ForwardBatch, ModelCache, verify_inputs
 from ninfer.kernels.backend import use_triton
+from ninfer.kernels.linear import rows_like
 
 log = logging.getLogger("ninfer.engine")
 PIECES_ENV = "NINFER_PREFILL_PIECES"
@@ -134,13 +136,14 @@ class ModelRunner:
                  num_lanes: int, vocab_size: int, device: torch.device, dtype: torch.dtype,
                  cuda_graphs: bool = True, max_seq_len: int | None = None, kv_dtype: str = "bf16",
                  prefill_chunk: int | None = None, prefill_pieces: bool | None = None, draft_tokens: int = 0,
-                 cache_spec: CacheSpec | None = None):
+                 cache_spec: CacheSpec | None = None, exact_verify: bool = True):
         """draft_tokens: the most drafts a decode row may carry (speculative decoding; 0: none). Hybrid
         models then get draft_tokens state slots per lane after the live slots: a verify forward keeps
         the recurrent state of each verified position there (ForwardBatch.verify_slots), and `rollback`
         puts the accepted one back with one copy. Verify forwards of every batch size replay CUDA graphs
         of width draft_tokens + 1 (shorter rows padded).
         cache_spec: the cache to allocate (default the model's; a drafter may ride in it as extra layers).
+        exact_verify: verified positions round exactly as plain decode steps (`verify`).
         prefill_chunk: the engine's chunk length, for the prefill graph (None: no prefill graph).
         prefill_pieces: cut shorter prefills into power-of-two pieces (None: NINFER_PREFILL_PIECES if set,
         else on CUDA devices only: on CPU there are no graphs to replay)."""
@@ -149,6 +152,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.page_size = page_size
         self.draft_tokens = draft_tokens
+        self.exact_verify = exact_verify
         self.verify_base = num_state_slots  # state of lane l after verified position j: verify_base + l*k + j
         verify_slots = num_lanes * draft_tokens if num_state_slots else 0
         self.cache = ModelCache(cache_spec or model.cache_spec(), num_pages, page_size, num_state_slots + verify_slots,
@@ -175,7 +179,6 @@ class ModelRunner:
         self.prefill_replays = 0
         self.eager_steps = 0
         self._decode_inputs: DecodeInputs | None = None
-        self._verify_inputs: VerifyInputs | None = None
         self.last_verify_width = 0  # the last verify forward's tokens per sequence (rollback reads it)
         self.last_all_hidden: torch.Tensor | None = None  # the last forward's every-token hidden states
         self._token_rows: list[torch.Tensor] | None = None  # a prefill's, while plan.want_prefill_hidden
@@ -199,7 +202,7 @@ class ModelRunner:
             if self.graphs:
                 self.graph_status += "; " + self._capture_sampler(num_lanes)
             if self.graphs and draft_tokens:
-                self.graph_status += "; " + self._capture_verify(num_lanes, draft_tokens + 1, width)
+                self.graph_status += "; " + self._capture_verify(num_lanes, draft_tokens, width)
             if prefill_chunk:
                 self.graph_status += "; " + self._capture_prefill(prefill_chunk, width)
         log.info("CUDA graphs: %s", self.graph_status)
@@ -244,6 +247,7 @@ class ModelRunner:
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's logit rows; their final hidden states stay in `last_hidden` (drafters read
         them; under capture the tensor is the graph's, rewritten by each replay)."""
+        batch.derived.clear()  # recomputed inside this forward (and inside a graph being captured)
         hidden = self.model(batch, self.cache)
         self.last_all_hidden = hidden
         self.last_hidden = hidden[batch.logit_indices()]
@@ -281,25 +285,29 @@ class ModelRunner:
         return f"on: batch sizes 1..{max_batch}, page-table width {width}"
 
     @torch.inference_mode()
-    def _capture_verify(self, max_batch: int, width: int, pages: int) -> str:
-        """One verify graph per batch size (`width` tokens per sequence), in the decode graphs' pool: a verify
-        forward and a decode forward never run in the same step. Placeholder rows write no KV they
-        should not: page 0's slots and state slot 0, as the decode capture does."""
-        inputs = self._verify_inputs = VerifyInputs(max_batch, width, pages, self.device)
-        inputs.placeholder()
+    def _capture_verify(self, max_batch: int, max_drafts: int, pages: int) -> str:
+        """One verify graph per batch size and width 2..max_drafts+1 (tokens per sequence), in the decode
+        graphs' pool: a verify forward and a decode forward never run in the same step. Placeholder rows
+        write page 0's slots and state slot 0, as the decode capture does."""
         pool = self.graphs[(max_batch, 1)].graph.pool()
+        captured = []
         try:
-            for b in range(max_batch, 0, -1):
-                batch = inputs.batch(b)
-                graph, logits = capture(lambda batch=batch: self._logits(batch), self.device, warmups=1, pool=pool)
-                self.graphs[(b, width)] = GraphEntry(graph, logits, inputs, self.last_hidden, self.last_all_hidden)
+            for width in range(max_drafts + 1, 1, -1):
+                inputs = VerifyInputs(max_batch, width, pages, self.device)
+                inputs.placeholder()
+                for b in range(max_batch, 0, -1):
+                    batch = inputs.batch(b)
+                    with self._verify_shapes(b):  # launched (and captured) with the decode batch's matmuls
+                        graph, logits = capture(lambda batch=batch: self._logits(batch), self.device, warmups=1,
+                                                pool=pool)
+                    self.graphs[(b, width)] = GraphEntry(graph, logits, inputs, self.last_hidden, self.last_all_hidden)
+                    captured.append((b, width))
             torch.cuda.synchronize(self.device)
         except Exception as exc:
-            for b in range(max_batch, 0, -1):
-                self.graphs.pop((b, width), None)
-            self._verify_inputs = None
+            for key in captured:
+                self.graphs.pop(key, None)
             return "verify eager: " + self._capture_failed("verify", exc)
-        return f"verify graphs of {width} tokens per sequence"
+        return f"verify graphs of 2..{max_drafts + 1} tokens per sequence"
 
     @torch.inference_mode()
     def _capture_sampler(self, max_batch: int) -> str:
@@ -531,7 +539,15 @@ class ModelRunner:
     def verify(self, seqs: list[Sequence], rows: list[list[int]], width: int | None = None) -> torch.Tensor:
         """One traversal over each sequence's last token and drafts (rows[i], padded to `width`): float32
         logits of every position [B * width, V], from the verify graph of this batch size when captured
-        (MRoPE sequences run eagerly). Recurrent state: see ModelRunner.__init__ and `rollback`."""
+        (MRoPE sequences run eagerly). Recurrent state: see ModelRunner.__init__ and `rollback`.
+
+        Every position computes what a plain decode step of these B sequences computes there: attention
+        as one-query decode rows, the recurrent layers stepped with the decode kernels, and the decode
+        GEMV's matmuls run with the B-row problem's config (ninfer.kernels.linear.rows_like), so bf16
+        rounding, and with it greedy output, is the same with and without drafts. That costs weight
+        traffic where the B-row config streams the weights once per B rows (CUDA-core configs, B <= 2):
+        exact_verify=False runs all rows as one product instead (measured: k=3 verify 1.10x a plain step
+        at the 27B shape, C=1), with rounding that may differ from plain decoding in the last bits."""
         width = width or max(len(r) for r in rows)
         if width - 1 > self.draft_tokens:
             raise ValueError(f"a verify row of {width} tokens exceeds the {self.draft_tokens} drafts allocated")
@@ -554,7 +570,13 @@ class ModelRunner:
             for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "slot_mapping",
                          "state_slots", "logits_indices", "row_seq_lens", "verify_slots"):
                 setattr(batch, name, self._upload(getattr(batch, name)))
-        return self._logits(batch)
+        with self._verify_shapes(len(seqs)):
+            return self._logits(batch)
+
+    def _verify_shapes(self, batch: int):
+        """Exact verification: the verify forward's matmuls as the B-row decode step's (see `verify`);
+        fast: as one product of all its rows (one pass over the weights)."""
+        return rows_like(batch) if self.exact_verify else contextlib.nullcontext()
 
     def _verify_slots(self, lane: int | None, width: int) -> list[int]:
         """The lane's per-position state slots of a verify forward (see __init__)."""

@@ -49,7 +49,7 @@ class OracleProposer:
 
     def __init__(self, continuations: dict[str, list[int]], *, corrupt: float = 0.0, vocab: int = 1000,
                  seed: int = 0):
-        self.continuations = continuations
+        self.continuations = continuations  # request id -> continuation; ids without one get no drafts
         self.corrupt = corrupt
         self.vocab = vocab
         self._rng = random.Random(seed)

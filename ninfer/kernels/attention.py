@@ -127,9 +127,9 @@ def paged_attention(
     A verify batch (ForwardBatch.verify_width) runs as one decode row per token, each over its own context:
     row j of a sequence computes what a plain decode step at that position computes, with the same kernel."""
     if batch.verify_width:
-        rows = getattr(batch, "_decode_rows", None)
+        rows = batch.derived.get("decode_rows")
         if rows is None:  # built once per forward, not per layer
-            rows = batch._decode_rows = _verify_rows(batch)
+            rows = batch.derived["decode_rows"] = _verify_rows(batch)
         batch = rows
     if use_triton(q):
         from ninfer.kernels import triton_attention

@@ -94,10 +94,11 @@ def _verify_steps(batch: ForwardBatch) -> list[tuple[torch.Tensor, torch.Tensor]
     """Position j reads the state position j-1 left (the sequence's own slot for j = 0) and writes it to
     verify_slots[:, j]; the last position writes the sequence's own slot, which thus ends where a
     fully accepted row needs it."""
-    own, scratch = batch.state_slots.long(), batch.verify_slots.long()
+    # [width-1, B], each position's slots contiguous: the kernels read slot n at SLOT + n
+    own, scratch = batch.state_slots.long(), batch.verify_slots.long().t().contiguous()
     width = batch.verify_width
-    ins = [own] + [scratch[:, j] for j in range(width - 1)]
-    outs = [scratch[:, j] for j in range(width - 1)] + [own]
+    ins = [own] + [scratch[j] for j in range(width - 1)]
+    outs = [scratch[j] for j in range(width - 1)] + [own]
     return list(zip(ins, outs))
 
 

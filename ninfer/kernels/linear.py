@@ -22,7 +22,28 @@ from ninfer.kernels import backend
 
 ENV_VAR = "NINFER_GEMV"
 MAX_ROWS = 16  # = triton_gemv.MAX_M (not imported here: triton may be absent)
+MAX_ROWS_LIKE = 64  # = triton_gemv.MAX_ROWS_LIKE
 _DTYPES = (torch.bfloat16, torch.float16)
+
+
+class rows_like:
+    """Inside this context (a speculative verify forward), `linear` computes each row of a decode-sized
+    product exactly as a product of `rows` rows would (triton_gemv.gemv's rows_like): the verify rows of
+    B sequences round as the plain decode step of B sequences does. The choice is made when a kernel is
+    launched, so it also holds for a CUDA graph captured inside the context. Not thread-safe by design:
+    the engine thread alone runs forwards."""
+
+    current: int | None = None
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    def __enter__(self) -> "rows_like":
+        self._saved, rows_like.current = rows_like.current, self.rows
+        return self
+
+    def __exit__(self, *exc) -> None:
+        rows_like.current = self._saved
 
 
 def cublas_forced() -> bool:
@@ -39,7 +60,7 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dim() == 2
         and weight.shape[1] == k
         and weight.stride(1) == 1
-        and 0 < x.numel() <= MAX_ROWS * k
+        and 0 < x.numel() <= (MAX_ROWS_LIKE if rows_like.current else MAX_ROWS) * k
         and backend.use_triton(x)
         and not cublas_forced()
     )
@@ -50,7 +71,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if takes_gemv(x, weight) and (bias is None or bias.dtype == x.dtype):
         from ninfer.kernels import triton_gemv
 
-        return triton_gemv.gemv(x, weight, bias)
+        return triton_gemv.gemv(x, weight, bias, rows_like=rows_like.current)
     return F.linear(x, weight, bias)
 
 

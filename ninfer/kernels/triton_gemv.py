@@ -39,6 +39,7 @@ from ninfer.kernels.triton_compat import fix_interpreter
 fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
 
 MAX_M = 16
+MAX_ROWS_LIKE = 64  # rows of a `rows_like` product: a verify forward of 8 sequences x (7 drafts + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +70,7 @@ def _gemv_kernel(
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.where(offs_n < N, offs_n, N - 1).to(tl.int64)  # clamped: unmasked W loads
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # a block of x's rows (grid axis 2)
     m_ok = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
@@ -240,8 +241,12 @@ def fit_config(cfg: GemvConfig, m: int, n: int, k: int, dtype: torch.dtype) -> G
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """x [..., K] (at most 16 rows in all), weight [N, K] (last dim contiguous), bias [N] -> [..., N]."""
+         config: GemvConfig | None = None, rows_like: int | None = None) -> torch.Tensor:
+    """x [..., K] (at most 16 rows in all), weight [N, K] (last dim contiguous), bias [N] -> [..., N].
+
+    rows_like (speculative verification): compute every row exactly as a product of `rows_like` rows
+    computes it (that problem's config and row block, the rows in blocks of it, up to MAX_ROWS_LIKE
+    rows in all), so a verified position rounds as a plain decode step of the same batch does."""
     k = x.shape[-1]
     n = weight.shape[0]
     if weight.shape[-1] != k or weight.stride(-1) != 1:
@@ -250,8 +255,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if m > MAX_M:
-        raise ValueError(f"gemv: {m} rows > {MAX_M}")
+    if m > (MAX_ROWS_LIKE if rows_like else MAX_M):
+        raise ValueError(f"gemv: {m} rows > {MAX_ROWS_LIKE if rows_like else MAX_M}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*x.shape[:-1], n)
@@ -260,18 +265,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         if bias is not None:
             y += bias
         return y.reshape(*x.shape[:-1], n)
+    like = rows_like or m
     if config is None:
-        cfg = pick_config(m, n, k, x.device, x.dtype)
+        cfg = pick_config(like, n, k, x.device, x.dtype)
     else:
-        cfg = resolve_config(config, m, n, k, x.device, x.dtype)
-    block_m = 16 if cfg.dot else triton.next_power_of_2(m)
+        cfg = resolve_config(config, like, n, k, x.device, x.dtype)
+    block_m = 16 if cfg.dot else triton.next_power_of_2(like)
     split = cfg.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # no empty pieces
     even_k = k % cfg.block_k == 0
     has_bias = bias is not None
     b = bias if has_bias else weight  # unused pointer
-    grid = (triton.cdiv(n, cfg.block_n), split)
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
     common = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k, USE_DOT=cfg.dot,
                   IEEE=x.dtype == torch.float32, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
                   **pdl_launch(x.device))

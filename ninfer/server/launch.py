@@ -46,7 +46,7 @@ FLAG_HELP: dict[str, tuple[str | None, str]] = {
     "response_store_max_mib": ("N", "local Response store budget in MiB"),
     "kv_dtype": (None, "KV-cache storage: bf16 (unquantized, the model's dtype), fp8 (e4m3) or int8, each "
                        "quantized token with per-head scales; nvfp4 and k8v4 are not supported yet"),
-    "spec": (None, "speculative backend (not implemented yet)"),
+    "spec": (None, "speculative backend: mtp (the artifact's MTP head); dflash / dflash2 are not wired in yet"),
     "draft_tokens": ("N", "draft tokens: MTP 1..5, DFlash/DFlash2 1..15"),
     "lm_head_draft": (None, "load the optimized proposal head"),
     "default_max_tokens": ("N", "output limit when a request omits one"),

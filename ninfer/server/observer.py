@@ -271,8 +271,7 @@ class RequestTrace:
                  self.http_id, fin.reason.value, u.prompt_tokens, u.cached_tokens, fin.prefix_reuse_path,
                  u.completion_tokens, _ms(self._since_begin(self.t_first)), rate, now - self.t_begin)
         self._write("request_done", request=self._request_fields(), result=self._result(fin, decoded),
-                    timings_seconds=self._timings(now, fin), scheduling={"preemptions": fin.preemptions},
-                    speculative=NO_SPECULATION)
+                    timings_seconds=self._timings(now, fin), scheduling={"preemptions": fin.preemptions})
 
     def _settle_without_finish(self, exc: BaseException | None) -> None:
         if self.settled or not self.started:
@@ -383,7 +382,15 @@ class RequestTrace:
             queue = max(self.t_admit - self.t_submit, 0.0)
         return {"prepare": self._prepare_seconds(), "queue": queue, "ttft": self._since_begin(self.t_first),
                 "vision": 0.0, "prefill": fin.timings.prompt_ms / 1000.0, "decode": fin.timings.predicted_ms / 1000.0,
-                "total": now - self.t_begin}
+                "total": now - self.t_begin, "speculative": self._speculative(fin)}
+
+    def _speculative(self, fin: FinishEvent) -> dict[str, Any]:
+        """The request's speculative counts (contract: request log), with the process's backend and window."""
+        cfg = self.observer.cfg
+        if fin.speculative is None:
+            return dict(NO_SPECULATION)
+        return {"backend": cfg.spec, "draft_window": cfg.draft_tokens or (3 if cfg.spec else None),
+                **fin.speculative}
 
     def _prepare_seconds(self) -> float | None:
         return None if self.t_submit is None else self.t_submit - self.t_begin

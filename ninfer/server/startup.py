@@ -25,12 +25,9 @@ class UnsupportedOptionError(ValueError):
 
 def unimplemented_options(cfg: ServerConfig) -> list[str]:
     problems = []
-    if cfg.spec is not None:
-        problems.append(f"--spec {cfg.spec}: speculative decoding is not implemented yet")
-    if cfg.draft_tokens is not None:
-        problems.append("--draft-tokens: speculative decoding is not implemented yet")
-    if cfg.lm_head_draft:
-        problems.append("--lm-head-draft: speculative decoding is not implemented yet")
+    if cfg.spec in ("dflash", "dflash2"):
+        problems.append(f"--spec {cfg.spec}: the {cfg.spec} drafter is not wired into the engine yet "
+                        "(supported: --spec mtp)")
     if cfg.kv_dtype not in KV_DTYPES:
         problems.append(f"--kv-dtype {cfg.kv_dtype}: {cfg.kv_dtype} KV storage is unsupported in this build "
                         f"(supported: {', '.join(KV_DTYPES)})")
@@ -45,8 +42,26 @@ def check_implemented(cfg: ServerConfig) -> None:
     problems = unimplemented_options(cfg)
     if problems:
         raise UnsupportedOptionError("cannot start: " + "; ".join(problems))
+    check_components(cfg)
     if cfg.request_log_jsonl is not None:
         check_log_path(cfg.request_log_jsonl, cfg.artifact)
+
+
+def check_components(cfg: ServerConfig) -> None:
+    """The artifact holds what the selected capabilities load (read from its header only): the drafter of
+    --spec, the proposal head of --lm-head-draft, the vision tower of --vision."""
+    from ninfer.artifact.container import Artifact
+
+    if not (cfg.spec or cfg.vision) or not os.path.exists(cfg.artifact):
+        return  # a missing file fails the load with its own message
+    have = Artifact(cfg.artifact).manifest.components
+    wanted = [(cfg.spec, "--spec " + str(cfg.spec)), ("draft_head" if cfg.lm_head_draft else None, "--lm-head-draft"),
+              ("vision" if cfg.vision else None, "--vision")]
+    missing = [f"{flag} needs the artifact's {part!r} component" for part, flag in wanted if part and part not in have]
+    if missing:
+        raise UnsupportedOptionError(f"cannot start: {cfg.artifact}: " + "; ".join(missing) +
+                                     f" (it has: {', '.join(sorted(have))}); README 'Speculative decoding' "
+                                     "says how to add drafter components")
 
 
 def engine_settings(cfg: ServerConfig) -> EngineSettings:
@@ -60,7 +75,8 @@ def engine_settings(cfg: ServerConfig) -> EngineSettings:
         prefix_reuse=not cfg.no_prefix_reuse, no_cuda_graph=cfg.no_cuda_graph,
         host_context_bytes=None if cfg.host_context_mib is None else cfg.host_context_mib * 1024 * 1024,
         scheduling_events=cfg.request_log_jsonl is not None,  # request_scheduling records need them
-        vision=cfg.vision,
+        vision=cfg.vision, spec=cfg.spec, draft_tokens=cfg.draft_tokens or (3 if cfg.spec else 0),
+        lm_head_draft=cfg.lm_head_draft,
     )
 
 

@@ -1,0 +1,169 @@
+"""End-to-end decode speed with speculative decoding at controlled acceptance (issue 21, benchmark (b)).
+
+Random weights give a real drafter no acceptance, so the drafts come from the oracle proposer
+(ninfer.engine.speculative.OracleProposer, bench and tests only): it proposes the target's own greedy
+continuation, recorded by a run without drafts, each draft replaced by a random token with probability
+q. With k drafts a round then commits 1 + sum_{j=1..k} (1-q)^j tokens on average (the acceptance length
+L); q is solved for each requested L. Every run's output must equal the run without drafts token for
+token (greedy at full shape, through the real engine: scheduler, verify graphs, rollback).
+
+Prints one JSON line per (concurrency, acceptance length) with decode tok/s (sum over requests of
+their generated tokens per decode second) and the ratio to the same engine without drafts.
+
+    python bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --concurrency 1 8 --drafts 3
+    python bench/spec_e2e.py --dry-run   # tiny preset on the CPU: the harness itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+
+def emit(**record) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def corruption_for(length: float, k: int) -> float:
+    """q such that 1 + sum_{j=1..k} (1-q)^j = length (bisection; length in (1, k + 1))."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        q = (lo + hi) / 2
+        got = 1 + sum((1 - q) ** j for j in range(1, k + 1))
+        lo, hi = (q, hi) if got > length else (lo, q)
+    return (lo + hi) / 2
+
+
+class OracleAfterMTP:
+    """The MTP proposer's whole work each round (observe, propose), its drafts then replaced by the oracle's."""
+
+    def __init__(self, mtp, oracle):
+        self.mtp, self.oracle = mtp, oracle
+        self.wants_prefill_hidden = True
+
+    def cache_spec(self, spec):
+        return self.mtp.cache_spec(spec)
+
+    def bind(self, runner):
+        self.mtp.bind(runner)
+
+    def forget(self, seq):
+        self.mtp.forget(seq)
+
+    def observe(self, plan, output, committed):
+        if self.oracle.continuations:  # the run without drafts pays nothing for the head
+            self.mtp.observe(plan, output, committed)
+
+    def propose(self, works, budgets):
+        if self.oracle.continuations:
+            self.mtp.propose(works, budgets)
+            self.oracle.propose(works, budgets)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3.6-27b")
+    p.add_argument("--weights", choices=["bf16", "nvfp4"], default="bf16")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--drafts", type=int, default=3)
+    p.add_argument("--acceptance", type=float, nargs="+", default=[1.5, 2.5, 3.5])
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--reference", choices=["decode", "verify"], default="decode",
+                   help="the continuation the oracle proposes and outputs are compared with: plain decoding's, "
+                        "or the verify forwards' own (a run whose drafts are all wrong; its rows then take the "
+                        "same matmul shapes as every later run)")
+    p.add_argument("--with-mtp", action="store_true",
+                   help="run a random MTP head's drafting every round too (its cost), then verify the oracle's")
+    p.add_argument("--fast-verify", action="store_true",
+                   help="verify rows as one matmul pass (EngineSettings.exact_verify=False)")
+    p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, short outputs")
+    args = p.parse_args()
+    if args.dry_run:
+        args.shape, args.concurrency, args.prompt_len, args.max_tokens = "tiny-qwen3.6", [1, 2], 12, 12
+
+    import torch
+
+    from ninfer.artifact.presets import instantiate_mtp
+    from ninfer.engine.engine import EngineSettings
+    from ninfer.engine.loader import engine_from_preset
+    from ninfer.engine.mtp_proposer import MTPProposer
+    from ninfer.engine.speculative import OracleProposer
+    from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams, TokenEvent
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    lanes = max(args.concurrency)
+    settings = EngineSettings(max_context=args.prompt_len + args.max_tokens + 64, max_concurrency=lanes,
+                              draft_tokens=args.drafts, prefix_reuse=False, kv_capacity=None,
+                              exact_verify=not args.fast_verify)
+    oracle = OracleProposer({}, vocab=1000, seed=1)
+    proposer = oracle
+    if args.with_mtp:  # a random MTP head drafts first (its full cost), then the oracle's drafts replace them
+        def proposer(trunk):
+            return OracleAfterMTP(MTPProposer(instantiate_mtp(trunk, device, trunk.embed_tokens.weight.dtype,
+                                                              kv_layer=trunk.cache_spec().num_attn_layers)), oracle)
+    engine = engine_from_preset(args.shape, settings, device=device, weights=args.weights, proposer=proposer)
+    greedy = SamplingParams(temperature=0.0, presence_penalty=0.0, frequency_penalty=0.0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 20000) for _ in range(args.prompt_len)] for _ in range(lanes)]
+
+    def run(c: int) -> tuple[list[list[int]], float, dict]:
+        """c requests at once; their outputs, summed decode tok/s and the engine's speculative counts."""
+        import queue
+
+        before = {k: getattr(engine.counters, k) for k in ("spec_rounds", "spec_drafted_tokens",
+                                                          "spec_accepted_tokens")}
+        events = [queue.SimpleQueue() for _ in range(c)]
+        for i in range(c):
+            engine.submit(EngineRequest(f"r{i}", prompts[i], sampling=greedy, max_tokens=args.max_tokens),
+                          events[i].put)
+        outs, rate = [], 0.0
+        for q in events:
+            ids = []
+            while True:
+                ev = q.get(timeout=600)
+                if isinstance(ev, Exception):
+                    raise ev
+                if isinstance(ev, TokenEvent):
+                    ids += ev.token_ids
+                if isinstance(ev, FinishEvent):
+                    rate += ev.timings.as_dict()["predicted_per_second"]
+                    break
+            outs.append(ids)
+        counts = {k: getattr(engine.counters, k) - v for k, v in before.items()}
+        return outs, rate, counts
+
+    emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
+         exact_verify=settings.exact_verify, with_mtp=args.with_mtp, reference=args.reference,
+         graph_status=engine.runner.graph_status)
+    summary = {}
+    try:
+        run(1)  # warm-up (first replays, allocator)
+        for c in args.concurrency:
+            oracle.continuations = {}
+            base, base_rate, _ = run(c)
+            emit(kind="spec_e2e", concurrency=c, acceptance_target=None, decode_tok_s=base_rate, ratio=1.0)
+            if args.reference == "verify":  # the continuation as verify forwards compute it: every draft wrong
+                oracle.continuations = {f"r{i}": [0] * args.max_tokens for i in range(c)}
+                oracle.corrupt = 0.0
+                base, _, _ = run(c)
+            for length in args.acceptance:
+                oracle.continuations = {f"r{i}": ids for i, ids in enumerate(base)}
+                oracle.corrupt = corruption_for(length, args.drafts)
+                outs, rate, counts = run(c)
+                measured = 1 + counts["spec_accepted_tokens"] / max(counts["spec_rounds"], 1)
+                same = outs == base
+                emit(kind="spec_e2e", concurrency=c, acceptance_target=length, acceptance_measured=measured,
+                     corrupt=oracle.corrupt, decode_tok_s=rate, ratio=rate / base_rate if base_rate else None,
+                     output_equals_no_speculation=same, **counts)
+                summary[f"C{c}_L{length}"] = {"tok_s": round(rate, 1), "ratio": round(rate / base_rate, 3)
+                                              if base_rate else None, "equal": same}
+    finally:
+        engine.shutdown()
+    emit(kind="summary", shape=args.shape, weights=args.weights, drafts=args.drafts, results=summary,
+         all_outputs_equal=all(v["equal"] for v in summary.values()))
+
+
+if __name__ == "__main__":
+    main()
