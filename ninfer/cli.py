@@ -1,4 +1,4 @@
-"""`ninfer` command line: serve, convert, info (bench joins as it lands)."""
+"""`ninfer` command line: serve, convert, convert-drafter, info (bench joins as it lands)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,16 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
         write_preset(args.preset, out, seed=args.seed, dtype=args.dtype, weights=args.weights,
                      nvfp4_lm_head=args.nvfp4_lm_head)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_convert_drafter(args: argparse.Namespace) -> int:
+    from ninfer.artifact.convert_drafter import import_drafter
+
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import_drafter(args.input, args.drafter, out, args.variant)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -129,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-o", "--output", default=str(DEFAULT_ARTIFACT), help=f"output path (default {DEFAULT_ARTIFACT})")
     d.add_argument("--force", action="store_true", help="rebuild even if it exists")
 
+    dr = sub.add_parser("convert-drafter", help="add a DFlash / DFlash2 drafter checkpoint to an artifact",
+                        description="Copy an artifact with a z-lab drafter checkpoint (config.json + "
+                                    "*.safetensors) added as its dflash or dflash2 component.")
+    dr.add_argument("input", help="the .ninfer artifact of the target model")
+    dr.add_argument("drafter", help="the drafter's folder (config.json, *.safetensors)")
+    dr.add_argument("output", help="output .ninfer path")
+    dr.add_argument("--variant", choices=["dflash", "dflash2"],
+                    help="drafter kind (default: as the checkpoint's config.json declares)")
+
     info = sub.add_parser("info", help="print an artifact's manifest")
     info.add_argument("artifact")
 
@@ -146,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "nvfp4_lm_head", False) and args.weights != "nvfp4":
         parser.error(f"convert {args.source}: --nvfp4-lm-head needs --weights nvfp4 (got --weights {args.weights})")
-    commands = {"convert": _cmd_convert, "info": _cmd_info, "serve": _cmd_serve}
+    commands = {"convert": _cmd_convert, "convert-drafter": _cmd_convert_drafter, "info": _cmd_info,
+                "serve": _cmd_serve}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError) as exc:  # ArtifactError and converter input problems
