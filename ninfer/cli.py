@@ -1,4 +1,4 @@
-"""`ninfer` command line: serve, convert, convert-drafter, info (bench joins as it lands)."""
+"""`ninfer` command line: serve, convert, convert-drafter, convert-draft-head, info."""
 
 from __future__ import annotations
 
@@ -64,6 +64,16 @@ def _cmd_convert_drafter(args: argparse.Namespace) -> int:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     import_drafter(args.input, args.drafter, out, args.variant)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_convert_draft_head(args: argparse.Namespace) -> int:
+    from ninfer.models.draft_head import add_draft_head
+
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    add_draft_head(args.input, out, args.tokens, corpus=args.corpus)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -148,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--variant", choices=["dflash", "dflash2"],
                     help="drafter kind (default: as the checkpoint's config.json declares)")
 
+    dh = sub.add_parser("convert-draft-head", help="add the proposal head (--lm-head-draft) to an artifact",
+                        description="Copy an artifact with a draft_head component: the lm_head rows of a token "
+                                    "shortlist that drafters score their proposals on.")
+    dh.add_argument("input", help="the .ninfer artifact (its text lm_head or tied embedding in bf16/fp32)")
+    dh.add_argument("output", help="output .ninfer path")
+    dh.add_argument("--tokens", type=int, default=131072, help="shortlist size (default: 131072)")
+    dh.add_argument("--corpus", help="a text file whose token frequencies rank the shortlist (default: token id "
+                                     "order, which byte-level BPE roughly sorts by frequency)")
+
     info = sub.add_parser("info", help="print an artifact's manifest")
     info.add_argument("artifact")
 
@@ -165,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "nvfp4_lm_head", False) and args.weights != "nvfp4":
         parser.error(f"convert {args.source}: --nvfp4-lm-head needs --weights nvfp4 (got --weights {args.weights})")
-    commands = {"convert": _cmd_convert, "convert-drafter": _cmd_convert_drafter, "info": _cmd_info,
+    commands = {"convert": _cmd_convert, "convert-drafter": _cmd_convert_drafter,
+                "convert-draft-head": _cmd_convert_draft_head, "info": _cmd_info,
                 "serve": _cmd_serve}
     try:
         return commands[args.command](args)

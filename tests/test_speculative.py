@@ -211,3 +211,44 @@ def test_mtp_drafts_equal_a_from_scratch_head_and_output_equals_plain_greedy(tin
         checked += 1
     assert checked >= 6
     assert_no_leak(engine)
+
+
+def test_proposal_head_shortlists_the_lm_head_and_drafts_within_it(tiny_qwen_mtp_path, tmp_path):
+    """--lm-head-draft (contract: "loads the optimized proposal head"): `ninfer convert-draft-head` adds a
+    draft_head component holding the lm_head rows of a token shortlist (corpus-ranked here); the engine's MTP
+    drafts are the shortlist's argmax mapped back to vocabulary ids, and output stays plain greedy's."""
+    from ninfer.artifact.container import Artifact
+    from ninfer.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat. " * 20 + "speculative decoding drafts tokens")
+    out = tmp_path / "with-head.ninfer"
+    assert main(["convert-draft-head", str(tiny_qwen_mtp_path), str(out), "--tokens", "300",
+                 "--corpus", str(corpus)]) == 0
+    art = Artifact(out)
+    assert art.config("draft_head")["num_tokens"] == 300 and art.config("draft_head")["ranking"] == "corpus"
+    ids = art.load(["draft_head"])["draft_head"]["token_ids"].tolist()
+    text = art.load(["text"])["text"]
+    head_rows = art.load(["draft_head"])["draft_head"]["weight"]
+    lm_head = text.get("lm_head.weight", text["embed_tokens.weight"])
+    assert torch.equal(head_rows, lm_head[ids]) and ids == sorted(ids)
+    assert set(ids) >= set(qid for qid in art.manifest.extra.get("eos_token_ids", []))
+
+    base = _baseline(tiny_qwen_mtp_path)
+    settings = EngineSettings(max_context=256, max_concurrency=2, prefill_chunk=16, draft_tokens=2, spec="mtp",
+                              lm_head_draft=True)
+    engine = load_engine(out, settings, device=CPU)
+    drafted = []
+    propose = engine.proposer.propose
+
+    def recording(works, budgets):
+        propose(works, budgets)
+        drafted.extend(d for w in works for d in w.draft_ids)
+
+    engine.proposer.propose = recording
+    try:
+        spec = run_all(engine, _requests())
+    finally:
+        engine.shutdown()
+    assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
+    assert drafted and set(drafted) <= set(ids)
