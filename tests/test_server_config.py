@@ -97,7 +97,6 @@ def test_enum_flags_are_checked_by_the_parser(capsys):
 
 
 @pytest.mark.parametrize("argv,named", [
-    (["--spec", "dflash"], "--spec dflash"),
     (["--kv-dtype", "nvfp4"], "--kv-dtype nvfp4"),
     (["--kv-dtype", "k8v4"], "--kv-dtype k8v4"),
     (["--context-cost-presets", "presets.json"], "--context-cost-presets"),
@@ -122,11 +121,7 @@ def test_yaml_configs_are_valid_server_configs():
         app = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())["applications"][0]
         cfg = ServerConfig(**app["args"])
         assert cfg.max_context == cfg.kv_capacity == 240000 and cfg.max_concurrency == 2
-    check_implemented(ServerConfig(**yaml.safe_load((ROOT / "configs" / "qwen27b.yaml").read_text())
-                                   ["applications"][0]["args"]))  # --spec mtp passes the gate
-    dflash = yaml.safe_load((ROOT / "configs" / "qwen35b-a3b.yaml").read_text())["applications"][0]["args"]
-    with pytest.raises(UnsupportedOptionError, match="--spec dflash"):
-        build_app(dflash)
+        check_implemented(cfg)  # --spec mtp / dflash pass the gate (the artifact is checked when it exists)
     with pytest.raises(ValueError, match="http_options.port"):
         build_app({"artifact": "m.ninfer", "port": 9000})
 
@@ -183,3 +178,5 @@ def test_speculative_options_need_their_components_in_the_artifact(artifacts_dir
         check_implemented(ServerConfig(artifact=str(with_mtp), spec="mtp", lm_head_draft=True))
     both = add_draft_head(with_mtp, artifacts_dir / "startup-mtp-head.ninfer", num_tokens=512)
     check_implemented(ServerConfig(artifact=str(both), spec="mtp", lm_head_draft=True))
+    with pytest.raises(UnsupportedOptionError, match="--spec dflash needs the artifact's 'dflash' component"):
+        check_implemented(ServerConfig(artifact=str(both), spec="dflash", draft_tokens=7))

@@ -252,3 +252,91 @@ def test_proposal_head_shortlists_the_lm_head_and_drafts_within_it(tiny_qwen_mtp
         engine.shutdown()
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert drafted and set(drafted) <= set(ids)
+
+
+# ---- block drafters (--spec dflash / dflash2) -------------------------------------------------------------------
+
+
+def _block_drafter_artifact(base_path, folder, variant: str):
+    """The tiny Qwen artifact plus a random z-lab-layout drafter of `variant` (ninfer convert-drafter's path)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from ninfer.artifact.container import Artifact
+    from ninfer.artifact.convert_drafter import import_drafter
+    from ninfer.models.dflash import DFlashDrafter, dflash_config_from_hf
+
+    text = Artifact(base_path).config("text")
+    hf = {"architectures": ["DFlash2DraftModel" if variant == "dflash2" else "DFlashDraftModel"],
+          "model_type": "qwen3", "hidden_size": text["hidden_size"], "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+          "vocab_size": text["vocab_size"], "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+          "dflash_config": {"block_size": 5, "mask_token_id": 248070, "target_layer_ids": [1, 6]}}
+    if variant == "dflash2":
+        hf["is_causal"] = False
+        hf["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    drafter = DFlashDrafter(dflash_config_from_hf(hf))
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen) if name.endswith("norm.weight")
+                    else 0.2 * torch.randn(p.shape, generator=gen))
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf))
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(folder / "model.safetensors"))
+    return import_drafter(base_path, folder, folder / f"with-{variant}.ninfer", variant)
+
+
+def _reference_block(engine, tokens: list[int]) -> list[int]:
+    """The drafter's block drafts after `tokens`, from scratch: the trunk over all but the last token (its
+    target-layer features), the drafter's context over those positions in a fresh cache, one block."""
+    from ninfer.forward import ForwardBatch, ModelCache
+
+    runner, drafter = engine.runner, engine.proposer.drafter
+    n, size = len(tokens) - 1, drafter.block_size
+    pages = list(range(-(-(n + size) // 4)))
+    trunk_cache = ModelCache(runner.cache.spec, len(pages), 4, 1, torch.float32)
+    cache = ModelCache(drafter.cache_spec(), len(pages), 4, 0, torch.float32)
+    with torch.inference_mode():
+        runner.model(ForwardBatch.build([tokens[:n]], [0], [pages], 4, [0]), trunk_cache)
+        drafter.context_kv(ForwardBatch.build([tokens[:n]], [0], [pages], 4, [0]), cache, runner.model.captured)
+        block = ForwardBatch.build([[0] * size], [n], [pages], 4, [0])
+        return drafter.draft(block, cache, torch.tensor([tokens[n]]))[0].tolist()
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_block_drafter_drafts_equal_a_from_scratch_run_and_output_equals_plain_greedy(tiny_qwen_path, tmp_path,
+                                                                                      variant):
+    """--spec dflash / dflash2 (contract: server options, speculative sections): the engine hands the drafter
+    the target's chosen layers' hidden states, keeps its context K/V across rounds and drafts a block per
+    verify; every proposal equals the drafter run from scratch over the whole sequence, and output equals
+    plain greedy decoding. As in the MTP test, the oracle's drafts are verified after recording the
+    drafter's, so runs of every length are committed."""
+    path = _block_drafter_artifact(tiny_qwen_path, tmp_path / variant, variant)
+    base = _baseline(tiny_qwen_path)
+    settings = EngineSettings(max_context=256, max_concurrency=3, prefill_chunk=16, draft_tokens=4, spec=variant)
+    engine = load_engine(path, settings, device=CPU)
+    assert engine.runner.feature_layers == (1, 6)
+    oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=6)
+    seen = []
+    propose = engine.proposer.propose
+
+    def recording(works, budgets):
+        propose(works, budgets)
+        seen.extend((w.seq.tokens(0, w.seq.total_len), list(w.draft_ids), b) for w, b in zip(works, budgets))
+        oracle.propose(works, budgets)
+
+    engine.proposer.propose = recording
+    try:
+        spec = run_all(engine, _requests())
+        counters = engine.counters
+    finally:
+        engine.shutdown()
+    assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
+    assert counters.spec_accepted_tokens > counters.spec_rounds // 2
+    sample = seen[:: max(1, len(seen) // 10)]
+    assert len(sample) >= 6 and all(len(d) == b for _, d, b in sample)
+    for tokens, drafts, budget in sample:
+        assert drafts == _reference_block(engine, tokens)[:budget]
+    assert_no_leak(engine)

@@ -141,7 +141,8 @@ class Engine:
                                   vocab_size=tokenizer.vocab_size, device=self.device, dtype=dtype,
                                   cuda_graphs=not settings.no_cuda_graph, max_seq_len=settings.max_context,
                                   kv_dtype=settings.kv_dtype, prefill_chunk=settings.prefill_chunk,
-                                  draft_tokens=drafts, cache_spec=cache_spec, exact_verify=settings.exact_verify)
+                                  draft_tokens=drafts, cache_spec=cache_spec, exact_verify=settings.exact_verify,
+                                  feature_layers=tuple(getattr(proposer, "feature_layers", ()) if drafts else ()))
         self.proposer = proposer if drafts else None
         if hasattr(self.proposer, "bind"):
             self.proposer.bind(self.runner)

@@ -148,8 +148,10 @@ def load_mtp_head(artifact: Artifact, trunk: nn.Module, device: torch.device, dt
 def load_proposer(artifact: Artifact, trunk: nn.Module, settings: EngineSettings, device: torch.device,
                   dtype: torch.dtype):
     """The drafter --spec selects, from the artifact's components (before the engine sizes its KV)."""
+    if settings.spec in ("dflash", "dflash2"):
+        return load_block_drafter(artifact, trunk, settings, device, dtype)
     if settings.spec != "mtp":
-        raise ValueError(f"--spec {settings.spec} is not supported by this build yet (supported: mtp)")
+        raise ValueError(f"--spec {settings.spec} is not supported (supported: mtp, dflash, dflash2)")
     if not settings.draft_tokens:
         settings.draft_tokens = 3
     from ninfer.engine.mtp_proposer import MTPProposer
@@ -157,6 +159,36 @@ def load_proposer(artifact: Artifact, trunk: nn.Module, settings: EngineSettings
     head = load_mtp_head(artifact, trunk, device, dtype, kv_layer=trunk.cache_spec().num_attn_layers)
     draft_head = load_draft_head(artifact, device, dtype) if settings.lm_head_draft else None
     return MTPProposer(head, draft_head)
+
+
+def load_block_drafter(artifact: Artifact, trunk: nn.Module, settings: EngineSettings, device: torch.device,
+                       dtype: torch.dtype):
+    """The artifact's DFlash / DFlash2 drafter (component of --spec's name) as the engine's proposer; draft
+    tokens beyond the drafter's block (block_size - 1) are refused."""
+    from safetensors import safe_open
+
+    from ninfer.engine.dflash_proposer import DFlashProposer
+    from ninfer.models.dflash import DFlashDrafter
+
+    name = settings.spec
+    config = artifact.config(name)
+    with safe_open(str(artifact.path), framework="pt", device=str(device)) as f:
+        weights = {k.removeprefix(name + "."): _cast_floating(k, f.get_tensor(k), dtype)
+                   for k in artifact.tensor_names if k.startswith(name + ".")}
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):  # not meta: its rotary tables are buffers of its own (a few GB at most)
+            drafter = DFlashDrafter(config)
+    finally:
+        torch.set_default_dtype(previous)
+    drafter.load_state_dict(weights, strict=True)
+    drafter = prepare_for_inference_(drafter.attach_(trunk)).eval()
+    settings.draft_tokens = settings.draft_tokens or min(7, drafter.block_size - 1)
+    if settings.draft_tokens > drafter.block_size - 1:
+        raise ValueError(f"--draft-tokens {settings.draft_tokens}: the {name} drafter's block of "
+                         f"{drafter.block_size} gives at most {drafter.block_size - 1} drafts")
+    return DFlashProposer(drafter)
 
 
 def load_draft_head(artifact: Artifact, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -25,7 +25,7 @@ import torch
 
 from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
 from ninfer.engine.sequence import Sequence, Status
-from ninfer.engine.speculative import speculates
+from ninfer.engine.speculative import computed_rows, speculates, upload_batch
 from ninfer.forward import CacheSpec, ForwardBatch
 from ninfer.models.mtp import chain_batch
 
@@ -70,17 +70,8 @@ class MTPProposer:
     # ---- after a step: the head over the positions the trunk computed ----------------------------
     @torch.inference_mode()
     def observe(self, plan: StepPlan, output: RunnerOutput, committed: dict[int, int]) -> None:
-        rows: list[tuple[Sequence, int, torch.Tensor]] = []  # (seq, first position, hidden [n, H])
-        if plan.prefill is not None and output.prefill_hidden is not None:
-            work = plan.prefill
-            seq = work.seq
-            if seq.status is not Status.FINISHED and seq.total_len > work.end:  # the next token is known
-                rows.append((seq, work.start, output.prefill_hidden))
-        offset = len(plan.works) - len(plan.decode)
-        for i, work in enumerate(plan.decode):
-            seq, c = work.seq, committed.get(id(work.seq), 0)
-            if c and seq.status is not Status.FINISHED and output.hidden is not None:
-                rows.append((seq, work.start, output.hidden[offset + i][:c]))
+        # a prefill chunk's last row waits for its next token (the next chunk's first, or the first sample)
+        rows = [(s, p, h) for s, p, h in computed_rows(plan, output, committed) if s.total_len > p + h.shape[0]]
         if not rows:
             return
         runner = self.runner
@@ -89,11 +80,8 @@ class MTPProposer:
         lens = [h.shape[0] for _, _, h in rows]
         tokens = [s.tokens(p + 1, p + 1 + n) for s, p, n in zip(seqs, starts, lens)]
         positions = [s.positions(p, p + n) for s, p, n in zip(seqs, starts, lens)]
-        batch = ForwardBatch.build(tokens, starts, [s.pages for s in seqs], runner.page_size, device="cpu",
-                                   positions=positions)
-        for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "slot_mapping",
-                     "state_slots"):
-            setattr(batch, name, runner._upload(getattr(batch, name)))
+        batch = upload_batch(ForwardBatch.build(tokens, starts, [s.pages for s in seqs], runner.page_size,
+                                                device="cpu", positions=positions), runner)
         hidden = torch.cat([h for _, _, h in rows]) if len(rows) > 1 else rows[0][2]
         out = self.head(batch, runner.cache, batch.input_ids, hidden)
         last = out[batch.last_token_indices()]
@@ -116,11 +104,10 @@ class MTPProposer:
         drafts = [torch.stack([f.draft for _, _, f in ready])]
         if k > 1:
             starts = [f.position for _, _, f in ready]
-            base = ForwardBatch.build([[0]] * len(seqs), starts, [s.pages for s in seqs], runner.page_size,
-                                      device="cpu", positions=[s.positions(p, p + 1) for s, p in zip(seqs, starts)])
-            for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "slot_mapping",
-                         "state_slots"):
-                setattr(base, name, runner._upload(getattr(base, name)))
+            base = upload_batch(ForwardBatch.build([[0]] * len(seqs), starts, [s.pages for s in seqs],
+                                                   runner.page_size, device="cpu",
+                                                   positions=[s.positions(p, p + 1) for s, p in zip(seqs, starts)]),
+                                runner)
             h, step = torch.stack([f.hidden for _, _, f in ready]), base
             for _ in range(k - 1):
                 step = chain_batch(step, runner.page_size)

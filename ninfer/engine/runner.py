@@ -136,7 +136,8 @@ class ModelRunner:
                  num_lanes: int, vocab_size: int, device: torch.device, dtype: torch.dtype,
                  cuda_graphs: bool = True, max_seq_len: int | None = None, kv_dtype: str = "bf16",
                  prefill_chunk: int | None = None, prefill_pieces: bool | None = None, draft_tokens: int = 0,
-                 cache_spec: CacheSpec | None = None, exact_verify: bool = True):
+                 cache_spec: CacheSpec | None = None, exact_verify: bool = True,
+                 feature_layers: tuple[int, ...] = ()):
         """draft_tokens: the most drafts a decode row may carry (speculative decoding; 0: none). Hybrid
         models then get draft_tokens state slots per lane after the live slots: a verify forward keeps
         the recurrent state of each verified position there (ForwardBatch.verify_slots), and `rollback`
@@ -144,6 +145,8 @@ class ModelRunner:
         of width draft_tokens + 1 (shorter rows padded).
         cache_spec: the cache to allocate (default the model's; a drafter may ride in it as extra layers).
         exact_verify: verified positions round exactly as plain decode steps (`verify`).
+        feature_layers: the hidden states handed to drafters (RunnerOutput.hidden / prefill_hidden) are these
+        decoder layers' outputs, concatenated (a block drafter's target layers), not the final ones.
         prefill_chunk: the engine's chunk length, for the prefill graph (None: no prefill graph).
         prefill_pieces: cut shorter prefills into power-of-two pieces (None: NINFER_PREFILL_PIECES if set,
         else on CUDA devices only: on CPU there are no graphs to replay)."""
@@ -153,6 +156,9 @@ class ModelRunner:
         self.page_size = page_size
         self.draft_tokens = draft_tokens
         self.exact_verify = exact_verify
+        self.feature_layers = tuple(feature_layers)
+        if self.feature_layers:  # before any graph is captured: the features become a static output
+            model.capture_layers = self.feature_layers
         self.verify_base = num_state_slots  # state of lane l after verified position j: verify_base + l*k + j
         verify_slots = num_lanes * draft_tokens if num_state_slots else 0
         self.cache = ModelCache(cache_spec or model.cache_spec(), num_pages, page_size, num_state_slots + verify_slots,
@@ -249,9 +255,12 @@ class ModelRunner:
         them; under capture the tensor is the graph's, rewritten by each replay)."""
         batch.derived.clear()  # recomputed inside this forward (and inside a graph being captured)
         hidden = self.model(batch, self.cache)
-        self.last_all_hidden = hidden
-        self.last_hidden = hidden[batch.logit_indices()]
-        return self.model.compute_logits(self.last_hidden)
+        rows = batch.logit_indices()
+        # what drafters read: the final hidden states, or a block drafter's target-layer features
+        source = self.model.captured if self.feature_layers else hidden
+        self.last_all_hidden = source
+        self.last_hidden = source[rows]
+        return self.model.compute_logits(hidden[rows] if self.feature_layers else self.last_hidden)
 
     def _capture_failed(self, what: str, exc: Exception) -> str:
         """Log a failed capture; returns the reason for graph_status."""

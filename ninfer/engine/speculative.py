@@ -18,8 +18,8 @@ from __future__ import annotations
 import random
 from typing import Protocol
 
-from ninfer.engine.plan import SeqWork
-from ninfer.engine.sequence import Sequence
+from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
+from ninfer.engine.sequence import Sequence, Status
 
 
 class Proposer(Protocol):
@@ -31,6 +31,28 @@ class Proposer(Protocol):
 def speculates(seq: Sequence) -> bool:
     """Whether this row may carry drafts (the module docstring says why the others do not)."""
     return seq.sampling.greedy and not seq.sampling.penalized and not seq.forced
+
+
+def computed_rows(plan: StepPlan, output: RunnerOutput, committed: dict[int, int]) -> list[tuple[Sequence, int, object]]:
+    """What a step newly put in the target's cache, for drafters that follow it: (sequence, first position,
+    hidden rows [n, ...]) for the prefill chunk (every token) and each decode row (its committed tokens);
+    finished requests left out."""
+    rows = []
+    if plan.prefill is not None and output.prefill_hidden is not None and plan.prefill.seq.status is not Status.FINISHED:
+        rows.append((plan.prefill.seq, plan.prefill.start, output.prefill_hidden))
+    offset = len(plan.works) - len(plan.decode)
+    for i, work in enumerate(plan.decode):
+        c = committed.get(id(work.seq), 0)
+        if c and work.seq.status is not Status.FINISHED and output.hidden is not None:
+            rows.append((work.seq, work.start, output.hidden[offset + i][:c]))
+    return rows
+
+
+def upload_batch(batch, runner):
+    """A host-built ForwardBatch's tensors on the runner's device (pinned, non-blocking)."""
+    for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "slot_mapping", "state_slots"):
+        setattr(batch, name, runner._upload(getattr(batch, name)))
+    return batch
 
 
 def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:

@@ -263,6 +263,8 @@ class Qwen3_5ForCausalLM(nn.Module):
                 layers.append(DecoderLayer(cfg, layer_type, state_idx))
                 state_idx += 1
         self.num_attn_layers, self.num_state_layers = attn_idx, state_idx
+        self.capture_layers: tuple[int, ...] = ()  # forward keeps these layers' outputs in `captured`
+        self.captured: torch.Tensor | None = None
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), zero_centered=True)
@@ -294,13 +296,18 @@ class Qwen3_5ForCausalLM(nn.Module):
         )
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
-        """Hidden states [T, H] of every new token, after the final norm."""
+        """Hidden states [T, H] of every new token, after the final norm. With `capture_layers` set (a block
+        drafter's target layers), `captured` then holds [T, len * H]: the output of each of those decoder
+        layers (HF output_hidden_states index id + 1, before the final norm), concatenated in order."""
         x = batch.inputs_embeds if batch.inputs_embeds is not None else self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         meta = GDNMetadata.from_batch(batch)
-        residual = None
-        for layer in self.layers:
+        residual, captured = None, []
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, batch, cache, meta)
+            if i in self.capture_layers:
+                captured.append(residual + x)  # the hidden state the next layer's norm reads
+        self.captured = torch.cat(captured, dim=-1) if captured else None
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def fuse_projections_(self) -> int:

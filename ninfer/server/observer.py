@@ -48,7 +48,7 @@ from ninfer.media import MediaStats
 from ninfer.protocol.errors import ProtocolError, from_engine_error
 from ninfer.server.metrics import RequestFigures
 from ninfer.server.request_log import ModelIdentity, RequestLog, server_start_fields
-from ninfer.server.startup import engine_settings
+from ninfer.server.startup import DEFAULT_DRAFTS, engine_settings
 
 log = logging.getLogger("ninfer.request")
 
@@ -389,7 +389,7 @@ class RequestTrace:
         cfg = self.observer.cfg
         if fin.speculative is None:
             return dict(NO_SPECULATION)
-        return {"backend": cfg.spec, "draft_window": cfg.draft_tokens or (3 if cfg.spec else None),
+        return {"backend": cfg.spec, "draft_window": cfg.draft_tokens or DEFAULT_DRAFTS.get(cfg.spec),
                 **fin.speculative}
 
     def _prepare_seconds(self) -> float | None:

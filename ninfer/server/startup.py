@@ -19,15 +19,15 @@ from ninfer.server.request_log import check_log_path
 log = logging.getLogger("ninfer.server")
 
 
+DEFAULT_DRAFTS = {"mtp": 3, "dflash": 7, "dflash2": 7}  # without --draft-tokens
+
+
 class UnsupportedOptionError(ValueError):
     """A startup option that names a capability this build does not provide yet."""
 
 
 def unimplemented_options(cfg: ServerConfig) -> list[str]:
     problems = []
-    if cfg.spec in ("dflash", "dflash2"):
-        problems.append(f"--spec {cfg.spec}: the {cfg.spec} drafter is not wired into the engine yet "
-                        "(supported: --spec mtp)")
     if cfg.kv_dtype not in KV_DTYPES:
         problems.append(f"--kv-dtype {cfg.kv_dtype}: {cfg.kv_dtype} KV storage is unsupported in this build "
                         f"(supported: {', '.join(KV_DTYPES)})")
@@ -75,7 +75,7 @@ def engine_settings(cfg: ServerConfig) -> EngineSettings:
         prefix_reuse=not cfg.no_prefix_reuse, no_cuda_graph=cfg.no_cuda_graph,
         host_context_bytes=None if cfg.host_context_mib is None else cfg.host_context_mib * 1024 * 1024,
         scheduling_events=cfg.request_log_jsonl is not None,  # request_scheduling records need them
-        vision=cfg.vision, spec=cfg.spec, draft_tokens=cfg.draft_tokens or (3 if cfg.spec else 0),
+        vision=cfg.vision, spec=cfg.spec, draft_tokens=cfg.draft_tokens or DEFAULT_DRAFTS.get(cfg.spec, 0),
         lm_head_draft=cfg.lm_head_draft,
     )
 
