@@ -5,6 +5,8 @@ inside an accepted run commit exactly the accepted prefix."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from engine_helpers import assert_no_leak, mixed_prompts, run_all, token_ids
@@ -340,3 +342,82 @@ def test_block_drafter_drafts_equal_a_from_scratch_run_and_output_equals_plain_g
     for tokens, drafts, budget in sample:
         assert drafts == _reference_block(engine, tokens)[:budget]
     assert_no_leak(engine)
+
+
+# ---- sampled rows ------------------------------------------------------------------------------------------------
+
+SAMPLED = SamplingParams(temperature=1.3, top_p=0.9, top_k=12, min_p=0.01, presence_penalty=0.0,
+                         frequency_penalty=0.0)
+
+
+def test_seeded_sampled_output_with_drafts_equals_output_without(tiny_qwen_path):
+    """Sampled rows speculate (engine/speculative.py: a point-mass draft stands only where it equals the
+    target's own sample, which is lossless rejection sampling): with the same seed, the output is the same
+    token for token with drafts at any acceptance, so the target distribution is kept exactly."""
+    def requests():
+        return [EngineRequest(f"s{i}", p, max_tokens=14, sampling=dataclasses.replace(SAMPLED, seed=100 + i))
+                for i, p in enumerate(mixed_prompts(5))]
+
+    settings = EngineSettings(max_context=256, max_concurrency=3, prefill_chunk=16)
+    engine = load_engine(tiny_qwen_path, settings, device=CPU)
+    try:
+        base = run_all(engine, requests())
+    finally:
+        engine.shutdown()
+    oracle = OracleProposer({f"s{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.4, vocab=900, seed=2)
+    engine = load_engine(tiny_qwen_path, dataclasses.replace(settings, draft_tokens=3), proposer=oracle, device=CPU)
+    try:
+        spec = run_all(engine, requests())
+        counters = engine.counters
+    finally:
+        engine.shutdown()
+    assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
+    assert counters.spec_accepted_tokens > 0 and counters.spec_accepted_tokens < counters.spec_drafted_tokens
+
+
+def test_a_sampled_draft_is_accepted_with_the_target_probability(tiny_qwen_path):
+    """Statistical check of the acceptance rule on sampled rows: one sequence, one draft d (the target's most
+    likely token), verified under 600 seeds. The draft stands in a share of runs that matches the target's
+    probability of d under the request's sampling transform (temperature, top-k, top-p, min-p), within
+    4.5 standard deviations, and a rejected row's token is never d."""
+    from types import SimpleNamespace
+
+    from ninfer.engine.plan import SeqWork, StepPlan
+    from ninfer.engine.runner import ModelRunner
+    from ninfer.engine.speculative import accepted_prefix
+
+    engine = load_engine(tiny_qwen_path, EngineSettings(max_context=64), device=CPU, start=False)
+    model, vocab = engine.runner.model, engine.tokenizer.vocab_size
+    runner = ModelRunner(model, num_pages=8, page_size=16, num_state_slots=1, num_lanes=1, vocab_size=vocab,
+                         device=CPU, dtype=torch.float32, draft_tokens=1)
+    prompt = [61, 62, 63, 64, 65]
+    with torch.inference_mode():
+        runner.forward_eager([SimpleNamespace(num_computed=0, pages=[0, 1], state_slot=0, mrope=None)], [prompt[:-1]])
+    saved = [t.clone() for t in (runner.cache.conv, runner.cache.ssm)]
+    runs, accepted, draft, p_draft = 600, 0, None, None
+    for seed in range(runs):
+        for t, s in zip((runner.cache.conv, runner.cache.ssm), saved):
+            t.copy_(s)
+        params = SimpleNamespace(temperature=1.3, top_p=0.9, top_k=12, min_p=0.01, presence_penalty=0.0,
+                                 frequency_penalty=0.0, seed=seed, penalized=False)
+        seq = SimpleNamespace(num_computed=len(prompt) - 1, pages=[0, 1], state_slot=0, lane=0, output_ids=[],
+                              sampling=params, mrope=None)
+        if draft is None:  # the target's distribution at the first position, as the sampler transforms it
+            with torch.inference_mode():
+                logits = runner.verify([seq], [[prompt[-1], 0]], 2)[0, :vocab]
+            for t, s in zip((runner.cache.conv, runner.cache.ssm), saved):
+                t.copy_(s)
+            best, ids = torch.topk(logits, 12)
+            probs = torch.softmax(best / 1.3, -1)
+            keep = probs >= 0.01 * probs[0]
+            keep &= (torch.cumsum(probs, -1) - probs < 0.9) | (torch.arange(12) == 0)
+            probs = torch.where(keep, probs, 0) / probs[keep].sum()
+            draft, p_draft = int(ids[0]), float(probs[0])
+        work = SeqWork(seq, seq.num_computed, [prompt[-1], draft], draft_ids=[draft], decode=True)
+        sampled = runner.execute(StepPlan(decode=[work])).sampled[0]
+        stood = accepted_prefix([draft], sampled)
+        accepted += stood
+        assert stood or sampled[0] != draft
+    sd = (p_draft * (1 - p_draft) / runs) ** 0.5
+    assert 0.05 < p_draft < 0.95, p_draft  # a test that can fail both ways
+    assert abs(accepted / runs - p_draft) < 4.5 * sd, (accepted / runs, p_draft)

@@ -8,9 +8,17 @@ greedy output is the same token for token. The runner then rolls recurrent state
 committed position (ModelRunner.rollback) and the KV written for rejected positions is rewritten by
 later steps (those slots lie past the computed frontier, so nothing reads them first).
 
-Rows that speculate: greedy, unpenalized, not inside a forced thinking-budget suffix. A sampled row
-would need rejection sampling against the drafter's distribution to keep the target distribution;
-until that lands those rows decode one token per step (drafts none), which is exact.
+Sampled rows speculate too. Each verify row is sampled as plain decoding would sample that output
+position (the same transformed distribution, the same counter-based noise keyed by seed and output
+index), and a draft stands only where it equals that sample. Every drafter here proposes greedily (a
+point mass), and for a point-mass proposal q this is exactly lossless rejection sampling: draft d is
+accepted with probability p(d), and a rejection leaves the target's sample, distributed as p without
+d, renormalised (= max(p - q, 0), normalised). So the committed tokens are the target's own samples:
+with exact verification, seeded output is identical with and without drafts.
+
+Rows that do not speculate: penalized ones (presence/frequency penalties read the counts of the
+tokens before each position, which drafts would change mid-window) and rows inside a forced
+thinking-budget suffix.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ class Proposer(Protocol):
 
 def speculates(seq: Sequence) -> bool:
     """Whether this row may carry drafts (the module docstring says why the others do not)."""
-    return seq.sampling.greedy and not seq.sampling.penalized and not seq.forced
+    return not seq.sampling.penalized and not seq.forced
 
 
 def computed_rows(plan: StepPlan, output: RunnerOutput, committed: dict[int, int]) -> list[tuple[Sequence, int, object]]:
