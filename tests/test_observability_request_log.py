@@ -406,3 +406,17 @@ def test_the_text_campaign_logs_zero_media(campaign):
     starts = [r for r in campaign["records"] if r["event"] == "request_start"]
     assert starts and all(r["media"] == NO_MEDIA for r in starts)
     assert all(r["preparation_seconds"]["tokenizer"] > 0 for r in starts)
+
+
+def test_request_done_times_the_vision_encode(media_campaign):
+    """Contract (structured request log): request_done.timings_seconds.vision is the request's own vision
+    encode time: positive where the engine encoded its image, zero for a text-only request."""
+    def done(name):
+        (rec,) = [r for r in by_http_id(media_campaign["records"], media_campaign["ids"][name])
+                  if r["event"] == "request_done"]
+        return rec["timings_seconds"]
+
+    miss, text = done("miss"), done("text")
+    assert 0 < miss["vision"] < miss["total"]
+    assert text["vision"] == 0.0
+    assert text["speculative"]["backend"] is None and text["speculative"]["rounds"] == 0

@@ -17,6 +17,9 @@ sequence, and the input embeddings of a prefill chunk that covers media pads.
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import numpy as np
 import torch
 
@@ -98,7 +101,9 @@ def chunk_embeds(tower: torch.nn.Module | None, model: torch.nn.Module, seqs: li
         raise VisionDisabledError("this engine was started without --vision: it cannot run media input")
     missing = [(seq, k, item) for seq, k, item, _, _ in todo if k not in seq.media_embeds]
     if missing:
-        for (seq, k, _), emb in zip(missing, _encode(tower, [m[2] for m in missing], input_ids.device)):
+        with _timed({id(seq): seq for seq, _, _ in missing}.values(), input_ids.device):
+            encoded = _encode(tower, [m[2] for m in missing], input_ids.device)
+        for (seq, k, _), emb in zip(missing, encoded):
             seq.media_embeds[k] = emb
     x = model.embed_tokens(input_ids)
     rows = torch.as_tensor(np.concatenate([t[3] for t in todo]), device=x.device)
@@ -111,6 +116,34 @@ def chunk_embeds(tower: torch.nn.Module | None, model: torch.nn.Module, seqs: li
         for k in [k for k in held if _item_end(seq.request.media[k]) <= end]:
             del held[k]
     return x
+
+
+@contextlib.contextmanager
+def _timed(seqs, device: torch.device):
+    """Time a vision encode for the request log (timings_seconds.vision): CUDA events on the device's stream
+    (read at the request's end, never waited on here), wall time on the CPU. An encode batching items of
+    several requests counts whole for each of them."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        for seq in seqs:
+            seq.vision_events.append((start, end))
+        return
+    t0 = time.perf_counter()
+    yield
+    for seq in seqs:
+        seq.vision_seconds += time.perf_counter() - t0
+
+
+def vision_seconds(seq) -> float:
+    """The request's vision encode time so far (its events complete before the request's last step)."""
+    total = seq.vision_seconds
+    for start, end in seq.vision_events:
+        end.synchronize()
+        total += start.elapsed_time(end) / 1000.0
+    return total
 
 
 def _item_end(item: MediaInput) -> int:

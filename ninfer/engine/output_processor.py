@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from ninfer.engine import media_inputs
 from ninfer.engine.counters import Counters
 from ninfer.engine.output_control import ThinkingControl
 from ninfer.engine.sequence import Sequence
@@ -97,4 +98,4 @@ class OutputProcessor:
         return FinishEvent(reason, usage, timings, stop_string=seq.controller.stop_string,
                            thinking_budget_applied=seq.controller.budget_applied,
                            preemptions=seq.preemptions, prefix_reuse_path=seq.prefix_path, error=error,
-                           speculative=spec)
+                           speculative=spec, vision_seconds=media_inputs.vision_seconds(seq))

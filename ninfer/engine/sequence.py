@@ -58,6 +58,8 @@ class Sequence:
     # item), so prefixes with different media never match (ninfer.engine.media_inputs); None: the token ids
     prompt_key: list | None = None
     media_embeds: dict = field(default_factory=dict)  # encoded media items (by index) until prefill passes them
+    vision_seconds: float = 0.0  # vision encode time (CPU), and the CUDA events of its encodes (media_inputs)
+    vision_events: list = field(default_factory=list)
     cancelled: bool = False
     t_submit: float = field(default_factory=time.monotonic)
     t_admit: float | None = None

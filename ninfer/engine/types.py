@@ -172,6 +172,7 @@ class FinishEvent:
     # a speculative engine's counts for this request (rounds, drafted_tokens, accepted_tokens,
     # fallback_steps, accepted_per_position); None without speculative decoding
     speculative: dict[str, Any] | None = None
+    vision_seconds: float = 0.0  # time the vision tower spent encoding this request's media
 
 
 @dataclass

@@ -381,7 +381,7 @@ class RequestTrace:
         if self.t_admit is not None and self.t_submit is not None:
             queue = max(self.t_admit - self.t_submit, 0.0)
         return {"prepare": self._prepare_seconds(), "queue": queue, "ttft": self._since_begin(self.t_first),
-                "vision": 0.0, "prefill": fin.timings.prompt_ms / 1000.0, "decode": fin.timings.predicted_ms / 1000.0,
+                "vision": fin.vision_seconds, "prefill": fin.timings.prompt_ms / 1000.0, "decode": fin.timings.predicted_ms / 1000.0,
                 "total": now - self.t_begin, "speculative": self._speculative(fin)}
 
     def _speculative(self, fin: FinishEvent) -> dict[str, Any]:
