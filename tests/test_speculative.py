@@ -160,6 +160,25 @@ def tiny_qwen_mtp_path(artifacts_dir):
     return write_preset("tiny-qwen3.6", artifacts_dir / "tiny-qwen3.6-mtp.ninfer", seed=0, mtp=True)
 
 
+def _run_recording_drafts(engine, oracle):
+    """Run _requests(); every round the engine's drafter proposes (recorded: the sequence so far, its drafts,
+    the budget), then the oracle's drafts replace its own for verification. (events, counters, records)"""
+    seen = []
+    propose = engine.proposer.propose
+
+    def recording(works, budgets):
+        propose(works, budgets)
+        seen.extend((w.seq.tokens(0, w.seq.total_len), list(w.draft_ids), b) for w, b in zip(works, budgets))
+        oracle.propose(works, budgets)
+
+    engine.proposer.propose = recording
+    try:
+        spec = run_all(engine, _requests())
+    finally:
+        engine.shutdown()
+    return spec, engine.counters, seen
+
+
 def _reference_drafts(engine, tokens: list[int], k: int) -> list[int]:
     """The MTP head's k greedy drafts after `tokens`, recomputed from scratch: the trunk over all but the last
     token, the head over every position (paired with the next token) in a fresh cache, then its chain."""
@@ -189,20 +208,7 @@ def test_mtp_drafts_equal_a_from_scratch_head_and_output_equals_plain_greedy(tin
                               spec="mtp")
     engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
     oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=5)
-    seen = []
-    propose = engine.proposer.propose
-
-    def recording(works, budgets):
-        propose(works, budgets)
-        seen.extend((w.seq.tokens(0, w.seq.total_len), list(w.draft_ids), b) for w, b in zip(works, budgets))
-        oracle.propose(works, budgets)
-
-    engine.proposer.propose = recording
-    try:
-        spec = run_all(engine, _requests())
-        counters = engine.counters
-    finally:
-        engine.shutdown()
+    spec, counters, seen = _run_recording_drafts(engine, oracle)
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert counters.spec_rounds > 0 and len(seen) >= counters.spec_rounds
     assert counters.spec_accepted_tokens > counters.spec_rounds // 2  # multi-token commits happened
@@ -321,20 +327,7 @@ def test_block_drafter_drafts_equal_a_from_scratch_run_and_output_equals_plain_g
     engine = load_engine(path, settings, device=CPU)
     assert engine.runner.feature_layers == (1, 6)
     oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=6)
-    seen = []
-    propose = engine.proposer.propose
-
-    def recording(works, budgets):
-        propose(works, budgets)
-        seen.extend((w.seq.tokens(0, w.seq.total_len), list(w.draft_ids), b) for w, b in zip(works, budgets))
-        oracle.propose(works, budgets)
-
-    engine.proposer.propose = recording
-    try:
-        spec = run_all(engine, _requests())
-        counters = engine.counters
-    finally:
-        engine.shutdown()
+    spec, counters, seen = _run_recording_drafts(engine, oracle)
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert counters.spec_accepted_tokens > counters.spec_rounds // 2
     sample = seen[:: max(1, len(seen) // 10)]

@@ -24,7 +24,7 @@ import torch
 
 from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
 from ninfer.engine.sequence import Sequence
-from ninfer.engine.speculative import computed_rows, speculates, upload_batch
+from ninfer.engine.speculative import computed_rows, speculates, unzip_rows, upload_batch
 from ninfer.forward import CacheSpec, ForwardBatch, ModelCache
 
 
@@ -60,14 +60,11 @@ class DFlashProposer:
         if not rows:
             return
         runner = self.runner
-        seqs = [s for s, _, _ in rows]
-        starts = [p for _, p, _ in rows]
-        lens = [h.shape[0] for _, _, h in rows]
+        seqs, starts, lens, features = unzip_rows(rows)
         batch = upload_batch(ForwardBatch.build([s.tokens(p, p + n) for s, p, n in zip(seqs, starts, lens)], starts,
                                                 [s.pages for s in seqs], runner.page_size, device="cpu",
                                                 positions=[s.positions(p, p + n) for s, p, n in zip(seqs, starts, lens)]),
                              runner)
-        features = torch.cat([h for _, _, h in rows]) if len(rows) > 1 else rows[0][2]
         self.drafter.context_kv(batch, self.cache, features)
         for seq, p, n in zip(seqs, starts, lens):  # below p: written before, or stale (reused prefix)
             self._frontier[seq.request_id] = p + n

@@ -25,7 +25,7 @@ import torch
 
 from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
 from ninfer.engine.sequence import Sequence, Status
-from ninfer.engine.speculative import computed_rows, speculates, upload_batch
+from ninfer.engine.speculative import computed_rows, speculates, unzip_rows, upload_batch
 from ninfer.forward import CacheSpec, ForwardBatch
 from ninfer.models.mtp import chain_batch
 
@@ -75,14 +75,11 @@ class MTPProposer:
         if not rows:
             return
         runner = self.runner
-        seqs = [s for s, _, _ in rows]
-        starts = [p for _, p, _ in rows]
-        lens = [h.shape[0] for _, _, h in rows]
+        seqs, starts, lens, hidden = unzip_rows(rows)
         tokens = [s.tokens(p + 1, p + 1 + n) for s, p, n in zip(seqs, starts, lens)]
         positions = [s.positions(p, p + n) for s, p, n in zip(seqs, starts, lens)]
         batch = upload_batch(ForwardBatch.build(tokens, starts, [s.pages for s in seqs], runner.page_size,
                                                 device="cpu", positions=positions), runner)
-        hidden = torch.cat([h for _, _, h in rows]) if len(rows) > 1 else rows[0][2]
         out = self.head(batch, runner.cache, batch.input_ids, hidden)
         last = out[batch.last_token_indices()]
         drafts = self._argmax(last)

@@ -56,6 +56,14 @@ def computed_rows(plan: StepPlan, output: RunnerOutput, committed: dict[int, int
     return rows
 
 
+def unzip_rows(rows) -> tuple[list[Sequence], list[int], list[int], object]:
+    """computed_rows' rows as (sequences, first positions, row counts, every row's hidden state concatenated)."""
+    import torch
+
+    hidden = torch.cat([h for _, _, h in rows]) if len(rows) > 1 else rows[0][2]
+    return [s for s, _, _ in rows], [p for _, p, _ in rows], [h.shape[0] for _, _, h in rows], hidden
+
+
 def upload_batch(batch, runner):
     """A host-built ForwardBatch's tensors on the runner's device (pinned, non-blocking)."""
     for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "slot_mapping", "state_slots"):
