@@ -256,3 +256,27 @@ def test_prefill_pieces_identical_with_and_without_cuda_graphs(monkeypatch):
                                     prompts=PROMPTS)
     assert "prefill pieces of 2..8 tokens" in graphs["graph_status"], graphs
     assert graphs["prefill_replays"] > 0 and graphs["outputs"] == eager["outputs"]
+
+
+def test_reference_attention_over_consecutive_pages_equals_the_gathered_path():
+    """The CPU reference attends over a view when a sequence's pages are consecutive (issue 23: no gather of
+    the whole context per layer and step); the result equals the gathered path's, which scattered pages take."""
+    from ninfer.forward import ForwardBatch
+    from ninfer.kernels.attention import paged_attention_ref
+
+    torch.manual_seed(0)
+    page, heads, kv_heads, dim = 4, 4, 2, 8
+    k_cache, v_cache = torch.randn(64, kv_heads, dim), torch.randn(64, kv_heads, dim)
+    consecutive, scattered = [3, 4, 5, 6], [9, 2, 14, 7]
+    for slots_from, slots_to in ((consecutive, scattered),):
+        for a, b in zip(slots_from, slots_to):  # the same context in both layouts
+            k_cache[b * page:(b + 1) * page] = k_cache[a * page:(a + 1) * page]
+            v_cache[b * page:(b + 1) * page] = v_cache[a * page:(a + 1) * page]
+    q = torch.randn(4, heads, dim)  # a decode row of each, then a 3-token chunk of the first layout
+    outs = []
+    for pages in (consecutive, scattered):
+        batch = ForwardBatch.build([[1]], [13], [pages], page)
+        outs.append(paged_attention_ref(q[:1], k_cache, v_cache, batch, page, dim**-0.5))
+        batch = ForwardBatch.build([[1, 2, 3]], [10], [pages], page)
+        outs.append(paged_attention_ref(q[1:], k_cache, v_cache, batch, page, dim**-0.5))
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ninfer.forward import ForwardBatch, ModelCache
+from ninfer.forward import CacheSpec, ForwardBatch, ModelCache
 
 HEADROOM_BYTES = 1 << 30
 GRAPH_ALLOWANCE_BYTES = 256 << 20  # decode graphs' private pool: batch <= 8 activations, measured far below
@@ -61,9 +61,11 @@ def _prefill_workspace_bytes(model: torch.nn.Module, *, chunk: int, page_size: i
 
 def auto_kv_capacity(model: torch.nn.Module, *, page_size: int, prefill_chunk: int, num_state_slots: int,
                      max_context: int, max_concurrency: int, vocab_size: int, device: torch.device,
-                     dtype: torch.dtype, kv_dtype: str, cuda_graphs: bool = True) -> KVSizing:
-    """cuda_graphs: whether the runner will capture graphs (not --no-cuda-graph)."""
-    spec = model.cache_spec()
+                     dtype: torch.dtype, kv_dtype: str, cuda_graphs: bool = True,
+                     spec: CacheSpec | None = None) -> KVSizing:
+    """cuda_graphs: whether the runner will capture graphs (not --no-cuda-graph). spec: the cache the
+    runner allocates (default the model's; a drafter riding in it adds layers to every token's bytes)."""
+    spec = spec or model.cache_spec()
     per_token = spec.kv_bytes_per_token(dtype, kv_dtype)
     if device.type != "cuda":
         tokens = max_context * max_concurrency

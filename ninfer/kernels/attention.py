@@ -78,6 +78,20 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         scales.index_copy_(0, slots, scale)
 
 
+def _contiguous_context(batch: ForwardBatch, i: int, page_size: int) -> slice | None:
+    """Sequence i's context as one slice of the flat cache when its pages are consecutive (a fresh CPU
+    request's usually are: the pool hands out free pages in order), else None. The CPU reference then
+    attends over a view, not a gathered copy of the whole context per layer and step."""
+    pages = batch.derived.get("host_pages")
+    if pages is None:
+        pages = batch.derived["host_pages"] = batch.page_table.tolist()  # CPU tensors only: no device sync
+    n = batch.seq_lens_cpu[i]
+    used = pages[i][: (n + page_size - 1) // page_size]
+    if not used or any(b != a + 1 for a, b in zip(used, used[1:])):
+        return None
+    return slice(used[0] * page_size, used[0] * page_size + n)
+
+
 def sequence_slots(batch: ForwardBatch, i: int, page_size: int) -> torch.Tensor:
     """Flat slot ids of sequence i's whole context (cached prefix and new tokens)."""
     n = batch.seq_lens_cpu[i]
@@ -100,9 +114,10 @@ def paged_attention_ref(
     start = 0
     for i, qlen in enumerate(batch.query_lens_cpu):
         n = batch.seq_lens_cpu[i]
-        slots = sequence_slots(batch, i, page_size)
+        span = _contiguous_context(batch, i, page_size) if q.device.type == "cpu" else None
+        slots = span if span is not None else sequence_slots(batch, i, page_size)
         if k_scale is None:
-            k = k_cache[slots].to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, n, D]
+            k = k_cache[slots].to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, n, D] (a view for a span)
             v = v_cache[slots].to(q.dtype).transpose(0, 1)[None]
         else:
             k = _gather_dequantized(k_cache, k_scale, slots, q.dtype).transpose(0, 1)[None]
