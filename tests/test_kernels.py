@@ -258,9 +258,10 @@ def test_prefill_pieces_identical_with_and_without_cuda_graphs(monkeypatch):
     assert graphs["prefill_replays"] > 0 and graphs["outputs"] == eager["outputs"]
 
 
-def test_reference_attention_over_consecutive_pages_equals_the_gathered_path():
-    """The CPU reference attends over a view when a sequence's pages are consecutive (issue 23: no gather of
-    the whole context per layer and step); the result equals the gathered path's, which scattered pages take."""
+def test_reference_attention_over_page_runs_equals_the_gathered_path():
+    """CPU decode rows read their context in place, run by run of consecutive pages (issue 23: no gather of
+    the whole context per layer and step); the result equals SDPA over the gathered context (a prefill
+    chunk's path), for one run and for several."""
     from ninfer.forward import ForwardBatch
     from ninfer.kernels.attention import paged_attention_ref
 
@@ -279,4 +280,28 @@ def test_reference_attention_over_consecutive_pages_equals_the_gathered_path():
         outs.append(paged_attention_ref(q[:1], k_cache, v_cache, batch, page, dim**-0.5))
         batch = ForwardBatch.build([[1, 2, 3]], [10], [pages], page)
         outs.append(paged_attention_ref(q[1:], k_cache, v_cache, batch, page, dim**-0.5))
-    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    torch.testing.assert_close(outs[0], outs[2], atol=1e-6, rtol=1e-5)  # one run vs four
+    assert torch.equal(outs[1], outs[3])  # chunks gather either way
+    slots = torch.cat([torch.arange(p * page, (p + 1) * page) for p in consecutive])[:14]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:1].transpose(0, 1)[None], k_cache[slots].transpose(0, 1)[None], v_cache[slots].transpose(0, 1)[None],
+        scale=dim**-0.5, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(outs[0], want, atol=1e-6, rtol=1e-5)
+
+
+def test_low_precision_cpu_decode_row_matches_sdpa():
+    """bf16 decode rows on the CPU take per-KV-head matmuls over the cache view (issue 23: CPU SDPA is slow in
+    bf16); they agree with SDPA in fp32 to bf16 precision, GQA included."""
+    from ninfer.forward import ForwardBatch
+    from ninfer.kernels.attention import paged_attention_ref
+
+    torch.manual_seed(1)
+    page, heads, kv_heads, dim = 4, 6, 2, 16
+    k_cache, v_cache = torch.randn(80, kv_heads, dim), torch.randn(80, kv_heads, dim)
+    q = torch.randn(1, heads, dim)
+    batch = ForwardBatch.build([[1]], [37], [list(range(2, 12))], page)
+    want = paged_attention_ref(q, k_cache, v_cache, batch, page, dim**-0.5)
+    got = paged_attention_ref(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(),
+                              ForwardBatch.build([[1]], [37], [list(range(2, 12))], page), page, dim**-0.5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)

@@ -73,7 +73,7 @@ class KVManager:
         self.make_room(need, slot=False)
         if need > self.pages.free_pages:
             return False
-        seq.pages += self.pages.allocate(need)
+        seq.pages += self.pages.allocate(need, after=seq.pages[-1] if seq.pages else None)
         return True
 
     # ---- binding and release ------------------------------------------------------------------

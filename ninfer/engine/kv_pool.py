@@ -14,12 +14,17 @@ class PoolExhausted(Exception):
 
 
 class PagePool:
+    """Pages are handed out first-freed-first (a deque), except that a growing sequence gets the pages right
+    after its last one while they are free: a sequence's pages then tend to be consecutive, which lets the
+    CPU reference attention read its context as one view instead of gathering it (kernels.attention)."""
+
     def __init__(self, num_pages: int, page_size: int):
         if num_pages <= 0 or page_size <= 0:
             raise ValueError("the KV pool needs at least one page of at least one token")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(range(num_pages))
+        self._order: deque[int] = deque(range(num_pages))  # may hold pages taken since (skipped when met)
+        self._free: set[int] = set(range(num_pages))
         self._refs = [0] * num_pages
 
     @property
@@ -33,11 +38,22 @@ class PagePool:
     def pages_for(self, tokens: int) -> int:
         return (tokens + self.page_size - 1) // self.page_size
 
-    def allocate(self, count: int) -> list[int]:
-        """All-or-nothing: a unit either gets every page it needs or none."""
+    def allocate(self, count: int, after: int | None = None) -> list[int]:
+        """All-or-nothing: a unit either gets every page it needs or none. after: the sequence's last page,
+        whose free successors come first."""
         if count > len(self._free):
             raise PoolExhausted(f"need {count} pages, {len(self._free)} free")
-        pages = [self._free.popleft() for _ in range(count)]
+        pages = []
+        nxt = -1 if after is None else after + 1
+        while len(pages) < count and nxt in self._free:
+            pages.append(nxt)
+            self._free.discard(nxt)
+            nxt += 1
+        while len(pages) < count:
+            p = self._order.popleft()
+            if p in self._free:
+                pages.append(p)
+                self._free.discard(p)
         for p in pages:
             self._refs[p] = 1
         return pages
@@ -54,7 +70,11 @@ class PagePool:
                 raise ValueError(f"page {p} released twice")
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                self._free.append(p)
+                self._free.add(p)
+                self._order.append(p)
+        if len(self._order) > 2 * self.num_pages:  # drop the entries of pages taken out of order
+            self._order = deque(p for p in self._order if p in self._free)
+            self._order = deque(dict.fromkeys(self._order))
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
