@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8"])
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up runs per concurrency (not reported)")
     args = ap.parse_args()

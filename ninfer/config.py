@@ -60,7 +60,7 @@ class ServerConfig(BaseModel):
     greedy: bool = False
     chat_template: str | None = None
     # ninfer (Python) additions: CPU dtype for the embedded default and the KV page size.
-    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    dtype: Literal["auto", "bf16", "fp16", "fp32", "int8"] = "auto"
     page_size: int = Field(16, ge=1)
 
     @model_validator(mode="before")

@@ -24,9 +24,14 @@ def pick_device(index: int = 0) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA; fp32 on CPU, where bf16 matmuls are slower and parity needs fp32."""
+    """auto: bf16 on CUDA; fp32 on CPU, where bf16 matmuls are slower and parity needs fp32. int8: bf16
+    activations with int8 weight-only matmuls (CPU only; load_engine quantizes the loaded model)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "int8":
+        if device.type != "cpu":
+            raise ValueError("--dtype int8 (int8 weight-only matmuls) is a CPU path; use bf16 or NVFP4 weights on CUDA")
+        return torch.bfloat16
     return _DTYPES[name]
 
 
@@ -217,6 +222,10 @@ def load_engine(path: str | Path, settings: EngineSettings | None = None, *, dev
     device = device or pick_device()
     torch_dtype = pick_dtype(dtype, device)
     model = load_model(artifact, device, torch_dtype)
+    if dtype == "int8":
+        from ninfer.quant.int8_cpu import quantize_model_int8_
+
+        quantize_model_int8_(model)
     tokenizer = Tokenizer.from_json_str(artifact.tokenizer_json)
     settings = dataclasses.replace(settings) if settings else EngineSettings()
     if not settings.eos_ids:

@@ -183,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         return fuse_projections_(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "int8_logits", None) is not None:  # --dtype int8 on the CPU (quant.int8_cpu)
+            return self.int8_logits(hidden).float()
         if isinstance(getattr(self, "lm_head", None), NVFP4Linear):  # opt-in quantized head: its own GEMV
             return nvfp4_head_logits(self.lm_head, hidden)
         return linear(hidden, self.output_weight).float()  # the decode GEMV kernel on CUDA for small batches

@@ -68,7 +68,8 @@ FLAG_HELP: dict[str, tuple[str | None, str]] = {
     "seed": ("N", "seed for requests that omit one (default: a fresh random seed per request)"),
     "greedy": (None, "force exact argmax for all requests"),
     "chat_template": ("FILE", "local Jinja chat template instead of the artifact's"),
-    "dtype": (None, "weights and compute dtype (auto: bf16 on CUDA, fp32 on CPU)"),
+    "dtype": (None, "weights and compute dtype (auto: bf16 on CUDA, fp32 on CPU; int8: CPU int8 weight-only "
+                    "matmuls with bf16 activations)"),
     "page_size": ("N", "KV page size in tokens"),
 }
 
