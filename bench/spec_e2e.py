@@ -61,6 +61,19 @@ class OracleAfterMTP:
             self.oracle.propose(works, budgets)
 
 
+def draft_head(trunk, num_tokens: int):
+    """A proposal head of the first num_tokens tokens' lm_head rows (None: score on the whole lm_head)."""
+    if not num_tokens:
+        return None
+    from ninfer.models.draft_head import DraftHead, build_draft_head_tensors
+
+    head = trunk.embed_tokens.weight if trunk.lm_head is None else trunk.lm_head.weight
+    tensors = build_draft_head_tensors(head, list(range(num_tokens)))
+    out = DraftHead(num_tokens, head.shape[1], dtype=head.dtype, device=head.device)
+    out.load_state_dict({k: v.to(head.device) for k, v in tensors.items()})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3.6-27b")
@@ -76,6 +89,9 @@ def main() -> None:
                         "same matmul shapes as every later run)")
     p.add_argument("--with-mtp", action="store_true",
                    help="run a random MTP head's drafting every round too (its cost), then verify the oracle's")
+    p.add_argument("--draft-head", type=int, default=0, metavar="N",
+                   help="with --with-mtp: the MTP head scores its drafts on a proposal head of the first N "
+                        "tokens' lm_head rows (--lm-head-draft), not the whole lm_head")
     p.add_argument("--fast-verify", action="store_true",
                    help="verify rows as one matmul pass (EngineSettings.exact_verify=False)")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, short outputs")
@@ -101,8 +117,9 @@ def main() -> None:
     proposer = oracle
     if args.with_mtp:  # a random MTP head drafts first (its full cost), then the oracle's drafts replace them
         def proposer(trunk):
-            return OracleAfterMTP(MTPProposer(instantiate_mtp(trunk, device, trunk.embed_tokens.weight.dtype,
-                                                              kv_layer=trunk.cache_spec().num_attn_layers)), oracle)
+            dtype = trunk.embed_tokens.weight.dtype
+            head = instantiate_mtp(trunk, device, dtype, kv_layer=trunk.cache_spec().num_attn_layers)
+            return OracleAfterMTP(MTPProposer(head, draft_head(trunk, args.draft_head)), oracle)
     engine = engine_from_preset(args.shape, settings, device=device, weights=args.weights, proposer=proposer)
     greedy = SamplingParams(temperature=0.0, presence_penalty=0.0, frequency_penalty=0.0)
     rng = random.Random(0)
@@ -135,7 +152,7 @@ def main() -> None:
         return outs, rate, counts
 
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
-         exact_verify=settings.exact_verify, with_mtp=args.with_mtp, reference=args.reference,
+         exact_verify=settings.exact_verify, with_mtp=args.with_mtp, draft_head=args.draft_head, reference=args.reference,
          graph_status=engine.runner.graph_status)
     summary = {}
     try:

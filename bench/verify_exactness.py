@@ -6,6 +6,7 @@ against `width` plain decode steps over the same tokens (the decode CUDA graphs)
 contents: logits bitwise equal or the largest difference.
 
     python bench/verify_exactness.py --shape qwen3.6-27b --batches 1 2 4 8 --width 4
+    python bench/verify_exactness.py --shape qwen3.6-27b --weights nvfp4
     python bench/verify_exactness.py --dry-run   # tiny preset on the CPU
 """
 
@@ -21,6 +22,7 @@ import torch
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3.6-27b")
+    p.add_argument("--weights", choices=["bf16", "nvfp4"], default="bf16")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--width", type=int, default=4)
     p.add_argument("--prompt", type=int, default=40)
@@ -31,17 +33,23 @@ def main() -> None:
 
     from ninfer.artifact.presets import get_preset, instantiate
     from ninfer.engine.runner import ModelRunner
+    from ninfer.models import prepare_for_inference_
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = instantiate(args.shape, device, dtype, seed=0)
+    model = instantiate(args.shape, device, dtype, seed=0, fuse=False)
+    if args.weights == "nvfp4":
+        from ninfer.quant.nvfp4 import quantize_model_
+
+        quantize_model_(model)
+    prepare_for_inference_(model)
     page, lanes = 16, max(args.batches)
     per = -(-(args.prompt + args.width + 1) // page)
     vocab = get_preset(args.shape).text_config()["vocab_size"]
     runner = ModelRunner(model, num_pages=lanes * per, page_size=page, num_state_slots=lanes, num_lanes=lanes,
                          vocab_size=vocab, device=device, dtype=dtype, draft_tokens=args.width - 1,
                          max_seq_len=per * page)
-    print(json.dumps({"kind": "setup", "shape": args.shape, "graph_status": runner.graph_status}), flush=True)
+    print(json.dumps({"kind": "setup", "shape": args.shape, "weights": args.weights, "graph_status": runner.graph_status}), flush=True)
     cache = runner.cache
     for b in args.batches:
         seqs = [SimpleNamespace(num_computed=0, pages=list(range(i * per, (i + 1) * per)), state_slot=i, lane=i,
@@ -62,7 +70,7 @@ def main() -> None:
                     s.num_computed += 1
             plain = torch.stack(steps, 1).reshape(verified.shape)
             same_argmax = bool(torch.equal(verified.argmax(-1), plain.argmax(-1)))
-        print(json.dumps({"kind": "verify_exactness", "batch": b, "width": args.width,
+        print(json.dumps({"kind": "verify_exactness", "weights": args.weights, "batch": b, "width": args.width,
                           "bitwise_equal": bool(torch.equal(verified, plain)),
                           "max_abs_diff": (verified - plain).abs().max().item(), "same_argmax": same_argmax,
                           "verify_graph": (b, args.width) in runner.graphs}), flush=True)

@@ -89,7 +89,8 @@ def _records(script: str, *args: str) -> list[dict]:
 def test_spec_e2e_dry_run_keeps_outputs_equal_at_every_acceptance_length():
     """bench/spec_e2e.py (issue 21 benchmark (b)): the oracle drafter at set acceptance lengths, MTP head drafting
     too; every run's output equals the run without drafts (the benchmark's own check)."""
-    records = _records("spec_e2e.py", "--with-mtp", "--reference", "verify")
+    records = _records("spec_e2e.py", "--with-mtp", "--draft-head", "64", "--reference", "verify")
+    assert next(r for r in records if r["kind"] == "spec_e2e_setup")["draft_head"] == 64
     summary = next(r for r in records if r["kind"] == "summary")
     assert set(summary["results"]) == {f"C{c}_L{a}" for c in (1, 2) for a in (1.5, 2.5, 3.5)}
     assert summary["all_outputs_equal"]

@@ -34,11 +34,16 @@ def _problem(m, n, k, bias, seed, dtype=torch.float32, device="cpu"):
 @needs_interpreter
 @pytest.mark.parametrize("path", ["fma", "fma_split", "dot", "heuristic"])
 @pytest.mark.parametrize("like", [1, 2, 3])
-def test_rows_like_computes_every_row_as_the_smaller_product_in_interpreter(path, like):
+@pytest.mark.parametrize("registers", [128, 32])
+def test_rows_like_computes_every_row_as_the_smaller_product_in_interpreter(path, like, registers, monkeypatch):
     """Speculative verification (issue 21): with rows_like=B, a product of B*w rows (up to 64, past the plain
     kernel's 16) gives each row exactly what the B-row product of its own group gives: same config, same
-    row block, the groups in blocks along the grid's third axis."""
+    row block; CUDA-core configs take several row blocks per program (all of them, or with a smaller
+    register budget groups of them, the last one partly past the rows)."""
+    from ninfer.kernels import triton_gemv
     from ninfer.kernels.triton_gemv import gemv
+
+    monkeypatch.setattr(triton_gemv, "ROWS_ACC_REGISTERS", registers)
 
     x, w, b = _problem(like * 5, 33, 70, True, seed=like)
     cfg = _configs()[path]

@@ -250,6 +250,29 @@ def test_mma_start_up_check(monkeypatch):
     assert triton_nvfp4.use_mma(torch.device("cpu")).startswith("packed fp16 only")  # stays off, no re-check
 
 
+def _rows_like_matches_decode(device: str, n: int, k: int, cases) -> None:
+    """nvfp4_gemv_rows_like (speculative verification, kernels.linear.rows_like): in a product of
+    like * width rows, position i of sequence j (row j * width + i) equals row j of the like-row decode
+    GEMV of every sequence's position i, bit for bit."""
+    from ninfer.kernels import triton_nvfp4
+
+    gen = torch.Generator(device=device).manual_seed(n + k)
+    q = quantize_nvfp4(torch.randn(n, k, generator=gen, device=device) * 0.02)
+    for like, width in cases:
+        x = torch.randn(like * width, k, generator=gen, device=device).to(torch.bfloat16)
+        got = triton_nvfp4.nvfp4_gemv_rows_like(x, *q, like)
+        for i in range(width):
+            decode = x.view(like, width, k)[:, i]
+            assert torch.equal(got.view(like, width, n)[:, i], triton_nvfp4.nvfp4_gemv(decode, *q)), (like, width, i)
+
+
+@needs_interpreter
+def test_rows_like_computes_each_row_as_its_decode_row():
+    """Under the interpreter: the row mapping and the passes (one packed-fp16 pass of up to 4 rows, the
+    mma GEMV's 8) for 1, 2 and 5 sequences."""
+    _rows_like_matches_decode("cpu", 24, 256, [(1, 3), (2, 2), (5, 2)])
+
+
 def test_gemv_table_takes_tensor_cores_where_the_packed_fp16_gemv_needs_two_passes():
     from ninfer.kernels import triton_nvfp4 as t
 
@@ -484,6 +507,17 @@ def test_prefetch_tiles_on_cuda(n, k, m):
     assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=table | {"PREFETCH": 4}), plain)
     ref = x.float() @ nvfp4.dequantize_nvfp4(*q).T
     assert (plain.float() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("n,k", [(1000, 2048), (320, 8704)])
+def test_rows_like_on_cuda(n, k):
+    """On the device (whose kernels' lane layouts and reductions are the real ones): verify rows equal
+    their decode rows bit for bit for 1..8 sequences and up to 8 positions (k = 7 drafts)."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not importable")
+    _rows_like_matches_decode("cuda", n, k, [(1, 2), (1, 4), (1, 8), (2, 4), (3, 4), (4, 4), (6, 4), (8, 4), (8, 8)])
 
 
 @pytest.mark.cuda

@@ -61,16 +61,20 @@ def _gemv_kernel(
     X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, ROW_BLOCKS: tl.constexpr = 1,
 ):
-    """One (BLOCK_N rows of W, K piece) per program. Y: the output (no split) or the fp32 partials
-    [SPLIT_K, M, N] (stride_ys between splits; bias then added by the reduction)."""
+    """One (BLOCK_N rows of W, K piece, BLOCK_M rows of x) per program. Y: the output (no split) or the
+    fp32 partials [SPLIT_K, M, N] (stride_ys between splits; bias then added by the reduction).
+    ROW_BLOCKS > 1 (a rows_like product): grid axis 0 enumerates (W block, x row block) pairs with the
+    row blocks fastest, so the programs that share a W tile run side by side and all but the first
+    read it from L2: the weights stream from HBM about once however many row blocks there are."""
     pdl_enter(USE_PDL)
-    pid_n = tl.program_id(0)
+    pid_n = tl.program_id(0) // ROW_BLOCKS
+    pid_m = tl.program_id(0) % ROW_BLOCKS
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.where(offs_n < N, offs_n, N - 1).to(tl.int64)  # clamped: unmasked W loads
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # a block of x's rows (grid axis 2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # a block of x's rows
     m_ok = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
@@ -110,6 +114,57 @@ def _gemv_kernel(
         out += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gemv_fma_rows_kernel(
+    X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys, k_per_split, GROUPS,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """_gemv_kernel's CUDA-core ("fma") path for a rows_like product: one program takes BLOCKS_PER_PROGRAM
+    row blocks of x against one W tile, loading each W tile once for all of them. Every row block keeps an
+    accumulator of its own with exactly the shape, layout and arithmetic of _gemv_kernel's, so each row
+    rounds bit for bit as in a program of its own. Grid axis 0: (W block, group of row blocks), the groups
+    fastest; axis 1: the K split."""
+    pdl_enter(USE_PDL)
+    pid_n = tl.program_id(0) // GROUPS
+    first = (tl.program_id(0) % GROUPS) * BLOCKS_PER_PROGRAM
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(offs_n < N, offs_n, N - 1).to(tl.int64)  # clamped: unmasked W loads
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_ptrs = W + rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    accs = ()
+    for _b in tl.static_range(BLOCKS_PER_PROGRAM):
+        accs = accs + (tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32),)
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            w = tl.load(w_ptrs + k)
+        else:
+            k_ok = (k + offs_k) < k_hi
+            w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
+        updated = ()
+        for b in tl.static_range(BLOCKS_PER_PROGRAM):
+            offs_m = (first + b) * BLOCK_M + tl.arange(0, BLOCK_M)
+            x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+            if EVEN_K:
+                x = tl.load(x_ptrs + k, mask=(offs_m < M)[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs + k, mask=(offs_m < M)[:, None] & k_ok[None, :], other=0.0)
+            updated = updated + (accs[b] + w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :],)
+        accs = updated
+    n_ok = offs_n < N
+    for b in tl.static_range(BLOCKS_PER_PROGRAM):
+        offs_m = (first + b) * BLOCK_M + tl.arange(0, BLOCK_M)
+        out = tl.sum(accs[b], axis=2)  # [BLOCK_M, BLOCK_N]
+        if HAS_BIAS:
+            out += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=(offs_m < M)[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -239,6 +294,19 @@ def fit_config(cfg: GemvConfig, m: int, n: int, k: int, dtype: torch.dtype) -> G
 
 # ---- launch -------------------------------------------------------------------------------------
 
+# fp32 registers per thread that one rows_like program's accumulators may take (the 1-row configs' own
+# accumulator takes 16: 4 W rows x 256 of K over 64 threads)
+ROWS_ACC_REGISTERS = 128
+
+
+def _blocks_per_program(cfg: GemvConfig, block_m: int, row_blocks: int) -> int:
+    """Row blocks one program takes in a rows_like product: CUDA-core configs only (tensor-core tiles
+    already hold 16 rows), as many as fit ROWS_ACC_REGISTERS."""
+    if cfg.dot:
+        return 1
+    per_block = block_m * cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
+    return max(1, min(row_blocks, ROWS_ACC_REGISTERS // max(per_block, 1)))
+
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, rows_like: int | None = None) -> torch.Tensor:
@@ -277,17 +345,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     even_k = k % cfg.block_k == 0
     has_bias = bias is not None
     b = bias if has_bias else weight  # unused pointer
-    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
-    common = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k, USE_DOT=cfg.dot,
-                  IEEE=x.dtype == torch.float32, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
-                  **pdl_launch(x.device))
+    row_blocks = triton.cdiv(m, block_m)
+    per_program = _blocks_per_program(cfg, block_m, row_blocks) if rows_like else 1
+    groups = triton.cdiv(row_blocks, per_program)
+    grid = (triton.cdiv(n, cfg.block_n) * groups, split)
+    common = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k,
+                  NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **pdl_launch(x.device))
+    if per_program > 1:
+        kernel, common = _gemv_fma_rows_kernel, dict(common, BLOCKS_PER_PROGRAM=per_program)
+        extra = (groups,)
+    else:
+        kernel, common = _gemv_kernel, dict(common, USE_DOT=cfg.dot, IEEE=x.dtype == torch.float32,
+                                            ROW_BLOCKS=row_blocks)
+        extra = ()
     if split == 1:
-        _gemv_kernel[grid](x2, weight, b, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), 0,
-                           k_per_split, HAS_BIAS=has_bias, **common)
+        kernel[grid](x2, weight, b, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), 0,
+                     k_per_split, *extra, HAS_BIAS=has_bias, **common)
     else:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        _gemv_kernel[grid](x2, weight, b, part, m, n, k, x2.stride(0), weight.stride(0), n, m * n,
-                           k_per_split, HAS_BIAS=False, **common)
+        kernel[grid](x2, weight, b, part, m, n, k, x2.stride(0), weight.stride(0), n, m * n,
+                     k_per_split, *extra, HAS_BIAS=False, **common)
         block = min(1024, triton.next_power_of_2(n))
         _splitk_reduce_kernel[(triton.cdiv(n, block), m)](part, b, y, m, n, y.stride(0), SPLIT_K=split,
                                                           HAS_BIAS=has_bias, BLOCK=block, num_warps=4,

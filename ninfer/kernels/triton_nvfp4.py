@@ -58,6 +58,7 @@ from ninfer.kernels.triton_compat import fix_interpreter, interpreting
 fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
 
 GEMV_MAX_M = 16
+MAX_ROWS_LIKE = 64  # rows of a rows_like product (as ninfer.kernels.triton_gemv's)
 # Rows of x up to which the register-fed kernels (packed fp16, or from MMA_MIN_M the mma GEMV) run
 # rather than the shared-memory tensor-core kernel.
 HFMA_MAX_M = 8
@@ -644,20 +645,13 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
     if kind == "hfma":
         if m > HFMA_MAX_M or cfg["BLOCK_W"] != 64 * cfg["num_warps"]:
             raise ValueError(f"the hfma GEMV takes up to {HFMA_MAX_M} rows of x and BLOCK_W = 64 * num_warps")
-        cfg.pop("BLOCK_M", None)
         x32 = _x_words(x)
         words, sbytes = words.contiguous(), sbytes.contiguous()
         for r0 in range(0, m, HFMA_ROWS_PER_PASS):
             rows = min(HFMA_ROWS_PER_PASS, m - r0)
             # each pass takes its own row count's tiles: the same compiled variants as M = 1..4
             tiles = cfg if config is not None or m <= HFMA_ROWS_PER_PASS else _hfma_config(rows, n, k)
-            tiles = {key: v for key, v in tiles.items() if key not in ("kind", "BLOCK_M")}
-            if interpreting():
-                tiles.pop("PREFETCH", None)  # no L2 to prefetch into; the emulator runs only the dot's PTX
-            _gemv_hfma_kernel[(triton.cdiv(n, tiles["BLOCK_N"]),)](
-                x32[r0:], words, sbytes, row_scale, y[r0:], n, x32.stride(0), y.stride(0),
-                KW=k // 8, EVEN_N=n % tiles["BLOCK_N"] == 0, X_ROWS=rows, XR=triton.next_power_of_2(rows),
-                **tiles, **pdl_launch(x.device))
+            _launch_hfma(x32, words, sbytes, row_scale, y, n, k, tiles, r0, rows)
         return y
     if kind == "fma":
         if m != 1 or cfg["BLOCK_N"] not in (4, 8):
@@ -668,6 +662,60 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _gemv_dot_kernel[grid](*args, DOT_PRECISION=precision, **cfg, **pdl_launch(x.device))
+    return y
+
+
+def _launch_hfma(x32, words, sbytes, row_scale, y, n: int, k: int, tiles: dict, r0: int, rows: int) -> None:
+    """The packed-fp16 GEMV over rows r0 .. r0 + rows - 1 (at most HFMA_ROWS_PER_PASS) of x with `tiles`."""
+    tiles = {key: v for key, v in tiles.items() if key not in ("kind", "BLOCK_M")}
+    if interpreting():
+        tiles.pop("PREFETCH", None)  # no L2 to prefetch into; the emulator runs only the dot's PTX
+    _gemv_hfma_kernel[(triton.cdiv(n, tiles["BLOCK_N"]),)](
+        x32[r0:], words, sbytes, row_scale, y[r0:], n, x32.stride(0), y.stride(0),
+        KW=k // 8, EVEN_N=n % tiles["BLOCK_N"] == 0, X_ROWS=rows, XR=triton.next_power_of_2(rows),
+        **tiles, **pdl_launch(x32.device))
+
+
+def _decode_passes(like: int, n: int, k: int) -> list[tuple[int, int, dict]]:
+    """How a decode step of `like` rows runs its GEMV: (first row, rows, launch config) per pass."""
+    cfg = _gemv_config(like, n, k)
+    if cfg["kind"] == "hfma" and like > HFMA_ROWS_PER_PASS:
+        return [(r0, min(HFMA_ROWS_PER_PASS, like - r0), _hfma_config(min(HFMA_ROWS_PER_PASS, like - r0), n, k))
+                for r0 in range(0, like, HFMA_ROWS_PER_PASS)]
+    return [(0, like, cfg)]
+
+
+def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
+                         like: int) -> torch.Tensor:
+    """Speculative verification (ninfer.kernels.linear.rows_like): x [like * width, K] bf16 on CUDA, the rows
+    of decode row j (0 <= j < like) at j * width .. (j + 1) * width - 1; each row computed exactly as row j of
+    a `like`-row decode GEMV computes it: that pass's kernel and tiles, with more rows of x per launch (the
+    kernels' rows are independent: each row's products and sums do not depend on the others'), so the
+    weights stream once per launch of up to 4 (packed fp16), 8 (mma) or 16 (dot) rows, not once per row."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if m % like:
+        raise ValueError(f"nvfp4_gemv_rows_like: {m} rows are not whole rows of {like} sequences")
+    width = m // like
+    words, sbytes = _words(packed).contiguous(), scale.view(torch.uint8).contiguous()
+    x = x.contiguous()
+    x32 = _x_words(x)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    for first, count, cfg in _decode_passes(like, n, k):
+        lo, hi = first * width, (first + count) * width
+        kind = cfg["kind"]
+        step = {"hfma": HFMA_ROWS_PER_PASS, "mma": HFMA_MAX_M}.get(kind, GEMV_MAX_M)
+        for r0 in range(lo, hi, step):
+            rows = min(step, hi - r0)
+            if kind == "hfma":
+                _launch_hfma(x32, words, sbytes, row_scale, y, n, k, cfg, r0, rows)
+            elif kind == "mma":
+                from ninfer.kernels.triton_nvfp4_mma import gemv_mma
+
+                gemv_mma(x32[r0:], words, sbytes, row_scale, y[r0:], rows, n, k, tiles=cfg["TILES"],
+                         warps=cfg["WARPS"], launch=pdl_launch(x.device))
+            else:
+                nvfp4_gemv(x[r0:r0 + rows], packed, scale, row_scale, out=y[r0:r0 + rows], config=cfg)
     return y
 
 
@@ -687,11 +735,18 @@ def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, row_scale: torch
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, W, bias) for x [..., K] with W in NVFP4; output in x.dtype."""
+                 bias: torch.Tensor | None = None, rows_like: int | None = None) -> torch.Tensor:
+    """F.linear(x, W, bias) for x [..., K] with W in NVFP4; output in x.dtype. rows_like: see
+    nvfp4_gemv_rows_like (bf16 x on CUDA; elsewhere, or past MAX_ROWS_LIKE rows, the plain product)."""
     n = packed.shape[0]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if (rows_like and x2.shape[0] % rows_like == 0 and x2.shape[0] <= MAX_ROWS_LIKE and x.dtype == torch.bfloat16
+            and x.is_cuda):
+        y = nvfp4_gemv_rows_like(x2, packed, scale, row_scale, rows_like)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.view(*lead, n)
     # fp16 x takes the GEMV only for one row: the tensor-core tile (code * scale * 2^-26) is below
     # fp16's range
     if x2.shape[0] == 1 or (x2.shape[0] <= GEMV_MAX_M and x.dtype != torch.float16):

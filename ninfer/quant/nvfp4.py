@@ -204,9 +204,11 @@ class NVFP4Linear(nn.Module):
         from ninfer.kernels.backend import use_triton
 
         if use_triton(x):
+            from ninfer.kernels.linear import rows_like
             from ninfer.kernels.triton_nvfp4 import nvfp4_linear
 
-            return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_row_scale, self.bias)
+            return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_row_scale, self.bias,
+                                rows_like=rows_like.current)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
