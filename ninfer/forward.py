@@ -13,6 +13,22 @@ KV storage (`--kv-dtype`, `ModelCache(kv_dtype=...)`):
   exact. fp32 rather than bf16 scales: the scale is then exact (no second rounding to track), the
   scale loads stay 4-byte aligned, and the cost is 4 bytes per 128-256 quantized bytes (1.6 % of
   a 256-dim head, 3.1 % at 128).
+- `nvfp4`: K and V as NVFP4 rows (the weights' format, `ninfer.quant.nvfp4`, per (slot, KV head)):
+  the cache tensor is uint8 [layers, slots, kv_heads, D/2 + D/16] (head_dim D % 16 == 0), each row
+  the D/2 bytes of E2M1 codes (two per byte, element 2j in the low nibble, 2j+1 in the high one)
+  followed by D/16 E4M3 block scales (bytes of float8_e4m3fn), one per 16 consecutive elements;
+  `k_scale` / `v_scale` [layers, slots, kv_heads] fp32 is the second level. Element j of a row is
+  e2m1(code_j) * e4m3(block_{j // 16}) * scale. The scale is amax / (448 * 6) so that block scales
+  use E4M3's range (a block holding the row's amax gets 448) and the values E2M1's (up to 6).
+  Codes and block scales share one row so that every per-slot copy (page copies, prefix reuse, host
+  snapshots) moves them together, exactly as it moves fp8/int8 rows: three per-slot tensors, as
+  for fp8/int8, and `ModelCache.layer` keeps its (k, v, k_scale, v_scale) shape.
+- `k8v4`: K as `int8` (values and fp32 scale as above), V as `nvfp4`: the keys, whose errors move
+  the softmax, keep 8 bits; the values, whose errors only average, take 4.
+A cache tensor's dtype says how to read it (`ninfer.kernels.attention`): float8_e4m3fn and int8
+rows are one byte per element with a scale, uint8 rows are NVFP4.
+Bytes per token and KV head at D = 256: bf16 1024; fp8 / int8 2 * (256 + 4) = 520; nvfp4
+2 * (128 + 16 + 4) = 296; k8v4 260 + 148 = 408.
 """
 
 from __future__ import annotations
@@ -161,6 +177,17 @@ class HostInputs:
         return table
 
 
+class DeviceOnlyLengths(list):
+    """Host lengths of a captured batch: only their count is known. Reading a value means a kernel
+    would bake one step's lengths into the graph, so it raises (and capture falls back to eager)."""
+
+    def __getitem__(self, index):
+        raise RuntimeError("a CUDA-graph batch has no host sequence lengths (reference kernel in graph?)")
+
+    def __iter__(self):
+        raise RuntimeError("a CUDA-graph batch has no host sequence lengths (reference kernel in graph?)")
+
+
 def host_inputs(tokens: list[list[int]], cached_lens: list[int], page_tables: list[list[int]], page_size: int,
                 state_slots: list[int] | None = None, pad_to: int | None = None,
                 positions: list | None = None) -> HostInputs:
@@ -270,18 +297,36 @@ def _one_token_inputs(tokens, cached_lens, page_tables, page_size, state_slots) 
     )
 
 
-KV_DTYPES = ("bf16", "fp8", "int8")  # implemented --kv-dtype values
-KV_STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}  # quantized storage dtypes
+KV_DTYPES = ("bf16", "fp8", "int8", "nvfp4", "k8v4")  # implemented --kv-dtype values
+NVFP4_ROW = torch.uint8  # the storage dtype of an NVFP4 row (codes, then block scales)
+NVFP4_BLOCK = 16  # elements per E4M3 block scale
+# quantized storage dtypes of (K, V) per --kv-dtype
+KV_STORAGE = {
+    "fp8": (torch.float8_e4m3fn, torch.float8_e4m3fn),
+    "int8": (torch.int8, torch.int8),
+    "nvfp4": (NVFP4_ROW, NVFP4_ROW),
+    "k8v4": (torch.int8, NVFP4_ROW),
+}
 KV_SCALE_DTYPE = torch.float32
 
 
-def kv_storage_dtype(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """The element dtype of the K/V tensors: `dtype` (the model's) for bf16, else the quantized one."""
+def kv_storage_dtypes(kv_dtype: str, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """The element dtypes of the K and V tensors: `dtype` (the model's) for bf16, else the quantized ones."""
     if kv_dtype == "bf16":
-        return dtype
+        return dtype, dtype
     if kv_dtype not in KV_STORAGE:
         raise ValueError(f"KV storage {kv_dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
     return KV_STORAGE[kv_dtype]
+
+
+def kv_row_width(storage: torch.dtype, head_dim: int) -> int:
+    """Elements of one (slot, KV head) row: head_dim, or for an NVFP4 row its D/2 code bytes and D/16
+    block-scale bytes."""
+    if storage != NVFP4_ROW:
+        return head_dim
+    if head_dim % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 KV needs head_dim % {NVFP4_BLOCK} == 0, not {head_dim}")
+    return head_dim // 2 + head_dim // NVFP4_BLOCK
 
 
 @dataclass(frozen=True)
@@ -299,13 +344,14 @@ class CacheSpec:
     ssm_value_dim: int = 0
 
     def kv_bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "bf16") -> int:
-        """K and V bytes of one token over all attention layers (quantized: values plus scales);
-        `dtype` is the model's activation dtype, used when kv_dtype is bf16."""
-        storage = kv_storage_dtype(kv_dtype, dtype)
-        per_head = self.head_dim * storage.itemsize
-        if kv_dtype in KV_STORAGE:
-            per_head += KV_SCALE_DTYPE.itemsize
-        return 2 * self.num_attn_layers * self.num_kv_heads * per_head
+        """K and V bytes of one token over all attention layers (quantized: values, NVFP4 block scales
+        and fp32 scales); `dtype` is the model's activation dtype, used when kv_dtype is bf16."""
+        per_head = 0
+        for storage in kv_storage_dtypes(kv_dtype, dtype):
+            per_head += kv_row_width(storage, self.head_dim) * storage.itemsize
+            if kv_dtype in KV_STORAGE:
+                per_head += KV_SCALE_DTYPE.itemsize
+        return self.num_attn_layers * self.num_kv_heads * per_head
 
     def kv_tokens_for_bytes(self, budget_bytes: int, dtype: torch.dtype, kv_dtype: str = "bf16") -> int:
         """How many tokens of KV fit in `budget_bytes` (for sizing a pool from memory)."""
@@ -323,8 +369,9 @@ class ModelCache:
 
     KV is stored flat per layer ([num_pages * page_size, kv_heads, head_dim]) so a token's slot
     index addresses it directly. The recurrent state is fp32 (the models' ssm dtype).
-    Quantized KV (kv_dtype fp8/int8, see the module docstring) adds `k_scale` / `v_scale`
-    [layers, slots, kv_heads] fp32; whatever copies KV slots must copy these rows too.
+    Quantized KV (kv_dtype fp8/int8/nvfp4/k8v4, see the module docstring) adds `k_scale` / `v_scale`
+    [layers, slots, kv_heads] fp32; whatever copies KV slots must copy these rows too. An NVFP4 K or V
+    tensor is [layers, slots, kv_heads, D/2 + D/16] uint8 (codes and block scales in one row).
     """
 
     def __init__(
@@ -343,15 +390,15 @@ class ModelCache:
         self.num_state_slots = num_state_slots
         self.kv_dtype = kv_dtype
         slots = num_pages * page_size
-        shape = (spec.num_attn_layers, slots, spec.num_kv_heads, spec.head_dim)
-        storage = kv_storage_dtype(kv_dtype, dtype)
-        self.k = torch.zeros(shape, dtype=storage, device=device)
-        self.v = torch.zeros(shape, dtype=storage, device=device)
+        shape = (spec.num_attn_layers, slots, spec.num_kv_heads)
+        k_storage, v_storage = kv_storage_dtypes(kv_dtype, dtype)
+        self.k = torch.zeros((*shape, kv_row_width(k_storage, spec.head_dim)), dtype=k_storage, device=device)
+        self.v = torch.zeros((*shape, kv_row_width(v_storage, spec.head_dim)), dtype=v_storage, device=device)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         if kv_dtype in KV_STORAGE:
-            self.k_scale = torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device)
-            self.v_scale = torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device)
+            self.k_scale = torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=device)
+            self.v_scale = torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=device)
         n = spec.num_state_layers
         self.conv = torch.zeros((n, num_state_slots, spec.conv_dim, spec.conv_width), dtype=dtype, device=device)
         self.ssm = torch.zeros(
@@ -360,8 +407,9 @@ class ModelCache:
         )
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Attention layer i's (k, v, k_scale, v_scale): values [S, Hkv, D] and, for a quantized cache,
-        fp32 scales [S, Hkv] (else None); what `write_kv` and `paged_attention` take."""
+        """Attention layer i's (k, v, k_scale, v_scale): values [S, Hkv, D] (NVFP4: [S, Hkv, D/2 + D/16]
+        uint8) and, for a quantized cache, fp32 scales [S, Hkv] (else None); what `write_kv` and
+        `paged_attention` take."""
         if self.k_scale is None:
             return self.k[i], self.v[i], None, None
         return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]

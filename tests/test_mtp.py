@@ -247,6 +247,11 @@ def test_chain_batch_advances_positions_slots_and_lengths():
     # KV index 4 of sequence 0 (page 2, offset 0); index 7 of sequence 1 (page 6, offset 3)
     assert step.slot_mapping.tolist() == [2 * PAGE_SIZE + 0, 6 * PAGE_SIZE + 3]
     assert step.query_start_loc.tolist() == [0, 1, 2]
+    from ninfer.forward import DeviceOnlyLengths
+
+    batch.seq_lens_cpu = DeviceOnlyLengths([0, 0])  # a CUDA graph's batch: the chain stays device-only
+    step = chain_batch(batch, PAGE_SIZE)
+    assert isinstance(step.seq_lens_cpu, DeviceOnlyLengths) and step.seq_lens.tolist() == [5, 8]
 
 
 def test_head_state_dict_is_the_checkpoints_mtp_names():

@@ -221,6 +221,51 @@ def test_mtp_drafts_equal_a_from_scratch_head_and_output_equals_plain_greedy(tin
     assert_no_leak(engine)
 
 
+def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mtp_path, monkeypatch):
+    """The CUDA-graph path of MTP drafting (MTPProposer._replay: the chain over static DecodeInputs whose host
+    lengths are device-only, static hidden and draft rows, one graph per batch size), run on the CPU with a
+    stand-in for capture that re-runs the captured function at every replay: the static inputs are refilled
+    each round and its drafts equal the head run from scratch."""
+    from ninfer.engine import mtp_proposer
+    from ninfer.engine.graphs import DecodeInputs
+    from ninfer.engine.runner import ModelRunner
+
+    class Replayed:  # what a CUDA graph does with its static buffers, eagerly
+        def __init__(self, run):
+            self.run, self.out = run, run()
+
+        def replay(self):
+            self.out.copy_(self.run())
+
+    captured = []
+
+    def fake_capture(run, device, *, warmups, pool=None):
+        captured.append(Replayed(run))
+        return captured[-1], captured[-1].out
+
+    monkeypatch.setattr(mtp_proposer, "capture", fake_capture)
+    plain_batch = DecodeInputs.batch
+
+    def with_host_lengths(self, b):  # the CPU reference kernels read host lengths (a graph's kernels do not)
+        batch = plain_batch(self, b)
+        batch.seq_lens_cpu = batch.seq_lens.tolist()
+        return batch
+
+    monkeypatch.setattr(DecodeInputs, "batch", with_host_lengths)
+    base = _baseline(tiny_qwen_mtp_path)
+    settings = EngineSettings(max_context=256, max_concurrency=3, prefill_chunk=16, draft_tokens=3, spec="mtp")
+    engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
+    static = DecodeInputs(3, 256 // engine.runner.page_size + 2, CPU)
+    monkeypatch.setattr(ModelRunner, "decode_graph_inputs", property(lambda self: static))
+    oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=5)
+    spec, counters, seen = _run_recording_drafts(engine, oracle)
+    assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
+    assert captured and engine.proposer.graph_replays > len(captured)
+    full = [(tokens, drafts) for tokens, drafts, budget in seen if budget == 3]
+    for tokens, drafts in full[:: max(1, len(full) // 8)]:
+        assert drafts == _reference_drafts(engine, tokens, 3)
+
+
 def test_proposal_head_shortlists_the_lm_head_and_drafts_within_it(tiny_qwen_mtp_path, tmp_path):
     """--lm-head-draft (contract: "loads the optimized proposal head"): `ninfer convert-draft-head` adds a
     draft_head component holding the lm_head rows of a token shortlist (corpus-ranked here); the engine's MTP

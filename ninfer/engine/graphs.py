@@ -26,18 +26,7 @@ import numpy as np
 import torch
 
 from ninfer.engine.sampler import SamplingBatch
-from ninfer.forward import ForwardBatch, HostInputs, host_inputs
-
-
-class DeviceOnlyLengths(list):
-    """Host lengths of a captured batch: only their count is known. Reading a value means a kernel
-    would bake one step's lengths into the graph, so it raises (and capture falls back to eager)."""
-
-    def __getitem__(self, index):
-        raise RuntimeError("a CUDA-graph batch has no host sequence lengths (reference kernel in graph?)")
-
-    def __iter__(self):
-        raise RuntimeError("a CUDA-graph batch has no host sequence lengths (reference kernel in graph?)")
+from ninfer.forward import DeviceOnlyLengths, ForwardBatch, HostInputs, host_inputs
 
 
 class StaticInputs:

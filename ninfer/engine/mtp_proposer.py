@@ -10,7 +10,10 @@ Per step, two halves (ninfer.models.mtp says what the head computes):
   leaves, per sequence that decodes next, the head's output at its last position and the greedy
   draft it gives (both on the device).
 - `propose` (before the next verify forward): k-1 more head steps from there, one token each (the
-  previous draft in, the previous output as hidden), then one read back of all drafts.
+  previous draft in, the previous output as hidden), then one read back of all drafts. On CUDA, with
+  the runner's graphs on, the k-1 steps replay one CUDA graph per batch size (captured the first time
+  that batch size proposes k drafts, over its real inputs: the capture's warm-up writes only the head
+  KV slots the chain itself rewrites), instead of ~k * 40 eager kernel launches.
 
 Drafts are greedy (the head's argmax). With the target sampling each verified row as it would
 without drafts and a draft standing only where it equals the target's token, the committed tokens
@@ -19,15 +22,19 @@ are the target's own: a point-mass proposal makes that the lossless rejection ru
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from ninfer.engine.graphs import DecodeInputs, capture
 from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
 from ninfer.engine.sequence import Sequence, Status
 from ninfer.engine.speculative import computed_rows, speculates, unzip_rows, upload_batch
-from ninfer.forward import CacheSpec, ForwardBatch
+from ninfer.forward import CacheSpec, ForwardBatch, host_inputs
 from ninfer.models.mtp import chain_batch
+
+log = logging.getLogger("ninfer.engine")
 
 
 @dataclass
@@ -51,6 +58,10 @@ class MTPProposer:
         self.draft_head = draft_head
         self.runner = None
         self._frontier: dict[str, _Frontier] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> chain graph
+        self._static: tuple[DecodeInputs, torch.Tensor, torch.Tensor] | None = None  # base rows, hidden, draft
+        self.graph_replays = 0
+        self._graph_failed = False
 
     def cache_spec(self, trunk_spec: CacheSpec) -> CacheSpec:
         return self.head.cache_spec(trunk_spec)
@@ -98,19 +109,63 @@ class MTPProposer:
         runner = self.runner
         k = max(b for _, b, _ in ready)
         seqs = [w.seq for w, _, _ in ready]
-        drafts = [torch.stack([f.draft for _, _, f in ready])]
-        if k > 1:
-            starts = [f.position for _, _, f in ready]
+        starts = [f.position for _, _, f in ready]
+        first = torch.stack([f.draft for _, _, f in ready])
+        hidden = torch.stack([f.hidden for _, _, f in ready])
+        positions = [s.positions(p, p + 1) for s, p in zip(seqs, starts)]
+        if k == 1:
+            table = first[:, None]
+        elif k == runner.draft_tokens and self._graphable(seqs, positions):
+            table = self._replay(seqs, starts, first, hidden, k - 1)
+        else:
             base = upload_batch(ForwardBatch.build([[0]] * len(seqs), starts, [s.pages for s in seqs],
-                                                   runner.page_size, device="cpu",
-                                                   positions=[s.positions(p, p + 1) for s, p in zip(seqs, starts)]),
-                                runner)
-            h, step = torch.stack([f.hidden for _, _, f in ready]), base
-            for _ in range(k - 1):
-                step = chain_batch(step, runner.page_size)
-                h = self.head(step, runner.cache, drafts[-1], h)
-                drafts.append(self._argmax(h))
-        table = torch.stack(drafts, dim=1).tolist()  # the proposal's one read back
-        for (work, budget, _), ids in zip(ready, table):
+                                                   runner.page_size, device="cpu", positions=positions), runner)
+            table = torch.cat([first[:, None], self._chain(base, first, hidden, k - 1)], dim=1)
+        for (work, budget, _), ids in zip(ready, table.tolist()):  # the proposal's one read back
             work.draft_ids = ids[:budget]
             work.tokens = work.tokens[:1] + work.draft_ids
+
+    def _chain(self, base: ForwardBatch, draft: torch.Tensor, hidden: torch.Tensor, steps: int) -> torch.Tensor:
+        """Drafts 2..steps+1 [B, steps]: each step one token per sequence, one position past `base`'s."""
+        step, out = base, []
+        for _ in range(steps):
+            step = chain_batch(step, self.runner.page_size)
+            hidden = self.head(step, self.runner.cache, draft, hidden)
+            draft = self._argmax(hidden)
+            out.append(draft)
+        return torch.stack(out, dim=1)
+
+    # ---- the chain as CUDA graphs ------------------------------------------------------------------
+    def _graphable(self, seqs: list[Sequence], positions: list) -> bool:
+        """Text rows on CUDA with the runner's decode graphs on, within their page-table width."""
+        inputs = self.runner.decode_graph_inputs
+        return (inputs is not None and not self._graph_failed and all(p is None for p in positions)
+                and all(len(s.pages) <= inputs.width for s in seqs))
+
+    def _replay(self, seqs: list[Sequence], starts: list[int], first: torch.Tensor, hidden: torch.Tensor,
+                steps: int) -> torch.Tensor:
+        runner, b = self.runner, len(seqs)
+        if self._static is None:
+            like = runner.decode_graph_inputs
+            self._static = (DecodeInputs(like.max_batch, like.width, runner.device),
+                            torch.zeros(like.max_batch, hidden.shape[1], dtype=hidden.dtype, device=runner.device),
+                            torch.zeros(like.max_batch, dtype=torch.long, device=runner.device))
+        inputs, h0, d0 = self._static
+        inputs.load(host_inputs([[0]] * b, starts, [s.pages for s in seqs], runner.page_size, [0] * b))
+        h0[:b].copy_(hidden)
+        d0[:b].copy_(first)
+        entry = self._graphs.get(b)
+        if entry is None:
+            try:
+                entry = self._graphs[b] = capture(lambda: self._chain(inputs.batch(b), d0[:b], h0[:b], steps),
+                                                  runner.device, warmups=1)
+            except Exception as exc:  # a head path that cannot be captured: draft eagerly from now on
+                log.warning("MTP draft chain: CUDA graph capture failed (%s: %s); drafting eagerly",
+                            type(exc).__name__, exc)
+                self._graph_failed = True
+                base = upload_batch(ForwardBatch.build([[0]] * b, starts, [s.pages for s in seqs], runner.page_size,
+                                                       device="cpu"), runner)
+                return torch.cat([first[:, None], self._chain(base, first, hidden, steps)], dim=1)
+        entry[0].replay()
+        self.graph_replays += 1
+        return torch.cat([d0[:b, None], entry[1]], dim=1)

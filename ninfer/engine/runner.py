@@ -582,6 +582,12 @@ class ModelRunner:
         with self._verify_shapes(len(seqs)):
             return self._logits(batch)
 
+    @property
+    def decode_graph_inputs(self) -> DecodeInputs | None:
+        """The decode graphs' static inputs (their batch and page-table sizes), None when they are off:
+        drafters that capture graphs of their own size them alike."""
+        return self._decode_inputs
+
     def _verify_shapes(self, batch: int):
         """Exact verification: the verify forward's matmuls as the B-row decode step's (see `verify`);
         fast: as one product of all its rows (one pass over the weights)."""

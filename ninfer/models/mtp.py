@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ninfer.forward import CacheSpec, ForwardBatch, ModelCache
+from ninfer.forward import CacheSpec, DeviceOnlyLengths, ForwardBatch, ModelCache
 from ninfer.models.layers import RMSNorm, check_component_weights, fuse_projections_
 from ninfer.models.qwen3_5 import DecoderLayer
 
@@ -178,6 +178,8 @@ def chain_batch(batch: ForwardBatch, page_size: int) -> ForwardBatch:
     the next position and KV index, same pages. Device ops only (the host lengths are known: +1)."""
     if batch.num_valid is not None:  # its real length is on the device only
         raise ValueError("chain_batch needs an unpadded batch")
+    lens = batch.seq_lens_cpu  # a CUDA graph's batch knows them on the device only
+    host_lens = lens if isinstance(lens, DeviceOnlyLengths) else [n + 1 for n in lens]
     last = batch.last_token_indices()
     num_seqs = batch.num_seqs
     device = batch.seq_lens.device
@@ -194,7 +196,7 @@ def chain_batch(batch: ForwardBatch, page_size: int) -> ForwardBatch:
         slot_mapping=slots,
         state_slots=batch.state_slots,
         query_lens_cpu=[1] * num_seqs,
-        seq_lens_cpu=[n + 1 for n in batch.seq_lens_cpu],
+        seq_lens_cpu=host_lens,
     )
 
 
