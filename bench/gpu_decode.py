@@ -51,6 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from ninfer.forward import KV_DTYPES  # noqa: E402
+
 T_START = time.perf_counter()
 RESULTS: dict[str, object] = {}
 
@@ -515,7 +517,7 @@ def main() -> None:
     ap.add_argument("--sampled", action="store_true",
                     help="also time decode with the shape's non-thinking sampler preset (Qwen: temperature 0.7, "
                          "top-p 0.8, top-k 20, presence penalty 1.5): the full sampler instead of the greedy argmax")
-    ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8", "int8"], help="ninfer KV-cache storage")
+    ap.add_argument("--kv-dtype", default="bf16", choices=list(KV_DTYPES), help="ninfer KV-cache storage")
     ap.add_argument("--long-formats", nargs="*", default=["bf16", "nvfp4"],
                     help="weight formats that also run the 32k prompt (each skipped with a line when the --deadline "
                          "leaves no time for it)")

@@ -7,7 +7,7 @@
 #   bash bench/h200_session.sh profile         # decode + chunked-prefill profile of the 27B shape (profile35: 35B-A3B,
 #                                              # profile_nvfp4: 27B with NVFP4 weights,
 #                                              # profile_nvfp4_lm_head: its lm_head in NVFP4 too)
-# Single stages: fused gemv nvfp4 kv moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
+# Single stages: fused gemv nvfp4 kv kv_fp4 moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
 # (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), decode27_nvfp4 (NVFP4 only), pytest_nvfp4,
 # pytest_nvfp4_kernels, pytest_pdl, pytest_pieces, pytest_mma, sweep_mma (the tensor-core NVFP4 GEMV), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
@@ -40,8 +40,11 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       timeout 90 python3 -m bench.selfcheck_gemv --only check,time > $out/gemv.jsonl 2>&1 ;;
     nvfp4)
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 ${NVFP4_ARGS:-} --out $out/nvfp4.json > $out/nvfp4.log 2>&1 ;;
-    kv)
-      timeout 150 python3 -m bench.selfcheck_kv > $out/kv.jsonl 2>&1 ;;
+    kv)  # every quantized storage: kernels vs reference, 27B-shape nvfp4/k8v4 checks and timings, engine graphs
+      timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_kv > $out/kv.jsonl 2>&1 ;;
+    kv_fp4)  # the same for nvfp4 / k8v4 only, without the engine checks (no tokenizer or fla-core needed)
+      timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_kv --kv-dtypes nvfp4 k8v4 --no-engine \
+        > $out/kv_fp4.jsonl 2>&1 ;;
     moe)
       timeout 60 python3 -c "from bench import selfcheck_moe as s; s.main()" > $out/moe.jsonl 2>&1 ;;
     pytest)  # only the modules with CUDA tests: the device lacks the server tests' packages (SDKs, uvicorn)

@@ -55,7 +55,7 @@ GENERIC_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, 
 class EngineSettings:
     max_context: int = 8192
     kv_capacity: int | str | None = None  # tokens; "auto" sizes it from free device memory; None follows max_context
-    kv_dtype: str = "bf16"  # KV storage: bf16 (the model's dtype, unquantized), fp8 or int8 (ninfer.forward)
+    kv_dtype: str = "bf16"  # KV storage: bf16 (the model's dtype, unquantized), fp8, int8, nvfp4 or k8v4 (ninfer.forward)
     max_concurrency: int = 1
     max_pending_requests: int = 16
     pending_timeout_ms: int = 30000

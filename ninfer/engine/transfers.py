@@ -1,8 +1,10 @@
 """Tensor moves the context cache and pausing need: page and state-slot copies on the device, and
 snapshots of a request's KV pages and recurrent state to (pinned) host memory and back.
 
-A quantized cache (fp8 / int8) keeps one scale per (slot, KV head) in `k_scale` / `v_scale`; every
-move of KV slots moves their scale rows with them, and the byte counts include them."""
+A quantized cache (fp8 / int8 / nvfp4 / k8v4) keeps one scale per (slot, KV head) in `k_scale` /
+`v_scale`; every move of KV slots moves their scale rows with them, and the byte counts include them.
+NVFP4 rows hold their E4M3 block scales after their codes (`ninfer.forward`), so moving a slot's row
+moves its block scales too."""
 
 from __future__ import annotations
 

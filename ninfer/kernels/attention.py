@@ -11,6 +11,16 @@ zero); the reference dequantizes the gathered slots (`dequantize_kv`) before SDP
 kernels read the 1-byte values and fold the scales in. Per element the stored value is within
 half a step of the input: |x - q*s| <= s/2 = amax/254 for int8; for fp8 <= 2^-4 |x|, and <= 2^-10 s
 in e4m3's subnormal range (|x| < 2^-6 s). Unquantized caches take exactly the code they took before.
+
+NVFP4 rows (`--kv-dtype nvfp4`, and V of `k8v4`; uint8 caches, layout in `ninfer.forward`):
+`quantize_kv(x, torch.uint8)` takes the row scale s = amax / 2688 (448 * 6), u = x / s, per block of
+16 the E4M3 block scale b = e4m3(amax(|u|) / 6) (round to nearest even, at most 448), and per element
+the E2M1 code nearest to u / b (ties to the even code, saturating at 6; `ninfer.quant.nvfp4`'s
+encoding). Dequantized: e2m1 * b * s. Per element the error is at most half a step of its block's
+grid: |x - xq| <= h * b * s with h = 1/4 where |u / b| < 2, 1/2 below 4 and 1 above (at most
+(1 + 2^-4) / 6 < 18 % of the block's amax: b rounds up by at most 2^-4); a block whose scale is an
+E4M3 subnormal (block amax < 6 * 2^-6 s, 3.5e-5 of the row's amax) or 0 adds at most 6 * 2^-10 * s
+(2.2e-6 of the row's amax).
 """
 
 from __future__ import annotations
@@ -18,28 +28,59 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.forward import ForwardBatch
+from ninfer.forward import NVFP4_BLOCK, NVFP4_ROW, ForwardBatch
 from ninfer.kernels.backend import use_triton
+from ninfer.quant.nvfp4 import E2M1_MAX, E4M3_MAX, _e2m1_codes, e2m1_table, pack_codes, unpack_codes
 
-QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}  # largest stored magnitude per quantized dtype
+# largest stored magnitude per quantized dtype, in units of the fp32 scale (NVFP4: 448 * 6)
+QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0, NVFP4_ROW: E4M3_MAX * E2M1_MAX}
 _INV_QMAX = {dt: torch.tensor(1.0 / q, dtype=torch.float32).item() for dt, q in QMAX.items()}  # fp32(1/qmax)
 _FP32_TINY = torch.finfo(torch.float32).tiny
 
 
 def quantize_kv(x: torch.Tensor, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (values [..., D] in `storage`, fp32 scales [...]) with x ~= values * scale.
+    """x [..., D] -> (values [..., D] in `storage`, fp32 scales [...]) with x ~= values * scale; NVFP4
+    (storage uint8): values are rows [..., D/2 + D/16] (`_quantize_nvfp4_rows`).
     The torch reference of `triton_attention.write_kv_quantized`."""
     qmax = QMAX[storage]
     xf = x.float()
     # amax * fp32(1/qmax) and an IEEE reciprocal: the same fp32 operations as the Triton write
     scale = (xf.abs().amax(-1) * _INV_QMAX[storage]).clamp_min(_FP32_TINY)
+    if storage == NVFP4_ROW:
+        return _quantize_nvfp4_rows(xf * torch.reciprocal(scale)[..., None]), scale
     y = (xf * torch.reciprocal(scale)[..., None]).clamp(-qmax, qmax)
     if storage == torch.int8:
         y = torch.where(y >= 0, y + 0.5, y - 0.5).trunc()
     return y.to(storage), scale
 
 
+def _quantize_nvfp4_rows(u: torch.Tensor) -> torch.Tensor:
+    """u [..., D] (x over its row scale: |u| <= 2688 up to rounding) -> NVFP4 rows [..., D/2 + D/16] uint8."""
+    d = u.shape[-1]
+    if d % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 KV needs head_dim % {NVFP4_BLOCK} == 0, not {d}")
+    blocks = u.reshape(*u.shape[:-1], d // NVFP4_BLOCK, NVFP4_BLOCK)
+    block_scale = (blocks.abs().amax(-1) / E2M1_MAX).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)  # RNE
+    b = block_scale.float()
+    # an all-zero block (or one below E4M3's smallest subnormal) has scale 0 and codes 0
+    scaled = torch.where(b[..., None] > 0, blocks / b.clamp_min(_FP32_TINY)[..., None], torch.zeros_like(blocks))
+    codes = pack_codes(_e2m1_codes(scaled).reshape(u.shape))
+    return torch.cat([codes, block_scale.view(torch.uint8)], dim=-1)
+
+
+def _dequantize_nvfp4_rows(rows: torch.Tensor) -> torch.Tensor:
+    """NVFP4 rows [..., D/2 + D/16] uint8 -> e2m1 * block scale [..., D] fp32 (exact: before the row scale)."""
+    d = rows.shape[-1] * 16 // 9
+    codes, block_scale = rows[..., : d // 2], rows[..., d // 2:]
+    values = e2m1_table(rows.device)[unpack_codes(codes).long()]
+    blocks = values.reshape(*values.shape[:-1], d // NVFP4_BLOCK, NVFP4_BLOCK)
+    return (blocks * block_scale.view(torch.float8_e4m3fn).float()[..., None]).reshape(values.shape)
+
+
 def dequantize_kv(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored values (1-byte [..., D], or NVFP4 rows) and their fp32 scales [...] -> [..., D] in `dtype`."""
+    if values.dtype == NVFP4_ROW:
+        return (_dequantize_nvfp4_rows(values) * scale[..., None]).to(dtype)
     return (values.float() * scale[..., None]).to(dtype)
 
 
@@ -56,7 +97,7 @@ def _check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """k_cache/v_cache: [S, Hkv, D] (one layer); k/v: [T, Hkv, D]; slots: [T], -1 for padding (not
-    written). With the layer's scales ([S, Hkv], fp8/int8 caches) the new tokens are quantized."""
+    written). With the layer's scales ([S, Hkv]: fp8/int8/NVFP4 caches) the new tokens are quantized."""
     _check_scales(k_cache, k_scale, v_scale)
     if k_scale is not None and use_triton(k):
         from ninfer.kernels import triton_attention

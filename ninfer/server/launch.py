@@ -44,8 +44,12 @@ FLAG_HELP: dict[str, tuple[str | None, str]] = {
     "request_log_jsonl": ("FILE", "append full-precision JSONL server/request records (its folder must exist)"),
     "response_store_max_records": ("N", "locally retained Responses objects"),
     "response_store_max_mib": ("N", "local Response store budget in MiB"),
-    "kv_dtype": (None, "KV-cache storage: bf16 (unquantized, the model's dtype), fp8 (e4m3) or int8, each "
-                       "quantized token with per-head scales; nvfp4 and k8v4 are not supported yet"),
+    "kv_dtype": (None, "KV-cache storage: bf16 (unquantized, the model's dtype); fp8 (e4m3) or int8, each token "
+                       "quantized per KV head with an fp32 scale (~51%% of bf16's bytes per token, ~2x the "
+                       "tokens; error within half a step: int8 amax/254, fp8 1/16 of the value); nvfp4, 4-bit "
+                       "E2M1 values with an E4M3 scale per 16 and an fp32 scale per head (~29%%, ~3.5x the "
+                       "tokens; error within half a step of each 16-block's grid, under 18%% of the block's "
+                       "amax); k8v4, int8 K and nvfp4 V (~40%%, ~2.5x the tokens)"),
     "spec": (None, "speculative backend: mtp (the artifact's MTP head); dflash / dflash2 are not wired in yet"),
     "draft_tokens": ("N", "draft tokens: MTP 1..5, DFlash/DFlash2 1..15"),
     "lm_head_draft": (None, "load the optimized proposal head"),
