@@ -61,6 +61,14 @@ class OracleAfterMTP:
             self.oracle.propose(works, budgets)
 
 
+def step_ms(before: dict, after: dict, steps: int) -> dict:
+    """The engine thread's wall time per decode step, by host phase and blocking device wait (HostWork):
+    where a round's time goes (propose runs in engine_boundary, observe in engine_commit_output)."""
+    out = {k: (after["host_work_seconds"][k] - v) * 1e3 / max(steps, 1) for k, v in before["host_work_seconds"].items()}
+    out["device_wait"] = (after["device_wait_seconds"] - before["device_wait_seconds"]) * 1e3 / max(steps, 1)
+    return {k: round(v, 3) for k, v in out.items()}
+
+
 def draft_head(trunk, num_tokens: int):
     """A proposal head of the first num_tokens tokens' lm_head rows (None: score on the whole lm_head)."""
     if not num_tokens:
@@ -130,7 +138,8 @@ def main() -> None:
         import queue
 
         before = {k: getattr(engine.counters, k) for k in ("spec_rounds", "spec_drafted_tokens",
-                                                          "spec_accepted_tokens")}
+                                                          "spec_accepted_tokens", "decode_steps")}
+        work_before = engine.work.snapshot()
         events = [queue.SimpleQueue() for _ in range(c)]
         for i in range(c):
             engine.submit(EngineRequest(f"r{i}", prompts[i], sampling=greedy, max_tokens=args.max_tokens),
@@ -149,6 +158,7 @@ def main() -> None:
                     break
             outs.append(ids)
         counts = {k: getattr(engine.counters, k) - v for k, v in before.items()}
+        counts["step_ms"] = step_ms(work_before, engine.work.snapshot(), counts["decode_steps"])
         return outs, rate, counts
 
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
@@ -159,8 +169,9 @@ def main() -> None:
         run(1)  # warm-up (first replays, allocator)
         for c in args.concurrency:
             oracle.continuations = {}
-            base, base_rate, _ = run(c)
-            emit(kind="spec_e2e", concurrency=c, acceptance_target=None, decode_tok_s=base_rate, ratio=1.0)
+            base, base_rate, base_counts = run(c)
+            emit(kind="spec_e2e", concurrency=c, acceptance_target=None, decode_tok_s=base_rate, ratio=1.0,
+                 step_ms=base_counts["step_ms"])
             if args.reference == "verify":  # the continuation as verify forwards compute it: every draft wrong
                 oracle.continuations = {f"r{i}": [0] * args.max_tokens for i in range(c)}
                 oracle.corrupt = 0.0

@@ -382,6 +382,28 @@ def test_block_drafter_drafts_equal_a_from_scratch_run_and_output_equals_plain_g
     assert_no_leak(engine)
 
 
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["mtp", "dflash", "dflash2"])
+def test_drafters_in_the_cuda_engine_keep_greedy_output(variant, tiny_qwen_path, tiny_qwen_mtp_path, tmp_path):
+    """The drafters inside the engine on CUDA (bf16, Triton kernels, CUDA graphs, the MTP chain's graphs
+    too): every round proposes full budgets, the oracle's drafts are then verified, and the output equals
+    plain greedy decoding on the same device."""
+    cuda = torch.device("cuda")
+    path = tiny_qwen_mtp_path if variant == "mtp" else _block_drafter_artifact(tiny_qwen_path, tmp_path / variant,
+                                                                               variant)
+    base = _baseline(path, device=cuda)
+    settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, spec=variant,
+                              draft_tokens=3 if variant == "mtp" else 4)
+    engine = load_engine(path, settings, device=cuda)
+    oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=6)
+    spec, counters, seen = _run_recording_drafts(engine, oracle)
+    assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
+    assert counters.spec_rounds > 0 and seen and all(len(d) == b for _, d, b in seen)
+    if variant == "mtp":
+        assert engine.proposer.graph_replays > 0
+
+
 # ---- sampled rows ------------------------------------------------------------------------------------------------
 
 SAMPLED = SamplingParams(temperature=1.3, top_p=0.9, top_k=12, min_p=0.01, presence_penalty=0.0,
