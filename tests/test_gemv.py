@@ -34,16 +34,17 @@ def _problem(m, n, k, bias, seed, dtype=torch.float32, device="cpu"):
 @needs_interpreter
 @pytest.mark.parametrize("path", ["fma", "fma_split", "dot", "heuristic"])
 @pytest.mark.parametrize("like", [1, 2, 3])
-@pytest.mark.parametrize("registers", [128, 32])
-def test_rows_like_computes_every_row_as_the_smaller_product_in_interpreter(path, like, registers, monkeypatch):
+@pytest.mark.parametrize("programs", ["one_block_each", "grouped", "all_blocks"])
+def test_rows_like_computes_every_row_as_the_smaller_product_in_interpreter(path, like, programs, monkeypatch):
     """Speculative verification (issue 21): with rows_like=B, a product of B*w rows (up to 64, past the plain
     kernel's 16) gives each row exactly what the B-row product of its own group gives: same config, same
-    row block; CUDA-core configs take several row blocks per program (all of them, or with a smaller
-    register budget groups of them, the last one partly past the rows)."""
+    row block; row blocks as programs of their own (the default), or with MULTI_ROW_FMA several per
+    CUDA-core program (all of them, or with a smaller register budget groups, the last partly past the rows)."""
     from ninfer.kernels import triton_gemv
     from ninfer.kernels.triton_gemv import gemv
 
-    monkeypatch.setattr(triton_gemv, "ROWS_ACC_REGISTERS", registers)
+    monkeypatch.setattr(triton_gemv, "MULTI_ROW_FMA", programs != "one_block_each")
+    monkeypatch.setattr(triton_gemv, "ROWS_ACC_REGISTERS", 32 if programs == "grouped" else 128)
 
     x, w, b = _problem(like * 5, 33, 70, True, seed=like)
     cfg = _configs()[path]
@@ -223,3 +224,23 @@ def test_gemv_bf16_on_cuda_matches_cublas(monkeypatch):
             assert (got - ref).abs().max().item() <= 2 * (cub - ref).abs().max().item() + 2e-2
     x = torch.randn(17, 64, device="cuda", dtype=torch.bfloat16)
     assert not lin.takes_gemv(x, torch.randn(32, 64, device="cuda", dtype=torch.bfloat16))  # > 16 rows
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("like", [1, 2])
+def test_multi_row_fma_kernel_rows_are_bitwise_the_decode_kernels_on_cuda(like, monkeypatch):
+    """The check MULTI_ROW_FMA waits for (see triton_gemv): on the device, with the table's CUDA-core
+    configs at the 27B shapes they serve (o_proj, MLP down, gate_up, lm_head-like), a rows_like product
+    through the multi-row kernel equals the one-block-per-program kernel bit for bit."""
+    from ninfer.kernels import triton_gemv
+    from ninfer.kernels.triton_gemv import gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(like)
+    for n, k in [(5120, 6144), (5120, 17408), (34816, 5120), (32768, 5120)]:
+        w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+        x = torch.randn(like * 4, k, generator=gen, device="cuda").to(torch.bfloat16)
+        monkeypatch.setattr(triton_gemv, "MULTI_ROW_FMA", False)
+        separate = gemv(x, w, rows_like=like)
+        monkeypatch.setattr(triton_gemv, "MULTI_ROW_FMA", True)
+        assert torch.equal(gemv(x, w, rows_like=like), separate), (n, k)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
@@ -294,6 +295,14 @@ def fit_config(cfg: GemvConfig, m: int, n: int, k: int, dtype: torch.dtype) -> G
 
 # ---- launch -------------------------------------------------------------------------------------
 
+# The multi-row CUDA-core kernel for rows_like products (_gemv_fma_rows_kernel): opt-in with
+# NINFER_GEMV_ROWS=1 until a device run shows its rows bitwise equal to _gemv_kernel's at full shape
+# (bench/verify_exactness.py; tests/test_gemv.py's CUDA test). By construction they should be (same
+# shapes, loads and arithmetic per row block); measured at 27B bf16 it brings a k=3 verify from 2.39x
+# to 1.33x a plain step at C=1 (bench/results/2026-12-03-h200-s12). Off: the row blocks run as
+# programs of their own, ordered so the ones sharing a W tile run side by side (L2 reuse), which the
+# 27B exactness run did check.
+MULTI_ROW_FMA = os.environ.get("NINFER_GEMV_ROWS", "0") == "1"
 # fp32 registers per thread that one rows_like program's accumulators may take (the 1-row configs' own
 # accumulator takes 16: 4 W rows x 256 of K over 64 threads)
 ROWS_ACC_REGISTERS = 128
@@ -346,7 +355,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     has_bias = bias is not None
     b = bias if has_bias else weight  # unused pointer
     row_blocks = triton.cdiv(m, block_m)
-    per_program = _blocks_per_program(cfg, block_m, row_blocks) if rows_like else 1
+    per_program = _blocks_per_program(cfg, block_m, row_blocks) if rows_like and MULTI_ROW_FMA else 1
     groups = triton.cdiv(row_blocks, per_program)
     grid = (triton.cdiv(n, cfg.block_n) * groups, split)
     common = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k,
