@@ -100,6 +100,9 @@ def main() -> None:
     p.add_argument("--draft-head", type=int, default=0, metavar="N",
                    help="with --with-mtp: the MTP head scores its drafts on a proposal head of the first N "
                         "tokens' lm_head rows (--lm-head-draft), not the whole lm_head")
+    p.add_argument("--adaptive", action="store_true",
+                   help="per step, only as many drafts as pay for their verification (EngineSettings.adaptive_drafts, "
+                        "the server's default); without it every round drafts --drafts tokens")
     p.add_argument("--fast-verify", action="store_true",
                    help="verify rows as one matmul pass (EngineSettings.exact_verify=False)")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, short outputs")
@@ -120,7 +123,7 @@ def main() -> None:
     lanes = max(args.concurrency)
     settings = EngineSettings(max_context=args.prompt_len + args.max_tokens + 64, max_concurrency=lanes,
                               draft_tokens=args.drafts, prefix_reuse=False, kv_capacity=None,
-                              exact_verify=not args.fast_verify)
+                              exact_verify=not args.fast_verify, adaptive_drafts=args.adaptive)
     oracle = OracleProposer({}, vocab=1000, seed=1)
     proposer = oracle
     if args.with_mtp:  # a random MTP head drafts first (its full cost), then the oracle's drafts replace them
@@ -162,7 +165,8 @@ def main() -> None:
         return outs, rate, counts
 
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
-         exact_verify=settings.exact_verify, with_mtp=args.with_mtp, draft_head=args.draft_head, reference=args.reference,
+         exact_verify=settings.exact_verify, with_mtp=args.with_mtp, draft_head=args.draft_head,
+         adaptive=args.adaptive, reference=args.reference,
          graph_status=engine.runner.graph_status)
     summary = {}
     try:

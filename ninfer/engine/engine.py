@@ -29,6 +29,7 @@ from ninfer.engine.plan import RunnerOutput, StepPlan
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Scheduler
 from ninfer.engine.sequence import Sequence, Status
+from ninfer.engine.spec_control import DraftController
 from ninfer.engine.speculative import Proposer, accepted_prefix
 from ninfer.engine.types import (
     ContextLengthExceededError,
@@ -79,6 +80,9 @@ class EngineSettings:
     # verified positions round exactly as plain decode steps (greedy output identical with and without
     # drafts); False: one matmul pass over all verify rows, faster where B <= 2 (ModelRunner.verify)
     exact_verify: bool = True
+    # per step, draft only as many tokens as pay for their verification (ninfer.engine.spec_control); the
+    # server turns it on; off, every decode row drafts up to draft_tokens
+    adaptive_drafts: bool = False
     vision: bool = False  # --vision: the artifact's vision tower is loaded and requests may carry media
 
 
@@ -144,6 +148,7 @@ class Engine:
                                   draft_tokens=drafts, cache_spec=cache_spec, exact_verify=settings.exact_verify,
                                   feature_layers=tuple(getattr(proposer, "feature_layers", ()) if drafts else ()))
         self.proposer = proposer if drafts else None
+        self.drafts_control = DraftController(drafts) if drafts and settings.adaptive_drafts else None
         if hasattr(self.proposer, "bind"):
             self.proposer.bind(self.runner)
         self.hybrid = slots is not None
@@ -361,6 +366,7 @@ class Engine:
                     if self.proposer is not None:  # drafters read the target's hidden states
                         plan.want_hidden = True
                         plan.want_prefill_hidden = getattr(self.proposer, "wants_prefill_hidden", False)
+                    started = time.perf_counter()
                     self._propose(plan)
                     self._admitted(plan)
                     self._preempted(plan)
@@ -369,6 +375,9 @@ class Engine:
                 worked = not plan.empty
                 if plan.prefill is not None or plan.decode or plan.before or plan.after:
                     self.work.run_step("decode" if plan.decode else "prefill", lambda plan=plan: self._step(plan))
+                    if self.drafts_control is not None and plan.decode and plan.prefill is None:
+                        width = max(len(w.tokens) for w in plan.decode)
+                        self.drafts_control.step_time(len(plan.decode), width, time.perf_counter() - started)
             except Exception as exc:  # an engine-wide failure: fail everything, report unhealthy
                 log.exception("engine step failed")
                 self._fail_all(exc)
@@ -405,8 +414,15 @@ class Engine:
     def _propose(self, plan: StepPlan) -> None:
         """Ask the proposer for the drafts the plan's decode rows have room for."""
         works = [w for w in plan.decode if w.draft_budget > 0]
-        if self.proposer is not None and works:
-            self.proposer.propose(works, [w.draft_budget for w in works])
+        if self.proposer is None or not works:
+            return
+        budgets = [w.draft_budget for w in works]
+        if self.drafts_control is not None:  # as many drafts as pay for their verification (may be none)
+            k = self.drafts_control.drafts(len(plan.decode), [w.seq.request_id for w in works])
+            if k == 0:
+                return
+            budgets = [min(b, k) for b in budgets]
+        self.proposer.propose(works, budgets)
 
     def _commit(self, plan: StepPlan, output: RunnerOutput) -> tuple[list[tuple[Sequence, FinishReason]], dict]:
         """Commit each work's samples; returns the requests that ended, with why, and the tokens each decode
@@ -439,6 +455,8 @@ class Engine:
                 row = sampled[: accepted + 1]
                 self.counters.count_round(len(work.draft_ids), accepted)
                 work.seq.count_round(len(work.draft_ids), accepted)
+                if self.drafts_control is not None:
+                    self.drafts_control.round(work.seq.request_id, len(work.draft_ids), accepted)
             elif self.proposer is not None:  # a speculative engine's row decoding one token
                 self.counters.spec_fallback_steps += 1
                 work.seq.spec_fallback_steps += 1
@@ -515,6 +533,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         if hasattr(self.proposer, "forget"):
             self.proposer.forget(seq)
+        if self.drafts_control is not None:
+            self.drafts_control.forget(seq.request_id)
         self.output.flush_tail(seq, reason)
         self.scheduler.finish(seq, retain=reason not in (FinishReason.CANCELLED, FinishReason.ERROR))
         if seq.preemptions:

@@ -76,7 +76,7 @@ def engine_settings(cfg: ServerConfig) -> EngineSettings:
         host_context_bytes=None if cfg.host_context_mib is None else cfg.host_context_mib * 1024 * 1024,
         scheduling_events=cfg.request_log_jsonl is not None,  # request_scheduling records need them
         vision=cfg.vision, spec=cfg.spec, draft_tokens=cfg.draft_tokens or DEFAULT_DRAFTS.get(cfg.spec, 0),
-        lm_head_draft=cfg.lm_head_draft,
+        lm_head_draft=cfg.lm_head_draft, adaptive_drafts=True,
     )
 
 

@@ -1,0 +1,98 @@
+"""When drafting pays: each decode step's draft count from measured acceptance and measured step costs.
+
+A verify step of width w = k + 1 costs more than a plain decode step (more rows through every matmul; on
+NVFP4 weights a GEMV that is instruction-bound beyond one row), so drafts that are seldom accepted make
+decoding slower than no speculation. The controller (EngineSettings.adaptive_drafts; the server turns it
+on) keeps:
+
+- per batch size B and width w, the engine's wall time of decode-only steps (an exponential moving
+  average, the proposer's own work included); until a plain step (w = 1) is measured the engine
+  decodes plainly, a batch size without one borrows the nearest measured one's, and widths not
+  measured yet are assumed to cost T(B, 1) * (1 + UNMEASURED_COST * (w - 1)), so they get tried;
+- per sequence, the chance p that a draft stands given that the drafts before it stood: accepted drafts
+  over accepted drafts plus rejections, both decayed each round (a fresh sequence starts at PRIOR).
+
+Each step it takes the k in 0..K that maximises the batch's expected committed tokens per second,
+sum_s (1 + p_s + ... + p_s^k) / T(B, k + 1). While k = 0 wins, every PROBE_EVERY-th step still drafts
+one token, so the estimates follow a drafter whose acceptance comes back. Output never depends on
+it: drafts only decide how many tokens a step may commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TIME_EMA = 0.2  # weight of a new step time
+DECAY = 0.8  # per round, on a sequence's accepted and rejected counts
+PRIOR = (2.0, 0.5)  # a fresh sequence's (accepted, rejected): p = 0.8
+UNMEASURED_COST = 0.1  # per extra token of width, relative to a plain step, until measured
+PROBE_EVERY = 16
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = PRIOR[0]
+    rejected: float = PRIOR[1]
+
+    @property
+    def p(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+class DraftController:
+    def __init__(self, max_drafts: int):
+        self.max_drafts = max_drafts
+        self._times: dict[tuple[int, int], float] = {}  # (batch, width) -> seconds per step
+        self._seqs: dict[str, _Acceptance] = {}
+        self._plain_streak = 0
+
+    # ---- what the engine reports -----------------------------------------------------------------
+    def step_time(self, batch: int, width: int, seconds: float) -> None:
+        key = (batch, width)
+        old = self._times.get(key)
+        self._times[key] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
+
+    def round(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A verified row: `accepted` of its `drafted` drafts stood (a shorter run ends in a rejection)."""
+        a = self._seqs.setdefault(request_id, _Acceptance())
+        a.accepted = DECAY * a.accepted + accepted
+        a.rejected = DECAY * a.rejected + (1.0 if accepted < drafted else 0.0)
+
+    def forget(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+
+    # ---- the decision --------------------------------------------------------------------------------
+    def acceptance(self, request_id: str) -> float:
+        return self._seqs.get(request_id, _Acceptance()).p
+
+    def cost(self, batch: int, width: int) -> float | None:
+        """Seconds of a step of this shape: measured, or estimated from the plain step of this batch size (of
+        the nearest measured one while it has none: decode costs change slowly with the batch), None when
+        no plain step was measured yet."""
+        if (batch, width) in self._times:
+            return self._times[(batch, width)]
+        plain = [(abs(b - batch), t) for (b, w), t in self._times.items() if w == 1]
+        return None if not plain else min(plain)[1] * (1 + UNMEASURED_COST * (width - 1))
+
+    def drafts(self, batch: int, request_ids: list[str]) -> int:
+        """The draft count for a decode step of `batch` rows whose drafting rows are `request_ids`."""
+        if not request_ids or self.max_drafts == 0:
+            return 0
+        ps = [self.acceptance(r) for r in request_ids]
+        best_k, best_rate = 0, None
+        for k in range(self.max_drafts + 1):
+            cost = self.cost(batch, k + 1)
+            if cost is None:  # no plain step of this size measured yet: take one, then compare with it
+                return 0
+            tokens = sum(sum(p ** j for j in range(k + 1)) for p in ps) + (batch - len(ps))
+            rate = tokens / cost
+            if best_rate is None or rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k == 0:
+            self._plain_streak += 1
+            if self._plain_streak >= PROBE_EVERY:
+                self._plain_streak = 0
+                return 1
+            return 0
+        self._plain_streak = 0
+        return best_k

@@ -1,0 +1,78 @@
+"""Adaptive draft counts (ninfer.engine.spec_control, EngineSettings.adaptive_drafts): draft only as many
+tokens as pay for their verification, so a drafter that is seldom right does not make decoding slower
+than no speculation (issue 21: "never slower than no speculation"); output never changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import assert_no_leak, run_all, token_ids
+from test_speculative import _baseline, _requests
+
+from ninfer.engine import spec_control
+from ninfer.engine.engine import EngineSettings
+from ninfer.engine.loader import load_engine
+from ninfer.engine.spec_control import DraftController
+from ninfer.engine.speculative import OracleProposer
+
+
+def test_plain_steps_until_one_is_measured_then_unmeasured_widths_are_tried():
+    c = DraftController(3)
+    assert c.drafts(2, ["a", "b"]) == 0 and c.cost(2, 1) is None  # nothing measured: a plain step first
+    c.step_time(2, 1, 0.010)
+    # a fresh sequence's prior acceptance 0.8 and widths estimated at +10 % a token: all three drafts
+    assert c.drafts(2, ["a", "b"]) == 3
+    assert c.cost(2, 4) == pytest.approx(0.013)
+    c.step_time(5, 1, 0.020)
+    assert c.cost(3, 1) == 0.010 and c.cost(4, 2) == pytest.approx(0.022)  # the nearest batch size's plain step
+
+
+def test_draft_count_follows_acceptance_and_measured_costs():
+    c = DraftController(3)
+    for width, ms in ((1, 10.0), (2, 12.0), (3, 14.0), (4, 16.0)):
+        c.step_time(1, width, ms / 1000)
+    assert c.drafts(1, ["s"]) == 3  # p = 0.8: 2.95 tokens per 16 ms beats 1 per 10 ms
+    for _ in range(12):  # the drafter is always wrong
+        c.round("s", 3, 0)
+    assert c.acceptance("s") < 0.05
+    decisions = [c.drafts(1, ["s"]) for _ in range(2 * spec_control.PROBE_EVERY)]
+    assert decisions.count(0) == 2 * spec_control.PROBE_EVERY - 2 and decisions.count(1) == 2  # probes only
+    for _ in range(12):  # it comes back: every draft stands
+        c.round("s", 1, 1)
+    assert c.drafts(1, ["s"]) == 3
+    c.forget("s")
+    assert c.acceptance("s") == pytest.approx(0.8)
+
+
+def test_rows_without_drafts_count_one_token_each():
+    """A batch's non-speculating rows (penalized, forced) commit one token whatever k is; only the drafting
+    rows' acceptance weighs the choice."""
+    c = DraftController(2)
+    for width, ms in ((1, 10.0), (2, 14.0), (3, 18.0)):
+        c.step_time(4, width, ms / 1000)
+    for _ in range(10):
+        c.round("good", 2, 2)
+    # one drafting row of four: 1 + p + p^2 ~ 2.9 tokens more for 80 % more time does not pay
+    assert c.drafts(4, ["good"]) == 0
+
+
+@pytest.mark.parametrize("corrupt", [0.0, 1.0])
+def test_engine_drafts_when_drafts_stand_and_stops_when_they_do_not(tiny_qwen_path, corrupt):
+    """Through the engine on the CPU (measured step times): with every draft right, most steps verify drafts;
+    with every draft wrong, most steps decode plainly (probes aside). Output equals plain greedy either way."""
+    base = _baseline(tiny_qwen_path, max_tokens=40)
+    oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=corrupt, vocab=900, seed=3)
+    settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, draft_tokens=3,
+                              adaptive_drafts=True)
+    engine = load_engine(tiny_qwen_path, settings, proposer=oracle, device=torch.device("cpu"))
+    try:
+        spec = run_all(engine, _requests(40))
+        counters = engine.counters
+    finally:
+        engine.shutdown()
+    assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
+    if corrupt == 0.0:
+        assert counters.spec_rounds > counters.spec_fallback_steps
+    else:
+        assert counters.spec_fallback_steps > 2 * counters.spec_rounds
+    assert_no_leak(engine)
