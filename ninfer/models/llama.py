@@ -14,7 +14,7 @@ from torch import nn
 
 from ninfer.forward import CacheSpec, ForwardBatch, ModelCache
 from ninfer.kernels import fused
-from ninfer.kernels.attention import paged_attention
+from ninfer.kernels.attention import cpu_decode_batch, paged_attention, paged_attention_ref
 from ninfer.kernels.linear import linear
 from ninfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, fuse_projections_, project
 from ninfer.quant.nvfp4 import NVFP4Linear, nvfp4_head_logits
@@ -92,8 +92,11 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = project(self, ("q_proj", "k_proj", "v_proj"), x)
         k_cache, v_cache, k_scale, v_scale = cache.layer(self.layer_idx)
+        merged = self._merged_qkv()
+        if merged is not None and k_scale is None and cpu_decode_batch(batch, x):
+            return self._decode_cpu(merged(x), cos, sin, batch, cache.page_size, k_cache, v_cache)
+        q, k, v = project(self, ("q_proj", "k_proj", "v_proj"), x)
         # RoPE on q and k, k and v into the cache: one kernel (views of the merged projection)
         q = fused.rope_qk_write_kv(
             q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
@@ -101,6 +104,29 @@ class LlamaAttention(nn.Module):
             k_scale=k_scale, v_scale=v_scale)
         out = paged_attention(q, k_cache, v_cache, batch, cache.page_size, self.scale, k_scale, v_scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _merged_qkv(self) -> nn.Module | None:
+        """The merged projection whose consecutive column blocks are q, k and v (fuse_projections_), else None."""
+        plan = self.__dict__.get("_proj_plan")
+        if not plan:
+            return None
+        q, k, v = plan.get("q_proj"), plan.get("k_proj"), plan.get("v_proj")
+        if q and k and v and q[0] == k[0] == v[0] and q[1] == 0 and k[1] == q[2] and v[1] == k[1] + k[2]:
+            return getattr(self, q[0])
+        return None
+
+    def _decode_cpu(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                    page_size: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Decode rows on the CPU (issue 23: a step there is mostly small ops): RoPE on q and k in one pass over
+        their adjacent columns of the merged projection, k and v into the cache by slot (a decode batch has
+        no padding), then the reference attention. The same arithmetic as `fused.rope_qk_write_kv_ref` and
+        `paged_attention_ref`, with half of their small ops."""
+        t, hq, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qk = fused.apply_rotary(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+        k_cache.index_copy_(0, batch.slot_mapping, qk[:, hq:])
+        v_cache.index_copy_(0, batch.slot_mapping, qkv[:, (hq + hkv) * d:].view(t, hkv, d))
+        out = paged_attention_ref(qk[:, :hq], k_cache, v_cache, batch, page_size, self.scale)
+        return self.o_proj(out.view(t, hq * d))
 
 
 class LlamaDecoderLayer(nn.Module):
