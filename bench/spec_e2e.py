@@ -19,6 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def emit(**record) -> None:
@@ -105,6 +109,9 @@ def main() -> None:
                         "the server's default); without it every round drafts --drafts tokens")
     p.add_argument("--fast-verify", action="store_true",
                    help="verify rows as one matmul pass (EngineSettings.exact_verify=False)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile the last run of each concurrency (torch.profiler, every thread) and print its "
+                        "N ops of most host time (self CPU) and of most device time")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, short outputs")
     args = p.parse_args()
     if args.dry_run:
@@ -135,6 +142,28 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0, presence_penalty=0.0, frequency_penalty=0.0)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(args.prompt_len)] for _ in range(lanes)]
+
+    def profiled(c: int, label: str):
+        """run(c) with the engine thread's stack sampled (bench/stack_sampler.py) and, on CUDA, the device's
+        kernels profiled: prints the top --profile entries of each."""
+        from bench.stack_sampler import StackSampler
+
+        kernels = None
+        with StackSampler(engine._thread) as sampler:
+            if device.type == "cuda":
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CUDA]) as kernels:
+                    result = run(c)
+            else:
+                result = run(c)
+        steps = max(result[2]["decode_steps"], 1)
+        emit(kind="profile", concurrency=c, run=label, engine_thread=sampler.top(args.profile))
+        if kernels is not None:
+            top = sorted(kernels.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:args.profile]
+            emit(kind="profile", concurrency=c, run=label, device_us_per_step={
+                e.key[:60]: [round(e.self_device_time_total / steps, 1), round(e.count / steps, 2)] for e in top})
+        return result
 
     def run(c: int) -> tuple[list[list[int]], float, dict]:
         """c requests at once; their outputs, summed decode tok/s and the engine's speculative counts."""
@@ -173,17 +202,20 @@ def main() -> None:
         run(1)  # warm-up (first replays, allocator)
         for c in args.concurrency:
             oracle.continuations = {}
-            base, base_rate, base_counts = run(c)
+            base, base_rate, base_counts = profiled(c, "plain") if args.profile else run(c)
             emit(kind="spec_e2e", concurrency=c, acceptance_target=None, decode_tok_s=base_rate, ratio=1.0,
                  step_ms=base_counts["step_ms"])
             if args.reference == "verify":  # the continuation as verify forwards compute it: every draft wrong
                 oracle.continuations = {f"r{i}": [0] * args.max_tokens for i in range(c)}
                 oracle.corrupt = 0.0
                 base, _, _ = run(c)
-            for length in args.acceptance:
+            for warm, length in [(True, args.acceptance[0])] + [(False, a) for a in args.acceptance]:
                 oracle.continuations = {f"r{i}": ids for i, ids in enumerate(base)}
                 oracle.corrupt = corruption_for(length, args.drafts)
-                outs, rate, counts = run(c)
+                last = length == args.acceptance[-1] and not warm
+                outs, rate, counts = profiled(c, f"L{length}") if args.profile and last else run(c)
+                if warm:  # discarded: first verify shapes, the drafter's first kernels and chain-graph capture
+                    continue
                 measured = 1 + counts["spec_accepted_tokens"] / max(counts["spec_rounds"], 1)
                 same = outs == base
                 emit(kind="spec_e2e", concurrency=c, acceptance_target=length, acceptance_measured=measured,

@@ -38,8 +38,8 @@ def _problem(m, n, k, bias, seed, dtype=torch.float32, device="cpu"):
 def test_rows_like_computes_every_row_as_the_smaller_product_in_interpreter(path, like, programs, monkeypatch):
     """Speculative verification (issue 21): with rows_like=B, a product of B*w rows (up to 64, past the plain
     kernel's 16) gives each row exactly what the B-row product of its own group gives: same config, same
-    row block; row blocks as programs of their own (the default), or with MULTI_ROW_FMA several per
-    CUDA-core program (all of them, or with a smaller register budget groups, the last partly past the rows)."""
+    row block; row blocks as programs of their own (NINFER_GEMV_ROWS=0), or with MULTI_ROW_FMA (the
+    default) several per CUDA-core program (all of them, or with a smaller register budget groups, the last partly past the rows)."""
     from ninfer.kernels import triton_gemv
     from ninfer.kernels.triton_gemv import gemv
 
@@ -230,7 +230,7 @@ def test_gemv_bf16_on_cuda_matches_cublas(monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("like", [1, 2])
 def test_multi_row_fma_kernel_rows_are_bitwise_the_decode_kernels_on_cuda(like, monkeypatch):
-    """The check MULTI_ROW_FMA waits for (see triton_gemv): on the device, with the table's CUDA-core
+    """The check MULTI_ROW_FMA rests on (see triton_gemv; passed on the H200): on the device, with the table's CUDA-core
     configs at the 27B shapes they serve (o_proj, MLP down, gate_up, lm_head-like), a rows_like product
     through the multi-row kernel equals the one-block-per-program kernel bit for bit."""
     from ninfer.kernels import triton_gemv

@@ -295,14 +295,13 @@ def fit_config(cfg: GemvConfig, m: int, n: int, k: int, dtype: torch.dtype) -> G
 
 # ---- launch -------------------------------------------------------------------------------------
 
-# The multi-row CUDA-core kernel for rows_like products (_gemv_fma_rows_kernel): opt-in with
-# NINFER_GEMV_ROWS=1 until a device run shows its rows bitwise equal to _gemv_kernel's at full shape
-# (bench/verify_exactness.py; tests/test_gemv.py's CUDA test). By construction they should be (same
-# shapes, loads and arithmetic per row block); measured at 27B bf16 it brings a k=3 verify from 2.39x
-# to 1.33x a plain step at C=1 (bench/results/2026-12-03-h200-s12). Off: the row blocks run as
-# programs of their own, ordered so the ones sharing a W tile run side by side (L2 reuse), which the
-# 27B exactness run did check.
-MULTI_ROW_FMA = os.environ.get("NINFER_GEMV_ROWS", "0") == "1"
+# The multi-row CUDA-core kernel for rows_like products (_gemv_fma_rows_kernel): one program takes several
+# row blocks, each with the decode kernel's own shapes, loads and accumulator, so a W tile is loaded once
+# for all of them. On the H200 its rows are bitwise _gemv_kernel's at the 27B shape (verify_exactness,
+# B = 1, 2; tests/test_gemv.py's CUDA test), and a k=3 verify at C=1 takes 1.33x a plain step instead of
+# 2.39x (bench/results/2026-12-03-h200-s12, -s13). NINFER_GEMV_ROWS=0 turns it off: the row blocks then
+# run as programs of their own, ordered so those sharing a W tile run side by side (L2 reuse).
+MULTI_ROW_FMA = os.environ.get("NINFER_GEMV_ROWS", "1") == "1"
 # fp32 registers per thread that one rows_like program's accumulators may take (the 1-row configs' own
 # accumulator takes 16: 4 W rows x 256 of K over 64 threads)
 ROWS_ACC_REGISTERS = 128
