@@ -14,7 +14,7 @@ from kernel_markers import needs_cuda
 
 from ninfer.engine.engine import EngineSettings
 from ninfer.engine.loader import load_engine
-from ninfer.engine.speculative import OracleProposer, accepted_prefix
+from ninfer.engine.speculative import OracleProposer, accepted_prefix, stage_drafts
 from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, presence_penalty=0.0, frequency_penalty=0.0)  # drafts need unpenalized rows
@@ -75,6 +75,39 @@ def test_greedy_output_with_drafts_equals_greedy_output_without(fixture, corrupt
         assert counters.decode_steps < sum(len(token_ids(e)) for e in base) // 4 * 2
     if corrupt == 1.0:
         assert counters.spec_accepted_tokens < counters.spec_drafted_tokens // 4
+    assert_no_leak(engine)
+
+
+class _StagingOracle(OracleProposer):
+    """The oracle's drafts handed over as a proposer on the device hands them (speculative.stage_drafts): one
+    table, its rows in reverse batch order and padded past each row's budget with junk ids."""
+
+    def propose(self, works, budgets):
+        super().propose(works, budgets)
+        works = [w for w in works if w.draft_ids][::-1]
+        if works:
+            k = max(len(w.draft_ids) for w in works)
+            table = torch.tensor([w.draft_ids + [7] * (k - len(w.draft_ids)) for w in works])
+            stage_drafts(works, [len(w.draft_ids) for w in works], table)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen_path", "tiny_llama_path"])
+def test_drafts_staged_on_the_device_are_verified_and_committed_as_host_drafts(fixture, request):
+    """Drafters leave their drafts on the device (speculative.stage_drafts): the verify forward copies them into
+    its input ids and its one read back brings them to the host for acceptance. Output equals plain greedy,
+    and the oracle's drafts are accepted as often as when they are handed over on the host."""
+    path = request.getfixturevalue(fixture)
+    base = _baseline(path)
+    settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, draft_tokens=3)
+    engine = load_engine(path, settings, device=CPU, proposer=_StagingOracle(
+        {f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.2, vocab=900, seed=3))
+    try:
+        spec = run_all(engine, _requests())
+        counters = engine.counters
+    finally:
+        engine.shutdown()
+    assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
+    assert counters.spec_rounds > 0 and counters.spec_accepted_tokens > counters.spec_rounds  # long runs accepted
     assert_no_leak(engine)
 
 
@@ -160,6 +193,15 @@ def tiny_qwen_mtp_path(artifacts_dir):
     return write_preset("tiny-qwen3.6", artifacts_dir / "tiny-qwen3.6-mtp.ninfer", seed=0, mtp=True)
 
 
+def _proposed(work) -> list[int]:
+    """A work's drafts right after the proposer ran: still on the device (staged: the table's row, cut to the
+    row's budget), where the verify forward reads them, or already on the host."""
+    if work.staged is None:
+        return list(work.draft_ids)
+    table, row = work.staged
+    return table[row].tolist()[: len(work.draft_ids)]
+
+
 def _run_recording_drafts(engine, oracle):
     """Run _requests(); every round the engine's drafter proposes (recorded: the sequence so far, its drafts,
     the budget), then the oracle's drafts replace its own for verification. (events, counters, records)"""
@@ -168,7 +210,7 @@ def _run_recording_drafts(engine, oracle):
 
     def recording(works, budgets):
         propose(works, budgets)
-        seen.extend((w.seq.tokens(0, w.seq.total_len), list(w.draft_ids), b) for w, b in zip(works, budgets))
+        seen.extend((w.seq.tokens(0, w.seq.total_len), _proposed(w), b) for w, b in zip(works, budgets))
         oracle.propose(works, budgets)
 
     engine.proposer.propose = recording
@@ -296,7 +338,7 @@ def test_proposal_head_shortlists_the_lm_head_and_drafts_within_it(tiny_qwen_mtp
 
     def recording(works, budgets):
         propose(works, budgets)
-        drafted.extend(d for w in works for d in w.draft_ids)
+        drafted.extend(d for w in works for d in _proposed(w))
 
     engine.proposer.propose = recording
     try:

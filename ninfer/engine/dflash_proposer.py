@@ -7,7 +7,7 @@ token and every committed verify row. Per step, two halves:
   target newly computed, written at the sequence's own KV slots in the drafter's cache;
 - `propose` (before the next verify forward): one block forward per batch, [last committed token,
   mask, ...] at the positions after the frontier, whose argmax (DFlash) or selected path (DFlash2)
-  gives block_size - 1 drafts, cut to each row's budget; one read back.
+  gives block_size - 1 drafts, cut to each row's budget, left on the device (speculative.stage_drafts).
 
 The drafter's cache has the target cache's page geometry (a position's context entry lives at the
 same slot as its target KV) plus a few scratch pages per lane: a block reaches block_size - 1
@@ -24,7 +24,7 @@ import torch
 
 from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
 from ninfer.engine.sequence import Sequence
-from ninfer.engine.speculative import computed_rows, speculates, unzip_rows, upload_batch
+from ninfer.engine.speculative import computed_rows, speculates, stage_drafts, unzip_rows, upload_batch
 from ninfer.forward import CacheSpec, ForwardBatch, ModelCache
 
 
@@ -84,10 +84,8 @@ class DFlashProposer:
                                                 positions=[s.positions(p, p + size) for s, p in zip(seqs, starts)]),
                              runner)
         first = runner._tensor([s.output_ids[-1] for s in seqs], torch.long)
-        table = self.drafter.draft(batch, self.cache, first).tolist()  # the proposal's one read back
-        for (work, budget), ids in zip(ready, table):
-            work.draft_ids = ids[:budget]
-            work.tokens = work.tokens[:1] + work.draft_ids
+        table = self.drafter.draft(batch, self.cache, first)  # read back with the verify's sampled tokens
+        stage_drafts([w for w, _ in ready], [b for _, b in ready], table)
 
     def _block_pages(self, seq: Sequence) -> list[int]:
         """The sequence's pages, then its lane's scratch pages, as far as the block reaches."""

@@ -10,10 +10,12 @@ Per step, two halves (ninfer.models.mtp says what the head computes):
   leaves, per sequence that decodes next, the head's output at its last position and the greedy
   draft it gives (both on the device).
 - `propose` (before the next verify forward): k-1 more head steps from there, one token each (the
-  previous draft in, the previous output as hidden), then one read back of all drafts. On CUDA, with
+  previous draft in, the previous output as hidden), the drafts left on the device. On CUDA, with
   the runner's graphs on, the k-1 steps replay one CUDA graph per batch size (captured the first time
   that batch size proposes k drafts, over its real inputs: the capture's warm-up writes only the head
-  KV slots the chain itself rewrites), instead of ~k * 40 eager kernel launches.
+  KV slots the chain itself rewrites), instead of ~k * 40 eager kernel launches. The drafts stay on the
+  device (speculative.stage_drafts): the verify forward reads them there and brings them back with its
+  sampled tokens, so the round's only host sync is the verify's.
 
 Drafts are greedy (the head's argmax). With the target sampling each verified row as it would
 without drafts and a draft standing only where it equals the target's token, the committed tokens
@@ -30,7 +32,7 @@ import torch
 from ninfer.engine.graphs import DecodeInputs, capture
 from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
 from ninfer.engine.sequence import Sequence, Status
-from ninfer.engine.speculative import computed_rows, speculates, unzip_rows, upload_batch
+from ninfer.engine.speculative import computed_rows, speculates, stage_drafts, unzip_rows, upload_batch
 from ninfer.forward import CacheSpec, ForwardBatch, host_inputs
 from ninfer.models.mtp import chain_batch
 
@@ -121,9 +123,7 @@ class MTPProposer:
             base = upload_batch(ForwardBatch.build([[0]] * len(seqs), starts, [s.pages for s in seqs],
                                                    runner.page_size, device="cpu", positions=positions), runner)
             table = torch.cat([first[:, None], self._chain(base, first, hidden, k - 1)], dim=1)
-        for (work, budget, _), ids in zip(ready, table.tolist()):  # the proposal's one read back
-            work.draft_ids = ids[:budget]
-            work.tokens = work.tokens[:1] + work.draft_ids
+        stage_drafts([w for w, _, _ in ready], [b for _, b, _ in ready], table)  # read back with the verify's
 
     def _chain(self, base: ForwardBatch, draft: torch.Tensor, hidden: torch.Tensor, steps: int) -> torch.Tensor:
         """Drafts 2..steps+1 [B, steps]: each step one token per sequence, one position past `base`'s."""

@@ -27,6 +27,9 @@ class SeqWork:
     sample: bool = True
     decode: bool = False  # a decode/verify row (else a prefill or replay chunk)
     draft_budget: int = 0  # drafts this row may carry (its pages are reserved); the proposer fills draft_ids
+    # drafts still on the device: (table [rows, k], this work's row). draft_ids holds placeholders until
+    # the verify forward's read back fills them (speculative.stage_drafts, ModelRunner.collect)
+    staged: tuple | None = None
 
     @property
     def end(self) -> int:

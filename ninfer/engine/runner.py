@@ -43,6 +43,7 @@ from ninfer.engine.graphs import DecodeInputs, PrefillInputs, SamplerInputs, Ver
 from ninfer.engine.plan import RunnerOutput, StepPlan
 from ninfer.engine.sampler import TOP_K_CAP, SamplingBatch, sample
 from ninfer.engine.sequence import Sequence
+from ninfer.engine.speculative import StagedDrafts, staged_drafts
 from ninfer.forward import CacheSpec, ForwardBatch, ModelCache, verify_inputs
 from ninfer.kernels.backend import use_triton
 from ninfer.kernels.linear import rows_like
@@ -186,6 +187,7 @@ class ModelRunner:
         self.eager_steps = 0
         self._decode_inputs: DecodeInputs | None = None
         self.last_verify_width = 0  # the last verify forward's tokens per sequence (rollback reads it)
+        self._staged: StagedDrafts | None = None  # the launched verify's device drafts (collect reads them)
         self.last_all_hidden: torch.Tensor | None = None  # the last forward's every-token hidden states
         self._token_rows: list[torch.Tensor] | None = None  # a prefill's, while plan.want_prefill_hidden
         self._prefill_hidden: torch.Tensor | None = None
@@ -511,7 +513,7 @@ class ModelRunner:
         """Queue the plan's forwards and samplers without waiting for the device: the prefill chunk (one
         row, its last token, when it samples), then the decode batch in one traversal (a row per token of
         each work: the input token and its drafts)."""
-        launched, self._hidden, self._prefill_hidden = [], [], None
+        launched, self._hidden, self._prefill_hidden, self._staged = [], [], None, None
         if plan.prefill is not None:
             work = plan.prefill
             self._token_rows = [] if plan.want_prefill_hidden else None
@@ -530,7 +532,8 @@ class ModelRunner:
                 launched.append(self.sample(seqs, logits))
             else:
                 width = max(len(r) for r in rows)
-                logits = self.verify(seqs, rows, width)
+                self._staged = staged_drafts(plan.decode)
+                logits = self.verify(seqs, rows, width, drafts=self._staged)
                 self._keep_hidden(plan, rows=len(rows) * width, width=width, lens=[len(r) for r in rows])
                 per_row = [s for s in seqs for _ in range(width)]
                 steps = [len(s.output_ids) + j for s in seqs for j in range(width)]
@@ -545,7 +548,8 @@ class ModelRunner:
         return tokens[self._tensor(keep, torch.long)]
 
     @torch.inference_mode()
-    def verify(self, seqs: list[Sequence], rows: list[list[int]], width: int | None = None) -> torch.Tensor:
+    def verify(self, seqs: list[Sequence], rows: list[list[int]], width: int | None = None,
+               drafts: StagedDrafts | None = None) -> torch.Tensor:
         """One traversal over each sequence's last token and drafts (rows[i], padded to `width`): float32
         logits of every position [B * width, V], from the verify graph of this batch size when captured
         (MRoPE sequences run eagerly). Recurrent state: see ModelRunner.__init__ and `rollback`.
@@ -556,7 +560,10 @@ class ModelRunner:
         rounding, and with it greedy output, is the same with and without drafts. That costs weight
         traffic where the B-row config streams the weights once per B rows (CUDA-core configs, B <= 2):
         exact_verify=False runs all rows as one product instead (measured: k=3 verify 1.10x a plain step
-        at the 27B shape, C=1), with rounding that may differ from plain decoding in the last bits."""
+        at the 27B shape, C=1), with rounding that may differ from plain decoding in the last bits.
+
+        drafts: drafts still on the device (speculative.stage_drafts), copied into the input ids there;
+        the rows hold placeholders in their place."""
         width = width or max(len(r) for r in rows)
         if width - 1 > self.draft_tokens:
             raise ValueError(f"a verify row of {width} tokens exceeds the {self.draft_tokens} drafts allocated")
@@ -569,6 +576,8 @@ class ModelRunner:
         entry = self.graphs.get((len(seqs), width))
         if entry is not None and not mrope and entry.inputs.fits(seqs):
             entry.inputs.load(h)
+            if drafts is not None:
+                drafts.place(entry.inputs.i64[: len(seqs) * width].view(len(seqs), width), self._tensor)
             entry.graph.replay()
             self.graph_replays += 1
             self.last_hidden, self.last_all_hidden = entry.hidden, entry.all_hidden
@@ -579,6 +588,8 @@ class ModelRunner:
             for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "page_table", "slot_mapping",
                          "state_slots", "logits_indices", "row_seq_lens", "verify_slots"):
                 setattr(batch, name, self._upload(getattr(batch, name)))
+        if drafts is not None:
+            drafts.place(batch.input_ids.view(len(seqs), width), self._tensor)
         with self._verify_shapes(len(seqs)):
             return self._logits(batch)
 
@@ -601,8 +612,14 @@ class ModelRunner:
         return list(range(base, base + width - 1))
 
     def collect(self, plan: StepPlan, launched: list[torch.Tensor]) -> RunnerOutput:
-        """Read the sampled ids back: the one host synchronization of a step."""
+        """Read the sampled ids back, and the drafts the verify took on the device: the one host
+        synchronization of a step."""
+        staged = self._staged
+        if staged is not None:
+            launched = launched + [staged.table.reshape(-1).to(launched[-1].dtype)]
         flat = (torch.cat(launched) if len(launched) > 1 else launched[0]).tolist() if launched else []
+        if staged is not None:
+            flat = staged.fill(flat)
         sampled, at = [], 0
         for work in plan.works:
             n = work.logit_rows

@@ -71,6 +71,60 @@ def upload_batch(batch, runner):
     return batch
 
 
+def stage_drafts(works: list[SeqWork], budgets: list[int], table) -> None:
+    """Give works[i] the first budgets[i] drafts of table[i] (a [rows, k] int64 tensor, on the device)
+    without reading them back: the verify forward copies them into its input ids on the device, and its
+    one read back brings them to the host with the sampled tokens (ModelRunner.collect). So a round
+    synchronizes once, and the host prepares and launches the verify while the drafter still runs."""
+    for i, (work, budget) in enumerate(zip(works, budgets)):
+        work.staged = (table, i)
+        work.draft_ids = [0] * budget  # placeholders: collect() writes the real ids
+        work.tokens = work.tokens[:1] + work.draft_ids
+
+
+class StagedDrafts:
+    """A verify batch's drafts still on the device: table [R, k] (one proposer call's), and for each of its
+    rows the decode work (index in the batch) that carries it."""
+
+    def __init__(self, works: list[SeqWork], table, batch_rows: list[int], table_rows: list[int]):
+        self.works, self.table, self.batch_rows, self.table_rows = works, table, batch_rows, table_rows
+
+    def place(self, ids, upload) -> None:
+        """Copy the drafts into a verify batch's device input ids [B, width] (after its last token; a row
+        with fewer drafts than k gets the rest in its padding, which nothing keeps)."""
+        k = self.table.shape[1]
+        if k > ids.shape[1] - 1:
+            raise ValueError(f"{k} staged drafts do not fit verify rows of {ids.shape[1]} tokens")
+        if self.batch_rows == self.table_rows == list(range(ids.shape[0])):
+            ids[:, 1:1 + k].copy_(self.table)
+        else:
+            import torch
+
+            ids[upload(self.batch_rows, torch.long), 1:1 + k] = self.table[upload(self.table_rows, torch.long)]
+
+    def fill(self, flat: list[int]) -> list[int]:
+        """Given the step's read back with the table's values at its end, write each work's draft ids (and
+        tokens) and return the read back without them."""
+        k = self.table.shape[1]
+        values, flat = flat[len(flat) - self.table.numel():], flat[:len(flat) - self.table.numel()]
+        for work, row in zip(self.works, self.table_rows):
+            work.draft_ids = values[row * k: row * k + len(work.draft_ids)]
+            work.tokens = work.tokens[:1] + work.draft_ids
+            work.staged = None
+        return flat
+
+
+def staged_drafts(works: list[SeqWork]) -> StagedDrafts | None:
+    """The decode works' staged drafts as one StagedDrafts (None when none is staged)."""
+    rows = [(j, w) for j, w in enumerate(works) if w.staged is not None]
+    if not rows:
+        return None
+    table = rows[0][1].staged[0]
+    if any(w.staged[0] is not table for _, w in rows):
+        raise ValueError("a verify batch's staged drafts come from one proposer call")
+    return StagedDrafts([w for _, w in rows], table, [j for j, _ in rows], [w.staged[1] for _, w in rows])
+
+
 def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:
     """How many drafts the target's own tokens confirm: sampled[j] is the target's token after the input
     and drafts[:j], so draft j stands while it equals sampled[j]."""
@@ -101,5 +155,5 @@ class OracleProposer:
             for j in range(len(drafts)):
                 if self._rng.random() < self.corrupt:
                     drafts[j] = (drafts[j] + 1 + self._rng.randrange(self.vocab - 1)) % self.vocab
-            work.draft_ids = drafts
+            work.draft_ids, work.staged = drafts, None  # replaces any drafts staged before (bench wrappers)
             work.tokens = work.tokens[:1] + drafts
