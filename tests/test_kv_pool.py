@@ -67,3 +67,15 @@ def test_slot_pool():
     with pytest.raises(ValueError):
         slots.release(a)
     assert slots.allocate() == a and b != a
+
+
+def test_fresh_sequences_start_at_the_longest_free_run_and_grow_in_place():
+    """What keeps a CPU decode row's context one run of pages (kernels.attention reads it in place)."""
+    pool = PagePool(12, 4)
+    a, b, c = pool.allocate(2), pool.allocate(3), pool.allocate(2)
+    assert (a, b, c) == ([0, 1], [2, 3, 4], [5, 6])
+    pool.release(b)  # free: 2-4 (3 pages) and 7-11 (5 pages)
+    assert pool.allocate(3) == [7, 8, 9]
+    assert pool.allocate(1, after=9) == [10]  # growth takes the next page while it is free
+    pool.release(a)  # free: 0-4 (5 pages), 11
+    assert pool.allocate(2) == [0, 1]

@@ -48,6 +48,7 @@ def serve_config(artifact: Path, port: int) -> dict:
     args = cfg["applications"][0]["args"]
     # no retained prefixes, so a cancelled request must leave the KV pool empty
     args.update(artifact=str(artifact), max_context=4096, no_prefix_reuse=True, vision=True)
+    args.pop("dtype", None)  # the scripted model has no linears for the config's int8 weights
     return cfg
 
 

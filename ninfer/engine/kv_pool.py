@@ -14,9 +14,10 @@ class PoolExhausted(Exception):
 
 
 class PagePool:
-    """Pages are handed out first-freed-first (a deque), except that a growing sequence gets the pages right
-    after its last one while they are free: a sequence's pages then tend to be consecutive, which lets the
-    CPU reference attention read its context as one view instead of gathering it (kernels.attention)."""
+    """Pages are handed out first-freed-first (a deque), except that a fresh sequence starts at the longest run
+    of free pages and a growing sequence gets the pages right after its last one while they are free: a
+    sequence's pages then tend to be consecutive, which lets the CPU reference attention read its context as
+    one view instead of run by run (kernels.attention)."""
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages <= 0 or page_size <= 0:
@@ -44,7 +45,7 @@ class PagePool:
         if count > len(self._free):
             raise PoolExhausted(f"need {count} pages, {len(self._free)} free")
         pages = []
-        nxt = -1 if after is None else after + 1
+        nxt = self._longest_free_run() if after is None and count > 1 else -1 if after is None else after + 1
         while len(pages) < count and nxt in self._free:
             pages.append(nxt)
             self._free.discard(nxt)
@@ -57,6 +58,18 @@ class PagePool:
         for p in pages:
             self._refs[p] = 1
         return pages
+
+    def _longest_free_run(self) -> int:
+        """The first page of the longest run of consecutive free pages (where a fresh sequence starts, so that
+        it and its growth stay one run: the CPU attention then reads its context as one view)."""
+        best, best_len, start, prev = -1, 0, -1, -2
+        for p in sorted(self._free):
+            if p != prev + 1:
+                start = p
+            prev = p
+            if p - start + 1 > best_len:
+                best, best_len = start, p - start + 1
+        return best
 
     def share(self, pages: list[int]) -> None:
         for p in pages:

@@ -14,9 +14,10 @@ from torch import nn
 
 from ninfer.forward import CacheSpec, ForwardBatch, ModelCache
 from ninfer.kernels import fused
-from ninfer.kernels.attention import cpu_decode_batch, paged_attention, paged_attention_ref
+from ninfer.kernels.attention import cpu_decode_batch, paged_attention
 from ninfer.kernels.linear import linear
 from ninfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, fuse_projections_, project
+from ninfer.models.llama_cpu import DecodePlan
 from ninfer.quant.nvfp4 import NVFP4Linear, nvfp4_head_logits
 
 # HF LlamaConfig defaults, for configs that leave a field out.
@@ -92,11 +93,8 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: ModelCache,
     ) -> torch.Tensor:
         t = x.shape[0]
-        k_cache, v_cache, k_scale, v_scale = cache.layer(self.layer_idx)
-        merged = self._merged_qkv()
-        if merged is not None and k_scale is None and cpu_decode_batch(batch, x):
-            return self._decode_cpu(merged(x), cos, sin, batch, cache.page_size, k_cache, v_cache)
         q, k, v = project(self, ("q_proj", "k_proj", "v_proj"), x)
+        k_cache, v_cache, k_scale, v_scale = cache.layer(self.layer_idx)
         # RoPE on q and k, k and v into the cache: one kernel (views of the merged projection)
         q = fused.rope_qk_write_kv(
             q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
@@ -104,29 +102,6 @@ class LlamaAttention(nn.Module):
             k_scale=k_scale, v_scale=v_scale)
         out = paged_attention(q, k_cache, v_cache, batch, cache.page_size, self.scale, k_scale, v_scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
-    def _merged_qkv(self) -> nn.Module | None:
-        """The merged projection whose consecutive column blocks are q, k and v (fuse_projections_), else None."""
-        plan = self.__dict__.get("_proj_plan")
-        if not plan:
-            return None
-        q, k, v = plan.get("q_proj"), plan.get("k_proj"), plan.get("v_proj")
-        if q and k and v and q[0] == k[0] == v[0] and q[1] == 0 and k[1] == q[2] and v[1] == k[1] + k[2]:
-            return getattr(self, q[0])
-        return None
-
-    def _decode_cpu(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                    page_size: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Decode rows on the CPU (issue 23: a step there is mostly small ops): RoPE on q and k in one pass over
-        their adjacent columns of the merged projection, k and v into the cache by slot (a decode batch has
-        no padding), then the reference attention. The same arithmetic as `fused.rope_qk_write_kv_ref` and
-        `paged_attention_ref`, with half of their small ops."""
-        t, hq, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qk = fused.apply_rotary(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
-        k_cache.index_copy_(0, batch.slot_mapping, qk[:, hq:])
-        v_cache.index_copy_(0, batch.slot_mapping, qkv[:, (hq + hkv) * d:].view(t, hkv, d))
-        out = paged_attention_ref(qk[:, :hq], k_cache, v_cache, batch, page_size, self.scale)
-        return self.o_proj(out.view(t, hq * d))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -171,6 +146,7 @@ class LlamaForCausalLM(nn.Module):
         # RoPE frequencies stay fp32 when the model is cast (bf16 would garble long positions):
         # recompute them (tiny) on wherever the buffer went; also right after meta -> to_empty.
         super()._apply(fn, recurse)
+        self.__dict__.pop("_decode_plan", None)  # it holds the old tensors
         device = self.rotary.inv_freq.device
         self.rotary.inv_freq = rope_inv_freq(self.config["head_dim"], self.config["rope_parameters"]).to(device)
         return self
@@ -198,6 +174,10 @@ class LlamaForCausalLM(nn.Module):
             x = self.embed_tokens(batch.input_ids)
         positions = batch.positions if batch.positions.dim() == 1 else batch.positions[0]
         cos, sin = self.rotary.cos_sin(positions, dtype)  # once per step, shared by all layers
+        if cache.k_scale is None and cpu_decode_batch(batch, x):
+            plan = self.decode_plan()
+            if plan is not None:
+                return plan.run(x, cos, sin, batch, cache)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch, cache)
@@ -206,7 +186,17 @@ class LlamaForCausalLM(nn.Module):
     def fuse_projections_(self) -> int:
         """Merge q/k/v and gate/up into one matmul each (call after loading weights; idempotent).
         The state dict keeps the checkpoint's separate names."""
+        self.__dict__.pop("_decode_plan", None)
         return fuse_projections_(self)
+
+    def decode_plan(self) -> DecodePlan | None:
+        """The CPU decode loop over the current modules (ninfer.models.llama_cpu), built on first use; None
+        where it does not apply. Whatever replaces modules or tensors afterwards drops it (`_apply`,
+        `fuse_projections_`, `quant.int8_cpu.quantize_model_int8_`)."""
+        plan = self.__dict__.get("_decode_plan")
+        if plan is None:
+            plan = self.__dict__["_decode_plan"] = DecodePlan.build(self) or False
+        return plan or None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if getattr(self, "int8_logits", None) is not None:  # --dtype int8 on the CPU (quant.int8_cpu)

@@ -64,4 +64,5 @@ def quantize_model_int8_(model: nn.Module) -> int:
         replaced += 1
     else:
         model.int8_logits = head
+    model.__dict__.pop("_decode_plan", None)  # a CPU decode loop built before holds the replaced linears
     return replaced

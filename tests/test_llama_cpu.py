@@ -1,0 +1,187 @@
+"""The flat CPU decode loop of Llama models (ninfer.models.llama_cpu, issue 23) against the module path, and
+the CPU decode attention (kernels.attention: page runs, LSE merge, long-context matmuls) against a
+gathered-context SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ninfer.forward import ForwardBatch, ModelCache
+from ninfer.kernels import attention
+from ninfer.kernels.attention import cpu_decode_rows, paged_attention_ref, sequence_slots
+from ninfer.models.llama import LlamaForCausalLM
+from ninfer.models.llama_cpu import DecodePlan
+from ninfer.quant.int8_cpu import quantize_model_int8_
+
+PAGE = 4
+CONFIG = dict(  # SmolLM2-like (GQA 3:1, tied head), tiny
+    vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
+    num_key_value_heads=2, head_dim=8, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+)
+
+
+def tiny_model(dtype: str) -> LlamaForCausalLM:
+    """Random weights (norms too), projections merged as the loader does; int8: bf16 + int8 weight-only."""
+    model = LlamaForCausalLM(CONFIG).eval()
+    model.init_random_(3)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.mul_(10.0)  # std 0.2: logits far enough apart that greedy picks are stable
+    model.fuse_projections_()
+    if dtype == "int8":
+        model.to(torch.bfloat16)
+        quantize_model_int8_(model)
+    return model
+
+
+def layout(kind: str, pages: int) -> list[int]:
+    """A sequence's pages: one run, a few runs, or more runs than MAX_RUNS (the gathered fallback)."""
+    if kind == "one_run":
+        return list(range(3, 3 + pages))
+    if kind == "few_runs":  # runs of 3 pages with a gap between
+        return [p + p // 3 for p in range(pages)]
+    return list(range(0, 2 * pages, 2))  # every page its own run
+
+
+def greedy(model: LlamaForCausalLM, prompts: list[list[int]], tables: list[list[int]], steps: int,
+           use_plan: bool, dtype: torch.dtype) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Prefill each prompt, then `steps` greedy decode steps of all sequences as one batch; the tokens and
+    each step's final hidden states."""
+    if not use_plan:
+        model.__dict__["_decode_plan"] = False  # what decode_plan() caches for "does not apply"
+    cache = ModelCache(model.cache_spec(), max(max(t) for t in tables) + 1, PAGE, 1, dtype=dtype)
+    lens = [0] * len(prompts)
+    with torch.no_grad():
+        batch = ForwardBatch.build(prompts, lens, tables, PAGE)
+        hidden = model(batch, cache)
+        tokens = [[int(t)] for t in model.compute_logits(hidden[batch.last_token_indices()]).argmax(-1)]
+        lens = [len(p) for p in prompts]
+        states = []
+        for _ in range(steps):
+            batch = ForwardBatch.build([t[-1:] for t in tokens], lens, tables, PAGE)
+            hidden = model(batch, cache)
+            states.append(hidden.float())
+            for seq, t in zip(tokens, model.compute_logits(hidden).argmax(-1)):
+                seq.append(int(t))
+            lens = [n + 1 for n in lens]
+    model.__dict__.pop("_decode_plan", None)
+    return tokens, states
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("kind", ["one_run", "few_runs", "many_runs"])
+def test_decode_plan_equals_module_path(dtype, kind, monkeypatch):
+    model = tiny_model(dtype)
+    assert isinstance(model.decode_plan(), DecodePlan)
+    runs = []
+    real_run = DecodePlan.run
+    monkeypatch.setattr(DecodePlan, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
+    cache_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    steps, prompt = 10, [(7 * i) % 97 for i in range(37)]  # 37 + 10 tokens: 12 pages
+    table = [layout(kind, 12)]
+    want_tokens, want_states = greedy(model, [prompt], table, steps, False, cache_dtype)
+    assert not runs
+    got_tokens, got_states = greedy(model, [prompt], table, steps, True, cache_dtype)
+    assert len(runs) == steps
+    assert got_tokens == want_tokens
+    atol = 1e-5 if dtype == "fp32" else 2e-2
+    for got, want in zip(got_states, want_states):
+        torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_decode_plan_batch_of_several_sequences_equals_module_path(dtype):
+    """B > 1: the plan's loop with paged_attention_ref per row (one run, several runs, gathered)."""
+    model = tiny_model(dtype)
+    cache_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    prompts = [[(5 * i + 1) % 97 for i in range(30)], [(3 * i + 2) % 97 for i in range(9)],
+               [(11 * i) % 97 for i in range(21)]]
+    tables = [list(range(0, 11)), [40, 41, 43, 44], [20 + 2 * i for i in range(8)]]
+    want_tokens, want_states = greedy(model, prompts, tables, 6, False, cache_dtype)
+    got_tokens, got_states = greedy(model, prompts, tables, 6, True, cache_dtype)
+    assert got_tokens == want_tokens
+    atol = 1e-5 if dtype == "fp32" else 2e-2
+    for got, want in zip(got_states, want_states):
+        torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+
+
+def test_decode_plan_is_dropped_when_modules_change():
+    model = tiny_model("fp32")
+    plan = model.decode_plan()
+    assert model.decode_plan() is plan
+    model.to(torch.bfloat16)
+    assert model.decode_plan() is not plan
+    plan = model.decode_plan()
+    quantize_model_int8_(model)
+    assert model.decode_plan() is not plan
+
+
+def test_no_plan_without_merged_projections():
+    model = LlamaForCausalLM(CONFIG)  # fuse_projections_ not called
+    assert model.decode_plan() is None
+
+
+# ---- attention helpers ----------------------------------------------------------------------------------
+
+
+def gathered_attention(q, k_cache, v_cache, batch, page_size, scale):
+    """The oracle: each sequence's context gathered by slot, fp32 SDPA with its KV heads repeated."""
+    out = []
+    for i in range(q.shape[0]):
+        slots = sequence_slots(batch, i, page_size)
+        group = q.shape[1] // k_cache.shape[1]
+        k = k_cache[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+        v = v_cache[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        out.append(F.scaled_dot_product_attention(q[i].float()[:, None], k, v, scale=scale)[:, 0])
+    return torch.stack(out)
+
+
+def decode_problem(context: list[int], tables: list[list[int]], page_size: int, dtype: torch.dtype, seed: int = 0):
+    """Random caches and decode queries (Hq 9, Hkv 3, D 64: SmolLM2's heads) for sequences of `context`
+    tokens (the new one included) on `tables`."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = (max(max(t) for t in tables) + 1) * page_size
+    k_cache = torch.randn(slots, 3, 64, generator=gen).to(dtype)
+    v_cache = torch.randn(slots, 3, 64, generator=gen).to(dtype)
+    q = (2 * torch.randn(len(context), 9, 64, generator=gen)).to(dtype)
+    batch = ForwardBatch.build([[0]] * len(context), [n - 1 for n in context], tables, page_size)
+    return q, k_cache, v_cache, batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context,kind", [
+    (50, "one_run"), (50, "few_runs"), (50, "many_runs"),  # many: past MAX_RUNS, gathered
+    (attention.LONG_CONTEXT + 333, "one_run"), (attention.LONG_CONTEXT + 333, "few_runs"),
+])
+def test_cpu_decode_rows_match_gathered_attention(dtype, context, kind):
+    page_size = 16 if context > 100 else PAGE
+    pages = -(-context // page_size)
+    table = layout(kind, pages) if kind != "few_runs" or context <= 100 else \
+        [p + 2 * (p // (pages // 3)) for p in range(pages)]  # long context: 3-4 runs
+    q, k_cache, v_cache, batch = decode_problem([context], [table], page_size, dtype)
+    runs = attention._context_runs(batch, 0, page_size)
+    assert (runs is None) == (kind == "many_runs") and (kind != "one_run" or len(runs) == 1)
+    want = gathered_attention(q, k_cache, v_cache, batch, page_size, 0.125)
+    got = cpu_decode_rows(q, k_cache, v_cache, batch, page_size, 0.125)
+    assert got.shape == q.shape and got.dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    ref = paged_attention_ref(q, k_cache, v_cache, batch, page_size, 0.125)
+    torch.testing.assert_close(ref.float(), want, atol=tol, rtol=tol)
+
+
+def test_cpu_decode_rows_batch_of_several_sequences():
+    contexts = [9, attention.LONG_CONTEXT + 100, 30]
+    tables = [[0, 1, 2], list(range(10, 10 + (attention.LONG_CONTEXT + 100 + 15) // 16)), [300, 302, 303, 305]]
+    tables[0], tables[2] = [p * 4 for p in tables[0]], [p * 4 for p in tables[2]]  # out of the long one's way
+    q, k_cache, v_cache, batch = decode_problem(contexts, tables, 16, torch.float32)
+    want = gathered_attention(q, k_cache, v_cache, batch, 16, 0.125)
+    got = cpu_decode_rows(q, k_cache, v_cache, batch, 16, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
