@@ -16,21 +16,29 @@ from ninfer.engine.spec_control import DraftController
 from ninfer.engine.speculative import OracleProposer
 
 
+def _measured(c: DraftController, batch: int, width: int, seconds: float) -> None:
+    """A shape's steps as the engine reports them: its first (uncounted), then this one."""
+    c.step_time(batch, width, seconds)
+    c.step_time(batch, width, seconds)
+
+
 def test_plain_steps_until_one_is_measured_then_unmeasured_widths_are_tried():
     c = DraftController(3)
     assert c.drafts(2, ["a", "b"]) == 0 and c.cost(2, 1) is None  # nothing measured: a plain step first
+    c.step_time(2, 1, 0.500)  # the first step of a shape may capture graphs: not counted
+    assert c.drafts(2, ["a", "b"]) == 0 and c.cost(2, 1) is None
     c.step_time(2, 1, 0.010)
     # a fresh sequence's prior acceptance 0.8 and widths estimated at +10 % a token: all three drafts
     assert c.drafts(2, ["a", "b"]) == 3
     assert c.cost(2, 4) == pytest.approx(0.013)
-    c.step_time(5, 1, 0.020)
+    _measured(c, 5, 1, 0.020)
     assert c.cost(3, 1) == 0.010 and c.cost(4, 2) == pytest.approx(0.022)  # the nearest batch size's plain step
 
 
 def test_draft_count_follows_acceptance_and_measured_costs():
     c = DraftController(3)
     for width, ms in ((1, 10.0), (2, 12.0), (3, 14.0), (4, 16.0)):
-        c.step_time(1, width, ms / 1000)
+        _measured(c, 1, width, ms / 1000)
     assert c.drafts(1, ["s"]) == 3  # p = 0.8: 2.95 tokens per 16 ms beats 1 per 10 ms
     for _ in range(12):  # the drafter is always wrong
         c.round("s", 3, 0)
@@ -44,12 +52,30 @@ def test_draft_count_follows_acceptance_and_measured_costs():
     assert c.acceptance("s") == pytest.approx(0.8)
 
 
+def test_a_one_off_slow_step_does_not_price_a_width_out():
+    """Issue 21 on the H200: a width's first verify step captured the drafter's CUDA graph (hundreds of ms) and
+    the adaptive engine then rarely drafted 3 tokens where 3 paid best. A shape's first step is not counted,
+    and a later spike counts as at most OUTLIER times the estimate."""
+    c = DraftController(3)
+    for width, ms in ((1, 10.0), (2, 12.0), (3, 15.0)):
+        _measured(c, 1, width, ms / 1000)
+    c.step_time(1, 4, 0.400)  # graph capture on first use
+    assert c.drafts(1, ["s"]) == 3  # still priced at the unmeasured estimate (13 ms)
+    c.step_time(1, 4, 0.016)
+    assert c.drafts(1, ["s"]) == 3  # 2.95 tokens per 16 ms beat 2.44 per 15 ms
+    c.step_time(1, 4, 0.900)  # a pause: counted as twice the estimate
+    assert c.cost(1, 4) == pytest.approx(0.016 * (1 - spec_control.TIME_EMA + spec_control.OUTLIER * spec_control.TIME_EMA))
+    for _ in range(3):
+        c.step_time(1, 4, 0.016)
+    assert c.drafts(1, ["s"]) == 3
+
+
 def test_rows_without_drafts_count_one_token_each():
     """A batch's non-speculating rows (penalized, forced) commit one token whatever k is; only the drafting
     rows' acceptance weighs the choice."""
     c = DraftController(2)
     for width, ms in ((1, 10.0), (2, 14.0), (3, 18.0)):
-        c.step_time(4, width, ms / 1000)
+        _measured(c, 4, width, ms / 1000)
     for _ in range(10):
         c.round("good", 2, 2)
     # one drafting row of four: 1 + p + p^2 ~ 2.9 tokens more for 80 % more time does not pay

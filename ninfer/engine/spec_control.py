@@ -6,7 +6,8 @@ decoding slower than no speculation. The controller (EngineSettings.adaptive_dra
 on) keeps:
 
 - per batch size B and width w, the engine's wall time of decode-only steps (an exponential moving
-  average, the proposer's own work included); until a plain step (w = 1) is measured the engine
+  average, the proposer's own work included; a shape's first step, which may capture graphs or compile
+  kernels, is not counted, and later samples are capped at OUTLIER times the estimate); until a plain step (w = 1) is measured the engine
   decodes plainly, a batch size without one borrows the nearest measured one's, and widths not
   measured yet are assumed to cost T(B, 1) * (1 + UNMEASURED_COST * (w - 1)), so they get tried;
 - per sequence, the chance p that a draft stands given that the drafts before it stood: accepted drafts
@@ -27,6 +28,7 @@ DECAY = 0.8  # per round, on a sequence's accepted and rejected counts
 PRIOR = (2.0, 0.5)  # a fresh sequence's (accepted, rejected): p = 0.8
 UNMEASURED_COST = 0.1  # per extra token of width, relative to a plain step, until measured
 PROBE_EVERY = 16
+OUTLIER = 2.0  # a step-time sample is capped at this multiple of the shape's expected cost
 
 
 @dataclass
@@ -43,13 +45,23 @@ class DraftController:
     def __init__(self, max_drafts: int):
         self.max_drafts = max_drafts
         self._times: dict[tuple[int, int], float] = {}  # (batch, width) -> seconds per step
+        self._warm: set[tuple[int, int]] = set()  # shapes whose first (uncounted) step has run
         self._seqs: dict[str, _Acceptance] = {}
         self._plain_streak = 0
 
     # ---- what the engine reports -----------------------------------------------------------------
     def step_time(self, batch: int, width: int, seconds: float) -> None:
+        """A decode step's wall time. A shape's first step is not counted (a CUDA graph captured or kernels
+        compiled on first use), and a later sample counts as at most OUTLIER times the shape's estimate (a
+        pause): a width priced out by a one-off would not be chosen, so never measured again."""
         key = (batch, width)
+        if key not in self._warm:
+            self._warm.add(key)
+            return
         old = self._times.get(key)
+        expected = old if old is not None else self.cost(batch, width)
+        if expected is not None:
+            seconds = min(seconds, OUTLIER * expected)
         self._times[key] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
 
     def round(self, request_id: str, drafted: int, accepted: int) -> None:
