@@ -264,8 +264,9 @@ def test_mtp_drafts_equal_a_from_scratch_head_and_output_equals_plain_greedy(tin
 
 
 def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mtp_path, monkeypatch):
-    """The CUDA-graph path of MTP drafting (MTPProposer._replay: the chain over static DecodeInputs whose host
-    lengths are device-only, static hidden and draft rows, one graph per batch size), run on the CPU with a
+    """The CUDA-graph paths of MTP drafting (MTPProposer._replay: the chain over static DecodeInputs whose host
+    lengths are device-only, static hidden and draft rows, one graph per batch size; _observe_replay: the head
+    over a step that committed one token a row), run on the CPU with a
     stand-in for capture that re-runs the captured function at every replay: the static inputs are refilled
     each round and its drafts equal the head run from scratch."""
     from ninfer.engine import mtp_proposer
@@ -302,10 +303,11 @@ def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mt
     oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=5)
     spec, counters, seen = _run_recording_drafts(engine, oracle)
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
-    assert captured and engine.proposer.graph_replays > len(captured)
-    full = [(tokens, drafts) for tokens, drafts, budget in seen if budget == 3]
-    for tokens, drafts in full[:: max(1, len(full) // 8)]:
-        assert drafts == _reference_drafts(engine, tokens, 3)
+    assert captured and engine.proposer.graph_replays > 0
+    # rounds whose drafts were all rejected commit one token a row: the observe graph took those
+    assert engine.proposer.observe_replays > 0
+    for tokens, drafts, budget in seen:  # every round: few follow a step the observe graph took
+        assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
 
 
 def test_proposal_head_shortlists_the_lm_head_and_drafts_within_it(tiny_qwen_mtp_path, tmp_path):

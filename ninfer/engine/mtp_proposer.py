@@ -13,7 +13,8 @@ Per step, two halves (ninfer.models.mtp says what the head computes):
   previous draft in, the previous output as hidden), the drafts left on the device. On CUDA, with
   the runner's graphs on, the k-1 steps replay one CUDA graph per batch size (captured the first time
   that batch size proposes k drafts, over its real inputs: the capture's warm-up writes only the head
-  KV slots the chain itself rewrites), instead of ~k * 40 eager kernel launches. The drafts stay on the
+  KV slots the chain itself rewrites), instead of ~k * 40 eager kernel launches. `observe` over a plain
+  decode step (one row per sequence) replays a graph of its own the same way. The drafts stay on the
   device (speculative.stage_drafts): the verify forward reads them there and brings them back with its
   sampled tokens, so the round's only host sync is the verify's.
 
@@ -60,9 +61,11 @@ class MTPProposer:
         self.draft_head = draft_head
         self.runner = None
         self._frontier: dict[str, _Frontier] = {}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> chain graph
+        # ("chain" | "observe", batch size) -> (graph, its output)
+        self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: tuple[DecodeInputs, torch.Tensor, torch.Tensor] | None = None  # base rows, hidden, draft
         self.graph_replays = 0
+        self.observe_replays = 0
         self._graph_failed = False
 
     def cache_spec(self, trunk_spec: CacheSpec) -> CacheSpec:
@@ -91,11 +94,17 @@ class MTPProposer:
         seqs, starts, lens, hidden = unzip_rows(rows)
         tokens = [s.tokens(p + 1, p + 1 + n) for s, p, n in zip(seqs, starts, lens)]
         positions = [s.positions(p, p + n) for s, p, n in zip(seqs, starts, lens)]
-        batch = upload_batch(ForwardBatch.build(tokens, starts, [s.pages for s in seqs], runner.page_size,
-                                                device="cpu", positions=positions), runner)
-        out = self.head(batch, runner.cache, batch.input_ids, hidden)
-        last = out[batch.last_token_indices()]
-        drafts = self._argmax(last)
+        graphed = None
+        if all(n == 1 for n in lens) and self._graphable(seqs, positions):  # plain decode rows: one each
+            graphed = self._observe_replay(seqs, starts, tokens, hidden)
+        if graphed is not None:
+            last, drafts = graphed
+        else:
+            batch = upload_batch(ForwardBatch.build(tokens, starts, [s.pages for s in seqs], runner.page_size,
+                                                    device="cpu", positions=positions), runner)
+            out = self.head(batch, runner.cache, batch.input_ids, hidden)
+            last = out[batch.last_token_indices()]
+            drafts = self._argmax(last)
         for j, (seq, p, n) in enumerate(zip(seqs, starts, lens)):
             if seq.status is Status.DECODE or seq.total_len == p + n + 1:
                 self._frontier[seq.request_id] = _Frontier(p + n - 1, last[j], drafts[j])
@@ -142,30 +151,64 @@ class MTPProposer:
         return (inputs is not None and not self._graph_failed and all(p is None for p in positions)
                 and all(len(s.pages) <= inputs.width for s in seqs))
 
+    def _statics(self, hidden: torch.Tensor) -> tuple[DecodeInputs, torch.Tensor, torch.Tensor]:
+        """The graphs' static inputs, sized like the runner's decode graphs: rows, hidden rows, token ids."""
+        if self._static is None:
+            like, device = self.runner.decode_graph_inputs, self.runner.device
+            self._static = (DecodeInputs(like.max_batch, like.width, device),
+                            torch.zeros(like.max_batch, hidden.shape[1], dtype=hidden.dtype, device=device),
+                            torch.zeros(like.max_batch, dtype=torch.long, device=device))
+        return self._static
+
+    def _graph(self, key: tuple[str, int], run) -> tuple | None:
+        """The graph captured for `key` (captured now over `run` on first use); None, and eager from now on,
+        when the head cannot be captured."""
+        entry = self._graphs.get(key)
+        if entry is None:
+            try:
+                entry = self._graphs[key] = capture(run, self.runner.device, warmups=1)
+            except Exception as exc:
+                log.warning("MTP head: CUDA graph capture failed (%s: %s); drafting eagerly", type(exc).__name__, exc)
+                self._graph_failed = True
+                return None
+        return entry
+
     def _replay(self, seqs: list[Sequence], starts: list[int], first: torch.Tensor, hidden: torch.Tensor,
                 steps: int) -> torch.Tensor:
         runner, b = self.runner, len(seqs)
-        if self._static is None:
-            like = runner.decode_graph_inputs
-            self._static = (DecodeInputs(like.max_batch, like.width, runner.device),
-                            torch.zeros(like.max_batch, hidden.shape[1], dtype=hidden.dtype, device=runner.device),
-                            torch.zeros(like.max_batch, dtype=torch.long, device=runner.device))
-        inputs, h0, d0 = self._static
+        inputs, h0, d0 = self._statics(hidden)
         inputs.load(host_inputs([[0]] * b, starts, [s.pages for s in seqs], runner.page_size, [0] * b))
         h0[:b].copy_(hidden)
         d0[:b].copy_(first)
-        entry = self._graphs.get(b)
+        entry = self._graph(("chain", b), lambda: self._chain(inputs.batch(b), d0[:b], h0[:b], steps))
         if entry is None:
-            try:
-                entry = self._graphs[b] = capture(lambda: self._chain(inputs.batch(b), d0[:b], h0[:b], steps),
-                                                  runner.device, warmups=1)
-            except Exception as exc:  # a head path that cannot be captured: draft eagerly from now on
-                log.warning("MTP draft chain: CUDA graph capture failed (%s: %s); drafting eagerly",
-                            type(exc).__name__, exc)
-                self._graph_failed = True
-                base = upload_batch(ForwardBatch.build([[0]] * b, starts, [s.pages for s in seqs], runner.page_size,
-                                                       device="cpu"), runner)
-                return torch.cat([first[:, None], self._chain(base, first, hidden, steps)], dim=1)
+            base = upload_batch(ForwardBatch.build([[0]] * b, starts, [s.pages for s in seqs], runner.page_size,
+                                                   device="cpu"), runner)
+            return torch.cat([first[:, None], self._chain(base, first, hidden, steps)], dim=1)
         entry[0].replay()
         self.graph_replays += 1
         return torch.cat([d0[:b, None], entry[1]], dim=1)
+
+    def _observe_replay(self, seqs: list[Sequence], starts: list[int], tokens: list[list[int]],
+                        hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """observe over one row per sequence (a plain decode step's): the head at trunk position starts[i] with
+        the token after it, from one CUDA graph per batch size (~40 eager launches otherwise, paid on every
+        step the adaptive engine decodes plainly). Returns the head's outputs and their drafts (copies: the
+        next replay rewrites the graph's); None when the head cannot be captured."""
+        runner, b = self.runner, len(seqs)
+        inputs, h0, d0 = self._statics(hidden)
+        inputs.load(host_inputs(tokens, starts, [s.pages for s in seqs], runner.page_size, [0] * b))
+        h0[:b].copy_(hidden)
+
+        def run() -> torch.Tensor:
+            batch = inputs.batch(b)
+            out = self.head(batch, runner.cache, batch.input_ids, h0[:b])
+            d0[:b].copy_(self._argmax(out))
+            return out
+
+        entry = self._graph(("observe", b), run)
+        if entry is None:  # observe eagerly (the caller's path)
+            return None
+        entry[0].replay()
+        self.observe_replays += 1
+        return entry[1].clone(), d0[:b].clone()
