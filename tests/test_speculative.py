@@ -265,12 +265,12 @@ def test_mtp_drafts_equal_a_from_scratch_head_and_output_equals_plain_greedy(tin
 
 def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mtp_path, monkeypatch):
     """The CUDA-graph paths of MTP drafting (MTPProposer._replay: the chain over static DecodeInputs whose host
-    lengths are device-only, static hidden and draft rows, one graph per batch size; _observe_replay: the head
-    over a step that committed one token a row), run on the CPU with a
+    lengths are device-only, static hidden and draft rows, one graph per batch size; _observe_replay and
+    _observe_verify_replay: the head over a plain step's or a verify step's committed rows), run on the CPU with a
     stand-in for capture that re-runs the captured function at every replay: the static inputs are refilled
     each round and its drafts equal the head run from scratch."""
     from ninfer.engine import mtp_proposer
-    from ninfer.engine.graphs import DecodeInputs
+    from ninfer.engine.graphs import DecodeInputs, VerifyInputs
     from ninfer.engine.runner import ModelRunner
 
     class Replayed:  # what a CUDA graph does with its static buffers, eagerly
@@ -295,6 +295,14 @@ def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mt
         return batch
 
     monkeypatch.setattr(DecodeInputs, "batch", with_host_lengths)
+    plain_verify_batch = VerifyInputs.batch
+
+    def verify_with_host_lengths(self, b):
+        batch = plain_verify_batch(self, b)
+        batch.seq_lens_cpu, batch.row_seq_lens_cpu = batch.seq_lens.tolist(), batch.row_seq_lens.tolist()
+        return batch
+
+    monkeypatch.setattr(VerifyInputs, "batch", verify_with_host_lengths)
     base = _baseline(tiny_qwen_mtp_path)
     settings = EngineSettings(max_context=256, max_concurrency=3, prefill_chunk=16, draft_tokens=3, spec="mtp")
     engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
@@ -304,8 +312,8 @@ def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mt
     spec, counters, seen = _run_recording_drafts(engine, oracle)
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert captured and engine.proposer.graph_replays > 0
-    # rounds whose drafts were all rejected commit one token a row: the observe graph took those
-    assert engine.proposer.observe_replays > 0
+    # the observe graphs: of plain steps (all drafts rejected: one token a row) and of verify steps
+    assert {k[0] for k in engine.proposer._graphs} == {"chain", "observe", "observe_verify"}
     for tokens, drafts, budget in seen:  # every round: few follow a step the observe graph took
         assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
 

@@ -14,7 +14,8 @@ Per step, two halves (ninfer.models.mtp says what the head computes):
   the runner's graphs on, the k-1 steps replay one CUDA graph per batch size (captured the first time
   that batch size proposes k drafts, over its real inputs: the capture's warm-up writes only the head
   KV slots the chain itself rewrites), instead of ~k * 40 eager kernel launches. `observe` over a plain
-  decode step (one row per sequence) replays a graph of its own the same way. The drafts stay on the
+  decode step (one row per sequence), and over a verify step's committed rows (padded to the verify's
+  width), replays graphs of their own the same way. The drafts stay on the
   device (speculative.stage_drafts): the verify forward reads them there and brings them back with its
   sampled tokens, so the round's only host sync is the verify's.
 
@@ -30,11 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer.engine.graphs import DecodeInputs, capture
+from ninfer.engine.graphs import DecodeInputs, VerifyInputs, capture
 from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
 from ninfer.engine.sequence import Sequence, Status
 from ninfer.engine.speculative import computed_rows, speculates, stage_drafts, unzip_rows, upload_batch
-from ninfer.forward import CacheSpec, ForwardBatch, host_inputs
+from ninfer.forward import CacheSpec, ForwardBatch, host_inputs, verify_inputs
 from ninfer.models.mtp import chain_batch
 
 log = logging.getLogger("ninfer.engine")
@@ -61,9 +62,10 @@ class MTPProposer:
         self.draft_head = draft_head
         self.runner = None
         self._frontier: dict[str, _Frontier] = {}
-        # ("chain" | "observe", batch size) -> (graph, its output)
-        self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # ("chain" | "observe", batch size) or ("observe_verify", batch size, width) -> (graph, its output)
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: tuple[DecodeInputs, torch.Tensor, torch.Tensor] | None = None  # base rows, hidden, draft
+        self._verify_statics: dict[int, tuple[VerifyInputs, torch.Tensor, torch.Tensor]] = {}  # by verify width
         self.graph_replays = 0
         self.observe_replays = 0
         self._graph_failed = False
@@ -95,8 +97,10 @@ class MTPProposer:
         tokens = [s.tokens(p + 1, p + 1 + n) for s, p, n in zip(seqs, starts, lens)]
         positions = [s.positions(p, p + n) for s, p, n in zip(seqs, starts, lens)]
         graphed = None
-        if all(n == 1 for n in lens) and self._graphable(seqs, positions):  # plain decode rows: one each
+        if self._graphable(seqs, positions) and all(n == 1 for n in lens):  # plain decode rows: one each
             graphed = self._observe_replay(seqs, starts, tokens, hidden)
+        elif self._graphable(seqs, positions) and plan.prefill is None:  # the committed rows of a verify step
+            graphed = self._observe_verify_replay(seqs, starts, tokens, [h for _, _, h in rows])
         if graphed is not None:
             last, drafts = graphed
         else:
@@ -108,6 +112,45 @@ class MTPProposer:
         for j, (seq, p, n) in enumerate(zip(seqs, starts, lens)):
             if seq.status is Status.DECODE or seq.total_len == p + n + 1:
                 self._frontier[seq.request_id] = _Frontier(p + n - 1, last[j], drafts[j])
+
+    def _observe_verify_replay(self, seqs: list[Sequence], starts: list[int], tokens: list[list[int]],
+                               hidden: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """observe over a verify step's committed rows (tokens[i]: c_i of them at starts[i]..) from one CUDA
+        graph per (batch size, verify width): the rows padded to the step's width as a verify batch (padding
+        writes no KV), the head over all of them, then each sequence's row c_i - 1 picked. None when the
+        head cannot be captured or the rows do not fit (the caller observes eagerly)."""
+        runner, b = self.runner, len(seqs)
+        width = runner.last_verify_width
+        like = runner.decode_graph_inputs
+        if width < 2 or any(len(t) > width for t in tokens) or b > like.max_batch:
+            return None
+        static = self._verify_statics.get(width)
+        if static is None:
+            rows, dim, device = like.max_batch * width, hidden[0].shape[1], runner.device
+            static = self._verify_statics[width] = (
+                VerifyInputs(like.max_batch, width, like.width, device),
+                torch.zeros(rows, dim, dtype=hidden[0].dtype, device=device),
+                torch.zeros(rows, dtype=torch.long, device=device))
+        inputs, h0, d0 = static
+        inputs.load(verify_inputs(tokens, starts, [s.pages for s in seqs], runner.page_size, [0] * b,
+                                  [[0] * (width - 1)] * b, width))
+        grid = h0[: b * width].view(b, width, -1)
+        for i, h in enumerate(hidden):
+            grid[i, : h.shape[0]].copy_(h)
+
+        def run() -> torch.Tensor:
+            batch = inputs.batch(b)
+            out = self.head(batch, runner.cache, batch.input_ids, h0[: b * width])
+            d0[: b * width].copy_(self._argmax(out))
+            return out
+
+        entry = self._graph(("observe_verify", b, width), run)
+        if entry is None:
+            return None
+        entry[0].replay()
+        self.observe_replays += 1
+        last = runner._tensor([i * width + len(t) - 1 for i, t in enumerate(tokens)], torch.long)
+        return entry[1][last], d0[last]
 
     # ---- before a step: the chain of drafts ---------------------------------------------------------
     @torch.inference_mode()
@@ -160,7 +203,7 @@ class MTPProposer:
                             torch.zeros(like.max_batch, dtype=torch.long, device=device))
         return self._static
 
-    def _graph(self, key: tuple[str, int], run) -> tuple | None:
+    def _graph(self, key: tuple, run) -> tuple | None:
         """The graph captured for `key` (captured now over `run` on first use); None, and eager from now on,
         when the head cannot be captured."""
         entry = self._graphs.get(key)
