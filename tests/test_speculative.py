@@ -50,6 +50,16 @@ def _baseline(path, max_tokens=16, stop=None, device=CPU):
     return _BASELINES[key]
 
 
+def _drafted_run(path, proposer, device=CPU):
+    """_requests() through an engine whose drafts come from `proposer`: (events, counters, the stopped engine)."""
+    settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, draft_tokens=3)
+    engine = load_engine(path, settings, proposer=proposer, device=device)
+    try:
+        return run_all(engine, _requests()), engine.counters, engine
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("fixture, corrupt", [("tiny_qwen_path", 0.0), ("tiny_qwen_path", 0.35), ("tiny_qwen_path", 1.0),
                                               ("tiny_llama_path", 0.35), ("tiny_qwen_moe_path", 0.35)])
 def test_greedy_output_with_drafts_equals_greedy_output_without(fixture, corrupt, request, device=CPU):
@@ -59,13 +69,7 @@ def test_greedy_output_with_drafts_equals_greedy_output_without(fixture, corrupt
     path = request.getfixturevalue(fixture)
     base = _baseline(path, device=device)
     oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=corrupt, vocab=900, seed=3)
-    settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, draft_tokens=3)
-    engine = load_engine(path, settings, proposer=oracle, device=device)
-    try:
-        spec = run_all(engine, _requests())
-        counters = engine.counters
-    finally:
-        engine.shutdown()
+    spec, counters, engine = _drafted_run(path, oracle, device)
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert [e[-1].reason for e in spec] == [e[-1].reason for e in base]
     assert [e[-1].usage.completion_tokens for e in spec] == [e[-1].usage.completion_tokens for e in base]
@@ -98,14 +102,8 @@ def test_drafts_staged_on_the_device_are_verified_and_committed_as_host_drafts(f
     and the oracle's drafts are accepted as often as when they are handed over on the host."""
     path = request.getfixturevalue(fixture)
     base = _baseline(path)
-    settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, draft_tokens=3)
-    engine = load_engine(path, settings, device=CPU, proposer=_StagingOracle(
+    spec, counters, engine = _drafted_run(path, _StagingOracle(
         {f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.2, vocab=900, seed=3))
-    try:
-        spec = run_all(engine, _requests())
-        counters = engine.counters
-    finally:
-        engine.shutdown()
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert counters.spec_rounds > 0 and counters.spec_accepted_tokens > counters.spec_rounds  # long runs accepted
     assert_no_leak(engine)
