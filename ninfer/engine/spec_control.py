@@ -6,17 +6,18 @@ decoding slower than no speculation. The controller (EngineSettings.adaptive_dra
 on) keeps:
 
 - per batch size B and width w, the engine's wall time of decode-only steps (an exponential moving
-  average, the proposer's own work included; a shape's first step, which may capture graphs or compile
-  kernels, is not counted, and later samples are capped at OUTLIER times the estimate); until a plain step (w = 1) is measured the engine
+  average, the proposer's own work included; a shape's first step is not counted when it is far over
+  its estimate (graph capture, first compiles), and later samples are capped at OUTLIER times it); until a plain step (w = 1) is measured the engine
   decodes plainly, a batch size without one borrows the nearest measured one's, and widths not
   measured yet are assumed to cost T(B, 1) * (1 + UNMEASURED_COST * (w - 1)), so they get tried;
 - per sequence, the chance p that a draft stands given that the drafts before it stood: accepted drafts
   over accepted drafts plus rejections, both decayed each round (a fresh sequence starts at PRIOR).
 
 Each step it takes the k in 0..K that maximises the batch's expected committed tokens per second,
-sum_s (1 + p_s + ... + p_s^k) / T(B, k + 1). While k = 0 wins, every PROBE_EVERY-th step still drafts
-one token, so the estimates follow a drafter whose acceptance comes back. Output never depends on
-it: drafts only decide how many tokens a step may commit.
+sum_s (1 + p_s + ... + p_s^k) / T(B, k + 1), where k > 0 must beat k = 0 by MIN_GAIN (step times are
+noisy; a drafter that is seldom right should not win on noise). While k = 0 wins, every
+PROBE_EVERY-th step still drafts one token, so the estimates follow a drafter whose acceptance comes
+back. Output never depends on it: drafts only decide how many tokens a step may commit.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ PRIOR = (2.0, 0.5)  # a fresh sequence's (accepted, rejected): p = 0.8
 UNMEASURED_COST = 0.1  # per extra token of width, relative to a plain step, until measured
 PROBE_EVERY = 16
 OUTLIER = 2.0  # a step-time sample is capped at this multiple of the shape's expected cost
+MIN_GAIN = 1.1  # drafts only where they promise this much more throughput than plain steps
 
 
 @dataclass
@@ -45,23 +47,25 @@ class DraftController:
     def __init__(self, max_drafts: int):
         self.max_drafts = max_drafts
         self._times: dict[tuple[int, int], float] = {}  # (batch, width) -> seconds per step
-        self._warm: set[tuple[int, int]] = set()  # shapes whose first (uncounted) step has run
+        self._warm: set[tuple[int, int]] = set()  # shapes whose first step has run
         self._seqs: dict[str, _Acceptance] = {}
         self._plain_streak = 0
 
     # ---- what the engine reports -----------------------------------------------------------------
     def step_time(self, batch: int, width: int, seconds: float) -> None:
-        """A decode step's wall time. A shape's first step is not counted (a CUDA graph captured or kernels
-        compiled on first use), and a later sample counts as at most OUTLIER times the shape's estimate (a
-        pause): a width priced out by a one-off would not be chosen, so never measured again."""
+        """A decode step's wall time. A shape's first step that takes over OUTLIER times its estimate is not
+        counted (a CUDA graph captured or kernels compiled on first use), and later samples count as at most
+        OUTLIER times the estimate (a pause): a width priced out by a one-off would not be chosen, so never
+        measured again."""
         key = (batch, width)
-        if key not in self._warm:
-            self._warm.add(key)
-            return
         old = self._times.get(key)
         expected = old if old is not None else self.cost(batch, width)
-        if expected is not None:
-            seconds = min(seconds, OUTLIER * expected)
+        if expected is not None and seconds > OUTLIER * expected:
+            if key not in self._warm:
+                self._warm.add(key)
+                return
+            seconds = OUTLIER * expected
+        self._warm.add(key)
         self._times[key] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
 
     def round(self, request_id: str, drafted: int, accepted: int) -> None:
@@ -98,6 +102,8 @@ class DraftController:
                 return 0
             tokens = sum(sum(p ** j for j in range(k + 1)) for p in ps) + (batch - len(ps))
             rate = tokens / cost
+            if k > 0:  # drafting must beat plain decoding by MIN_GAIN: timing noise alone decides below it
+                rate /= MIN_GAIN
             if best_rate is None or rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
