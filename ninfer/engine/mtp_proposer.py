@@ -15,9 +15,9 @@ Per step, two halves (ninfer.models.mtp says what the head computes):
   that batch size proposes k drafts, over its real inputs: the capture's warm-up writes only the head
   KV slots the chain itself rewrites), instead of ~k * 40 eager kernel launches. `observe` over a plain
   decode step (one row per sequence), and over a verify step's committed rows (padded to the verify's
-  width), replays graphs of their own the same way. The drafts stay on the
-  device (speculative.stage_drafts): the verify forward reads them there and brings them back with its
-  sampled tokens, so the round's only host sync is the verify's.
+  width), replays graphs of their own the same way. The drafts stay on the device
+  (speculative.stage_drafts): the verify forward reads them there and brings them back with its sampled
+  tokens, so the round's only host sync is the verify's.
 
 Drafts are greedy (the head's argmax). With the target sampling each verified row as it would
 without drafts and a draft standing only where it equals the target's token, the committed tokens
@@ -97,10 +97,11 @@ class MTPProposer:
         tokens = [s.tokens(p + 1, p + 1 + n) for s, p, n in zip(seqs, starts, lens)]
         positions = [s.positions(p, p + n) for s, p, n in zip(seqs, starts, lens)]
         graphed = None
-        if self._graphable(seqs, positions) and all(n == 1 for n in lens):  # plain decode rows: one each
-            graphed = self._observe_replay(seqs, starts, tokens, hidden)
-        elif self._graphable(seqs, positions) and plan.prefill is None:  # the committed rows of a verify step
-            graphed = self._observe_verify_replay(seqs, starts, tokens, [h for _, _, h in rows])
+        if self._graphable(seqs, positions):
+            if all(n == 1 for n in lens):  # plain decode rows: one each
+                graphed = self._observe_replay(seqs, starts, tokens, hidden)
+            elif plan.prefill is None:  # the committed rows of a verify step
+                graphed = self._observe_verify_replay(seqs, starts, tokens, [h for _, _, h in rows])
         if graphed is not None:
             last, drafts = graphed
         else:
@@ -137,20 +138,29 @@ class MTPProposer:
         grid = h0[: b * width].view(b, width, -1)
         for i, h in enumerate(hidden):
             grid[i, : h.shape[0]].copy_(h)
+        replayed = self._head_replay(("observe_verify", b, width), inputs, b, h0[: b * width], d0[: b * width])
+        if replayed is None:
+            return None
+        last = runner._tensor([i * width + len(t) - 1 for i, t in enumerate(tokens)], torch.long)
+        return replayed[0][last], replayed[1][last]
 
+    def _head_replay(self, key: tuple, inputs, b: int, hidden: torch.Tensor,
+                     drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The head over static `inputs.batch(b)` and static `hidden` rows, its argmax into static `drafts`,
+        as the graph of `key` (captured on first use): the graph's outputs and drafts (rewritten by its
+        next replay), or None when the head cannot be captured."""
         def run() -> torch.Tensor:
             batch = inputs.batch(b)
-            out = self.head(batch, runner.cache, batch.input_ids, h0[: b * width])
-            d0[: b * width].copy_(self._argmax(out))
+            out = self.head(batch, self.runner.cache, batch.input_ids, hidden)
+            drafts.copy_(self._argmax(out))
             return out
 
-        entry = self._graph(("observe_verify", b, width), run)
+        entry = self._graph(key, run)
         if entry is None:
             return None
         entry[0].replay()
         self.observe_replays += 1
-        last = runner._tensor([i * width + len(t) - 1 for i, t in enumerate(tokens)], torch.long)
-        return entry[1][last], d0[last]
+        return entry[1], drafts
 
     # ---- before a step: the chain of drafts ---------------------------------------------------------
     @torch.inference_mode()
@@ -242,16 +252,5 @@ class MTPProposer:
         inputs, h0, d0 = self._statics(hidden)
         inputs.load(host_inputs(tokens, starts, [s.pages for s in seqs], runner.page_size, [0] * b))
         h0[:b].copy_(hidden)
-
-        def run() -> torch.Tensor:
-            batch = inputs.batch(b)
-            out = self.head(batch, runner.cache, batch.input_ids, h0[:b])
-            d0[:b].copy_(self._argmax(out))
-            return out
-
-        entry = self._graph(("observe", b), run)
-        if entry is None:  # observe eagerly (the caller's path)
-            return None
-        entry[0].replay()
-        self.observe_replays += 1
-        return entry[1].clone(), d0[:b].clone()
+        replayed = self._head_replay(("observe", b), inputs, b, h0[:b], d0[:b])
+        return None if replayed is None else (replayed[0].clone(), replayed[1].clone())
