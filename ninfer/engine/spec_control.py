@@ -7,8 +7,8 @@ on) keeps:
 
 - per batch size B and width w, the engine's wall time of decode-only steps (an exponential moving
   average, the proposer's own work included; a shape's first step is not counted when it is far over
-  its estimate (graph capture, first compiles), and later samples are capped at OUTLIER times it); until a plain step (w = 1) is measured the engine
-  decodes plainly, a batch size without one borrows the nearest measured one's, and widths not
+  its estimate (graph capture, first compiles), and later samples are capped at OUTLIER times it);
+  until a plain step (w = 1) is measured the engine decodes plainly, a batch size without one borrows the nearest measured one's, and widths not
   measured yet are assumed to cost T(B, 1) * (1 + UNMEASURED_COST * (w - 1)), so they get tried;
 - per sequence, the chance p that a draft stands given that the drafts before it stood: accepted drafts
   over accepted drafts plus rejections, both decayed each round (a fresh sequence starts at PRIOR).
