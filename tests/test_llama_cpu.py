@@ -1,6 +1,6 @@
-"""The flat CPU decode loop of Llama models (ninfer.models.llama_cpu, issue 23) against the module path, and
-the CPU decode attention (kernels.attention: page runs, LSE merge, long-context matmuls) against a
-gathered-context SDPA."""
+"""The flat CPU decode loop of Llama models (ninfer.models.llama_cpu, issue 23) against the module path, the
+native C decode step (ninfer.kernels.cpu_native) against an fp32 oracle, and the CPU decode attention
+(kernels.attention: page runs, LSE merge, long-context matmuls; the C kernel) against a gathered-context SDPA."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 from ninfer.forward import ForwardBatch, ModelCache
 from ninfer.kernels import attention
+from ninfer.kernels import cpu_native
 from ninfer.kernels.attention import cpu_decode_rows, paged_attention_ref, sequence_slots
+from ninfer.kernels.cpu_native import NativeLlamaDecode
 from ninfer.models.llama import LlamaForCausalLM
 from ninfer.models.llama_cpu import DecodePlan
 from ninfer.quant.int8_cpu import quantize_model_int8_
@@ -75,9 +77,15 @@ def greedy(model: LlamaForCausalLM, prompts: list[list[int]], tables: list[list[
     return tokens, states
 
 
+@pytest.fixture
+def torch_loop(monkeypatch):
+    """The plan's torch loop, not the native step (which int8 models take where a compiler is present)."""
+    monkeypatch.setattr(NativeLlamaDecode, "build", classmethod(lambda cls, plan: None))
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])
 @pytest.mark.parametrize("kind", ["one_run", "few_runs", "many_runs"])
-def test_decode_plan_equals_module_path(dtype, kind, monkeypatch):
+def test_decode_plan_equals_module_path(dtype, kind, monkeypatch, torch_loop):
     model = tiny_model(dtype)
     assert isinstance(model.decode_plan(), DecodePlan)
     runs = []
@@ -97,7 +105,7 @@ def test_decode_plan_equals_module_path(dtype, kind, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])
-def test_decode_plan_batch_of_several_sequences_equals_module_path(dtype):
+def test_decode_plan_batch_of_several_sequences_equals_module_path(dtype, torch_loop):
     """B > 1: the plan's loop with paged_attention_ref per row (one run, several runs, gathered)."""
     model = tiny_model(dtype)
     cache_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
@@ -185,3 +193,153 @@ def test_cpu_decode_rows_batch_of_several_sequences():
     want = gathered_attention(q, k_cache, v_cache, batch, 16, 0.125)
     got = cpu_decode_rows(q, k_cache, v_cache, batch, 16, 0.125)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+# ---- the native C decode step (ninfer/kernels/cpu_decode.c) --------------------------------------------------
+
+needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler: the torch loop runs instead")
+
+
+def oracle_of(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The int8 model's weights (dequantized), norms and embedding in an fp32 model: what both int8 decode paths
+    approximate, one with bf16 rounding after every op, the other with fp32 arithmetic."""
+    from ninfer.quant.int8_cpu import Int8Linear
+
+    oracle = tiny_model("fp32")
+    dequantized = {name: m.weight_int8.float() * m.scale.float()[:, None]
+                   for name, m in model.named_modules() if isinstance(m, Int8Linear)}
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, m in oracle.named_modules():
+            if name in dequantized:
+                m.weight.copy_(dequantized[name])
+        for name, p in oracle.named_parameters():
+            if "norm" in name or name == "embed_tokens.weight":
+                p.copy_(params[name].float())
+    return oracle
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["one_run", "few_runs", "many_runs"])
+def test_native_decode_step_tracks_the_fp32_oracle(kind, monkeypatch):
+    """Greedy tokens equal the oracle's, and the hidden states stay as close to it as the torch int8 path's."""
+    model = tiny_model("int8")
+    plan = model.decode_plan()
+    assert plan.native is not None
+    calls = []
+    real_run = NativeLlamaDecode.run
+    monkeypatch.setattr(NativeLlamaDecode, "run", lambda self, *a: calls.append(1) or real_run(self, *a))
+    steps, prompt, table = 10, [(7 * i) % 97 for i in range(37)], [layout(kind, 12)]
+    want_tokens, want = greedy(oracle_of(model), [prompt], table, steps, True, torch.float32)
+    got_tokens, got = greedy(model, [prompt], table, steps, True, torch.bfloat16)
+    assert len(calls) == steps
+    monkeypatch.setattr(NativeLlamaDecode, "build", classmethod(lambda cls, plan: None))
+    _, torch_states = greedy(model, [prompt], table, steps, True, torch.bfloat16)
+    assert got_tokens == want_tokens
+    native_err = torch.stack([(g - w).abs().mean() for g, w in zip(got, want)]).mean()
+    torch_err = torch.stack([(t - w).abs().mean() for t, w in zip(torch_states, want)]).mean()
+    assert native_err < 1.25 * torch_err + 1e-3, (native_err, torch_err)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=0.15, rtol=0.05)
+
+
+@needs_native
+def test_native_decode_step_batch_of_several_sequences():
+    model = tiny_model("int8")
+    prompts = [[(5 * i + 1) % 97 for i in range(30)], [(3 * i + 2) % 97 for i in range(9)],
+               [(11 * i) % 97 for i in range(21)]]
+    tables = [list(range(0, 11)), [40, 41, 43, 44], [20 + 2 * i for i in range(8)]]
+    want_tokens, want = greedy(oracle_of(model), prompts, tables, 6, True, torch.float32)
+    got_tokens, got = greedy(model, prompts, tables, 6, True, torch.bfloat16)
+    assert got_tokens == want_tokens
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=0.15, rtol=0.05)
+
+
+def bf16_problem(context: list[int], tables: list[list[int]], page_size: int, hq: int, hkv: int, d: int):
+    gen = torch.Generator().manual_seed(sum(context) + hq + d)
+    slots = (max(max(t) for t in tables) + 1) * page_size
+    k_cache = torch.randn(slots, hkv, d, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(slots, hkv, d, generator=gen).to(torch.bfloat16)
+    q = (2 * torch.randn(len(context), hq, d, generator=gen)).to(torch.bfloat16)
+    batch = ForwardBatch.build([[0]] * len(context), [n - 1 for n in context], tables, page_size)
+    return q, k_cache, v_cache, batch
+
+
+@needs_native
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 64), (14, 2, 64), (8, 2, 128), (6, 2, 40)])
+@pytest.mark.parametrize("context", [1, 15, 16, 17, 129, 300, 1000])
+def test_native_attention_matches_gathered_attention(hq, hkv, d, context):
+    """Vector path (head_dim a multiple of 16, few heads a group), its general form (14:2 heads) and the plain C
+    path (head_dim 40); contexts across the chunk (128) and 16-token block edges, pages in several runs."""
+    page_size = 16
+    pages = -(-context // page_size)
+    table = [p + p // 3 for p in range(pages)]
+    q, k_cache, v_cache, batch = bf16_problem([context], [table], page_size, hq, hkv, d)
+    scale = d ** -0.5
+    want = gathered_attention(q, k_cache, v_cache, batch, page_size, scale)
+    got = cpu_native.decode_attention(q.float() * scale, k_cache, v_cache, batch.page_table, batch.seq_lens,
+                                      page_size)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@needs_native
+def test_native_attention_batch_of_several_sequences():
+    contexts = [9, 700, 130]
+    tables = [[0], list(range(10, 10 + 44)), [300, 302, 303, 305, 307, 309, 311, 313, 315]]
+    q, k_cache, v_cache, batch = bf16_problem(contexts, tables, 16, 9, 3, 64)
+    want = gathered_attention(q, k_cache, v_cache, batch, 16, 0.125)
+    got = cpu_native.decode_attention(q.float() * 0.125, k_cache, v_cache, batch.page_table, batch.seq_lens, 16)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3])
+def test_native_int8_logits_match_the_dequantized_matmul(rows):
+    from ninfer.quant.int8_cpu import Int8Linear
+
+    gen = torch.Generator().manual_seed(rows)
+    head = Int8Linear(torch.randn(1000, 576, generator=gen) * 0.05)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    got = head.logits(x)
+    want = x.float() @ (head.weight_int8.float() * head.scale.float()[:, None]).T
+    # activations go through int16 (16383 levels of the row's maximum): far inside bf16's rounding
+    torch.testing.assert_close(got, want, atol=2e-3 * want.abs().max().item(), rtol=0)
+    torch.testing.assert_close(head.logits(x[:, None, :].expand(rows, 2, 576).reshape(2 * rows, 576))[::2], got)
+
+
+@needs_native
+def test_plain_c_build_computes_what_the_vector_build_computes():
+    """A machine without AVX-512 VNNI compiles the plain C loops: its matmul sums are the same integers in the
+    same order (bitwise the same logits), its attention the same to rounding."""
+    import ctypes
+
+    plain = cpu_native.load(cpu_native.build(("-mno-avx512f",)))
+    from ninfer.quant.int8_cpu import Int8Linear
+
+    gen = torch.Generator().manual_seed(5)
+    head = Int8Linear(torch.randn(300, 1000, generator=gen) * 0.05)  # K not a multiple of 32 or 256
+    x = torch.randn(2, 1000, generator=gen).to(torch.bfloat16)
+    y = torch.empty(2, 300)
+    q = cpu_native._qlinear(head)
+    assert plain.ninfer_qlinear_bf16(ctypes.byref(q), 2, x.data_ptr(), y.data_ptr(), 2) == 0
+    assert torch.equal(y, head.logits(x))
+
+    q, k_cache, v_cache, batch = bf16_problem([300], [list(range(19))], 16, 9, 3, 64)
+    want = cpu_native.decode_attention(q.float() / 8, k_cache, v_cache, batch.page_table, batch.seq_lens, 16)
+    out = torch.empty(1, 9, 64)
+    table, lens, qf = batch.page_table.contiguous(), batch.seq_lens.to(torch.int32), (q.float() / 8).contiguous()
+    assert plain.ninfer_decode_attention(1, 9, 3, 64, qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                         table.data_ptr(), table.stride(0), lens.data_ptr(), 16, out.data_ptr(), 2) == 0
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_native_step_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("NINFER_CPU_NATIVE", "0")
+    cpu_native.library.cache_clear()
+    try:
+        assert cpu_native.library() is None
+        assert tiny_model("int8").decode_plan().native is None
+    finally:
+        monkeypatch.delenv("NINFER_CPU_NATIVE")
+        cpu_native.library.cache_clear()

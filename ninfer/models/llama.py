@@ -173,11 +173,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             x = self.embed_tokens(batch.input_ids)
         positions = batch.positions if batch.positions.dim() == 1 else batch.positions[0]
-        cos, sin = self.rotary.cos_sin(positions, dtype)  # once per step, shared by all layers
         if cache.k_scale is None and cpu_decode_batch(batch, x):
             plan = self.decode_plan()
             if plan is not None:
-                return plan.run(x, cos, sin, batch, cache)
+                return plan.run(x, positions, self.rotary, batch, cache)
+        cos, sin = self.rotary.cos_sin(positions, dtype)  # once per step, shared by all layers
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch, cache)
@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if getattr(self, "int8_logits", None) is not None:  # --dtype int8 on the CPU (quant.int8_cpu)
-            return self.int8_logits(hidden).float()
+            return self.int8_logits.logits(hidden)
         if isinstance(getattr(self, "lm_head", None), NVFP4Linear):  # opt-in quantized head: its own GEMV
             return nvfp4_head_logits(self.lm_head, hidden)
         return linear(hidden, self.output_weight).float()  # the decode GEMV kernel on CUDA for small batches

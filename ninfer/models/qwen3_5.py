@@ -318,7 +318,7 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if getattr(self, "int8_logits", None) is not None:  # --dtype int8 on the CPU (quant.int8_cpu)
-            return self.int8_logits(hidden).float()
+            return self.int8_logits.logits(hidden)
         if isinstance(self.lm_head, NVFP4Linear):  # opt-in quantized head: no bf16 weight, its own GEMV
             return nvfp4_head_logits(self.lm_head, hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -43,6 +43,14 @@ class Int8Linear(nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 x @ W^T for the output head: a decode batch through the native CPU kernel (no bf16 rounding of
+        the logits), else torch's."""
+        from ninfer.kernels.cpu_native import qlinear_logits
+
+        y = qlinear_logits(self, x)
+        return y if y is not None else self(x).float()
+
 
 def quantize_model_int8_(model: nn.Module) -> int:
     """Every plain linear (nn.Linear and its decode subclass, not quantized ones) of a CPU model becomes an

@@ -1,0 +1,520 @@
+/* One CPU decode step of a Llama-family model with int8 weight-only matmuls (issue 23).
+
+A decode step on the CPU streams the weights through memory once; torch's int8 weight-only kernel does
+that at ~5 GB/s a core and every small torch op costs microseconds, so the whole step runs here, one call
+from Python: per layer RMSNorm, the merged q/k/v matmul, RoPE, the KV write, attention over the paged
+context in place, o, RMSNorm, gate/up, SiLU-and-mul, down, with the residual stream in fp32.
+
+Matmuls (`qgemv`): each activation row is quantized to int16 against its absolute maximum (16383 levels,
+an error ~1e-5 of the maximum, far below the bf16 rounding the torch path takes) so that AVX-512 VNNI's
+int16 dot (vpdpwssd) takes 32 weights an instruction. Sums are exact int32 per 256-element chunk, added in
+fp32 in chunk order: the vector and the plain C paths give the same bits. Each weight row is read once,
+sequentially, for all rows of x (a decode batch), so the hardware prefetcher streams it.
+
+Attention: a job is (sequence, KV head, chunk of CHUNK context tokens); it scores the chunk for the KV
+head's query heads, takes its softmax partials (max, sum, weighted V) and the partials merge by
+log-sum-exp. The context is read through the page table, in place.
+
+Built and loaded by ninfer/kernels/cpu_native.py (gcc -O3 -march=native -fopenmp). All pointers are to
+contiguous tensors owned by Python; bf16 values are uint16 bit patterns. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define NINFER_AVX512 1
+#endif
+
+#define QMAX 16383.0f /* int16 activations: 2^14 - 1 keeps 256 products of |w| <= 127 inside int32 */
+#define KCHUNK 256
+#define CHUNK 128     /* context tokens per attention job */
+#define MAX_HEADS 64  /* query heads */
+#define MAX_GROUP_REGS 24 /* query heads per KV head times head_dim / 16, for the vector path */
+#define MAX_DIM 256   /* head_dim */
+
+typedef struct {
+    const int8_t *w;         /* [n, k] */
+    const uint16_t *scale;   /* [n] bf16: row scales */
+    int64_t n, k;
+} qlinear;
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm; /* [hidden] bf16 */
+    qlinear qkv, o, gate_up, down;
+} layer_t;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, threads;
+    float eps, attn_scale;
+    const layer_t *layer;
+    const uint16_t *final_norm;
+    uint16_t *k_cache, *v_cache; /* [layers, slots, kv_heads, head_dim] bf16 */
+    int64_t layer_stride;        /* elements between two layers of a cache */
+} model_t;
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* ---- int8 weight x int16 activation matmul ---------------------------------------------------------- */
+
+/* x [m, k] fp32 -> xq [m, kpad] int16 (zero padded to a multiple of 32) and per-row dequant scales */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t kpad, int16_t *xq, float *xs) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *row = x + r * k;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < k; i++) amax = fmaxf(amax, fabsf(row[i]));
+        float q = amax > 0.0f ? QMAX / amax : 0.0f;
+        xs[r] = amax / QMAX;
+        int16_t *out = xq + r * kpad;
+        for (int64_t i = 0; i < k; i++) out[i] = (int16_t)lrintf(row[i] * q);
+        for (int64_t i = k; i < kpad; i++) out[i] = 0;
+    }
+}
+
+static inline int64_t pad32(int64_t k) { return (k + 31) & ~(int64_t)31; }
+
+/* sum_i w[i] * xq[i] over k (xq zero padded to a multiple of 32): int32 per KCHUNK, fp32 across them */
+static inline float dot_q(const int8_t *w, const int16_t *xq, int64_t k) {
+    float total = 0.0f;
+    for (int64_t c = 0; c < k; c += KCHUNK) {
+        int64_t end = c + KCHUNK < k ? c + KCHUNK : k;
+        int64_t i = c;
+        int32_t part = 0;
+#ifdef NINFER_AVX512
+        __m512i acc = _mm512_setzero_si512();
+        for (; i + 32 <= end; i += 32) {
+            __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + i)));
+            acc = _mm512_dpwssd_epi32(acc, wv, _mm512_loadu_si512((const void *)(xq + i)));
+        }
+        part = _mm512_reduce_add_epi32(acc);
+#endif
+        for (; i < end; i++) part += (int32_t)w[i] * (int32_t)xq[i];
+        total += (float)part;
+    }
+    return total;
+}
+
+/* y[r, n] = scale[n] * xs[r] * sum_i w[n, i] * xq[r, i] for the m rows of x; shares the rows of W among
+   the threads of the enclosing parallel region (an orphaned `omp for`, barrier at its end). */
+static void qgemv(const qlinear *L, const int16_t *xq, const float *xs, int64_t m, float *y) {
+    int64_t n = L->n, k = L->k, kp = pad32(k);
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const int8_t *wr = L->w + j * k;
+        float s = bf16_to_f32(L->scale[j]);
+        for (int64_t r = 0; r < m; r++) y[r * n + j] = dot_q(wr, xq + r * kp, k) * s * xs[r];
+    }
+}
+
+/* ---- small per-row ops -------------------------------------------------------------------------------- */
+
+static void rms_norm(const float *x, const uint16_t *w, int64_t h, float eps, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) out[i] = x[i] * inv * bf16_to_f32(w[i]);
+}
+
+/* RoPE in the rotate-half form: out = x * cos + rotate_half(x) * sin, cos/sin [d] (halves repeated) */
+static void rope(float *x, const float *cos, const float *sin, int64_t d) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* exp for x <= 0 (scores minus their maximum): 2^n * 2^f with f in [-0.5, 0.5], a degree-7 series
+   (relative error ~1e-7); plain arithmetic so the compiler vectorizes a loop of it */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float t = x * 1.4426950408889634f;
+    float n = rintf(t);
+    float f = (t - n) * 0.6931471805599453f;
+    float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720 + f * (1.0f / 5040)))))));
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* ---- attention ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    int64_t seq, start, end;
+} attn_job;
+
+#ifdef NINFER_AVX512
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* exp_nonpos on 16 lanes: scalef(p(f), n) = p(f) * 2^n */
+static inline __m512 exp_nonpos16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#ifdef NINFER_AVX512
+/* Scores of g query heads against one KV head's rows (kr + rows[t]) of a chunk: 16 tokens' partial vectors
+   are summed across lanes together (a transposing reduction, ~2 operations a token instead of ~8). */
+static inline __attribute__((always_inline)) void scores_pass(const int64_t g, const int64_t nb, const float *q,
+                                                             const uint16_t *kr, const int64_t *rows, int64_t len,
+                                                             float *scores) {
+    static const int token_lane[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+    const __m512i order = _mm512_loadu_si512((const void *)token_lane);
+    __m512 qv[MAX_HEADS > 24 ? 24 : MAX_HEADS];
+    for (int64_t h = 0; h < g; h++)
+        for (int64_t i = 0; i < nb; i++) qv[h * nb + i] = _mm512_loadu_ps(q + h * 16 * nb + 16 * i);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        int64_t tn = len - t0 < 16 ? len - t0 : 16;
+        __m512 r[MAX_GROUP_REGS][16];
+        for (int64_t tt = 0; tt < 16; tt++) {
+            __m512 kv[MAX_DIM / 16];
+            if (tt < tn)
+                for (int64_t i = 0; i < nb; i++) kv[i] = load_bf16x16(kr + rows[t0 + tt] + 16 * i);
+            else
+                for (int64_t i = 0; i < nb; i++) kv[i] = _mm512_setzero_ps();
+            for (int64_t h = 0; h < g; h++) {
+                __m512 acc = _mm512_mul_ps(qv[h * nb], kv[0]);
+                for (int64_t i = 1; i < nb; i++) acc = _mm512_fmadd_ps(qv[h * nb + i], kv[i], acc);
+                r[h][tt] = acc;
+            }
+        }
+        for (int64_t h = 0; h < g; h++) {
+            __m512 *v = r[h];
+            for (int i = 0; i < 8; i++) /* lanes 0-7: token i, 8-15: token i + 8 */
+                v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+            for (int i = 0; i < 4; i++) /* 4-lane blocks: tokens i, i + 8, i + 4, i + 12 */
+                v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 4], 0x88), _mm512_shuffle_f32x4(v[i], v[i + 4], 0xDD));
+            for (int i = 0; i < 2; i++)
+                v[i] = _mm512_add_ps(_mm512_shuffle_ps(v[i], v[i + 2], 0x44), _mm512_shuffle_ps(v[i], v[i + 2], 0xEE));
+            __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+            /* lane l now holds token token_lane[l] (an involution): put them in token order */
+            _mm512_mask_storeu_ps(scores + h * CHUNK + t0, (__mmask16)((1u << tn) - 1),
+                                  _mm512_permutexvar_ps(order, sums));
+        }
+    }
+}
+
+/* scores -> exp(score - max) in place; the partials' m and l */
+static inline __attribute__((always_inline)) void softmax_pass(const int64_t g, float *scores, int64_t len,
+                                                              float *part, int64_t d) {
+    for (int64_t h = 0; h < g; h++) {
+        float *sh = scores + h * CHUNK, *ph = part + h * (d + 2);
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        int64_t t = 0;
+        for (; t + 16 <= len; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sh + t));
+        float m = _mm512_reduce_max_ps(mv);
+        for (; t < len; t++) m = fmaxf(m, sh[t]);
+        __m512 lv = _mm512_setzero_ps(), mb = _mm512_set1_ps(m);
+        float l = 0.0f;
+        for (t = 0; t + 16 <= len; t += 16) {
+            __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sh + t), mb));
+            _mm512_storeu_ps(sh + t, e);
+            lv = _mm512_add_ps(lv, e);
+        }
+        for (; t < len; t++) l += (sh[t] = exp_nonpos(sh[t] - m));
+        ph[0] = m;
+        ph[1] = l + _mm512_reduce_add_ps(lv);
+    }
+}
+
+/* part's acc of each of g heads = sum_t p[h][t] * V row t (vr + rows[t]) */
+static inline __attribute__((always_inline)) void values_pass(const int64_t g, const int64_t nb, const uint16_t *vr,
+                                                             const int64_t *rows, int64_t len, const float *p,
+                                                             float *part) {
+    __m512 acc[24];
+    for (int64_t i = 0; i < g * nb; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        __m512 vv[MAX_DIM / 16];
+        for (int64_t i = 0; i < nb; i++) vv[i] = load_bf16x16(vr + rows[t] + 16 * i);
+        for (int64_t h = 0; h < g; h++) {
+            __m512 w = _mm512_set1_ps(p[h * CHUNK + t]);
+            for (int64_t i = 0; i < nb; i++) acc[h * nb + i] = _mm512_fmadd_ps(w, vv[i], acc[h * nb + i]);
+        }
+    }
+    for (int64_t h = 0; h < g; h++)
+        for (int64_t i = 0; i < nb; i++) _mm512_storeu_ps(part + h * (16 * nb + 2) + 2 + 16 * i, acc[h * nb + i]);
+}
+#endif
+
+/* Softmax partials of one job (a chunk of one sequence's context, all heads: a token's K and V rows of every
+   KV head lie together, so the chunk is read as one sequential stream): for each query head m (max
+   score), l (sum of exp), acc (sum of exp * v, d values) at part + head * (d + 2). q: [hq, d] fp32,
+   pre-scaled; query head h reads KV head h / (hq / hkv). */
+static void attend_chunk(const float *q, int64_t hq, int64_t hkv, int64_t d, const uint16_t *kc, const uint16_t *vc,
+                         const int32_t *pages, int64_t page_size, int64_t start, int64_t end, float *part) {
+    float scores[MAX_HEADS * CHUNK] __attribute__((aligned(64)));
+    int64_t rows[CHUNK]; /* element offset of each token's slot in the caches */
+    int64_t len = end - start, g = hq / hkv;
+    for (int64_t t = 0; t < len; t++) {
+        int64_t pos = start + t;
+        rows[t] = ((int64_t)pages[pos / page_size] * page_size + pos % page_size) * hkv * d;
+    }
+    for (int64_t h = 0; h < hq; h++) memset(part + h * (d + 2) + 2, 0, (size_t)d * sizeof(float));
+#ifdef NINFER_AVX512
+    if (d % 16 == 0 && g * (d / 16) <= 24) {
+        for (int64_t kvh = 0; kvh < hkv; kvh++) { /* the sizes as constants: accumulators stay in registers */
+            const float *qg = q + kvh * g * d;
+            float *sg = scores + kvh * g * CHUNK, *pg = part + kvh * g * (d + 2);
+#define GROUP_CASE(G, NB) \
+    case G * 100 + NB: \
+        scores_pass(G, NB, qg, kc + kvh * d, rows, len, sg); \
+        softmax_pass(G, sg, len, pg, d); \
+        values_pass(G, NB, vc + kvh * d, rows, len, sg, pg); \
+        break;
+            switch (g * 100 + d / 16) {
+                GROUP_CASE(1, 4) GROUP_CASE(2, 4) GROUP_CASE(3, 4) GROUP_CASE(4, 4) GROUP_CASE(5, 4) GROUP_CASE(6, 4)
+                GROUP_CASE(1, 8) GROUP_CASE(2, 8) GROUP_CASE(3, 8)
+            default:
+                scores_pass(g, d / 16, qg, kc + kvh * d, rows, len, sg);
+                softmax_pass(g, sg, len, pg, d);
+                values_pass(g, d / 16, vc + kvh * d, rows, len, sg, pg);
+            }
+#undef GROUP_CASE
+        }
+        return;
+    }
+#endif
+    float kf[MAX_DIM];
+    for (int64_t t = 0; t < len; t++) {
+        for (int64_t kvh = 0; kvh < hkv; kvh++) {
+            for (int64_t i = 0; i < d; i++) kf[i] = bf16_to_f32(kc[rows[t] + kvh * d + i]);
+            for (int64_t h = kvh * g; h < (kvh + 1) * g; h++) {
+                const float *qh = q + h * d;
+                float s = 0.0f;
+                for (int64_t i = 0; i < d; i++) s += qh[i] * kf[i];
+                scores[h * CHUNK + t] = s;
+            }
+        }
+    }
+    for (int64_t h = 0; h < hq; h++) {
+        float *sh = scores + h * CHUNK, *ph = part + h * (d + 2);
+        float m = -INFINITY, l = 0.0f;
+        for (int64_t t = 0; t < len; t++) m = fmaxf(m, sh[t]);
+        for (int64_t t = 0; t < len; t++) l += (sh[t] = exp_nonpos(sh[t] - m));
+        ph[0] = m;
+        ph[1] = l;
+    }
+    for (int64_t t = 0; t < len; t++) {
+        for (int64_t kvh = 0; kvh < hkv; kvh++) {
+            for (int64_t i = 0; i < d; i++) kf[i] = bf16_to_f32(vc[rows[t] + kvh * d + i]);
+            for (int64_t h = kvh * g; h < (kvh + 1) * g; h++) {
+                float p = scores[h * CHUNK + t], *acc = part + h * (d + 2) + 2;
+                for (int64_t i = 0; i < d; i++) acc[i] += p * kf[i];
+            }
+        }
+    }
+}
+
+/* out = the chunks' partials merged (chunk c's at part + c * stride) */
+static void merge_partials(const float *part, int64_t chunks, int64_t stride, int64_t d, float *out) {
+    float m = -INFINITY;
+    for (int64_t c = 0; c < chunks; c++) m = fmaxf(m, part[c * stride]);
+    float l = 0.0f;
+    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) {
+        const float *p = part + c * stride;
+        float w = exp_nonpos(p[0] - m);
+        l += w * p[1];
+        for (int64_t i = 0; i < d; i++) out[i] += w * p[2 + i];
+    }
+    float inv = 1.0f / l;
+    for (int64_t i = 0; i < d; i++) out[i] *= inv;
+}
+
+/* Sequences' contexts cut into chunks: job list, first[r] = sequence r's first job (first[b] = the count) */
+static int64_t count_jobs(int64_t b, const int32_t *seq_lens) {
+    int64_t n = 0;
+    for (int64_t r = 0; r < b; r++) n += (seq_lens[r] + CHUNK - 1) / CHUNK;
+    return n;
+}
+
+static void plan_jobs(int64_t b, const int32_t *seq_lens, attn_job *jobs, int64_t *first) {
+    int64_t j = 0;
+    for (int64_t r = 0; r < b; r++) {
+        first[r] = j;
+        for (int64_t s = 0; s < seq_lens[r]; s += CHUNK)
+            jobs[j++] = (attn_job){r, s, s + CHUNK < seq_lens[r] ? s + CHUNK : seq_lens[r]};
+    }
+    first[b] = j;
+}
+
+typedef struct {
+    int64_t b, hq, hkv, d, page_size, pt_stride, q_stride;
+    const uint16_t *kc, *vc;
+    const int32_t *page_table;
+    const attn_job *jobs;
+    const int64_t *first;
+    float *part; /* [jobs, hq, d + 2] */
+} attn_t;
+
+/* out [b, hq, d] = decode attention of q ([b] rows q_stride apart, [hq, d] each, pre-scaled); called by
+   every thread of a parallel region (two orphaned `omp for`: chunks, then merges) */
+static void attention(const attn_t *a, const float *q, float *out) {
+    int64_t per_job = a->hq * (a->d + 2);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t j = 0; j < a->first[a->b]; j++) {
+        const attn_job *job = a->jobs + j;
+        attend_chunk(q + job->seq * a->q_stride, a->hq, a->hkv, a->d, a->kc, a->vc,
+                     a->page_table + job->seq * a->pt_stride, a->page_size, job->start, job->end, a->part + j * per_job);
+    }
+#pragma omp for schedule(static)
+    for (int64_t rh = 0; rh < a->b * a->hq; rh++) {
+        int64_t r = rh / a->hq, head = rh % a->hq, first = a->first[r];
+        merge_partials(a->part + first * per_job + head * (a->d + 2), a->first[r + 1] - first, per_job, a->d,
+                       out + rh * a->d);
+    }
+}
+
+/* ---- the step --------------------------------------------------------------------------------------------- */
+
+/* Returns 0, -1 when a shape is outside what the kernel supports (the caller keeps to torch), -2 without
+   memory. */
+int ninfer_llama_decode(const model_t *md, int64_t b, const uint16_t *x_in, const float *cos, const float *sin,
+                        const int64_t *slots, const int32_t *page_table, int64_t pt_stride,
+                        const int32_t *seq_lens, int64_t page_size, uint16_t *out) {
+    int64_t h = md->hidden, hq = md->heads, hkv = md->kv_heads, d = md->head_dim, inter = md->inter;
+    int64_t nqkv = (hq + 2 * hkv) * d;
+    if (hq > MAX_HEADS || d > MAX_DIM || hq % hkv || d % 2) return -1;
+    int64_t kmax = h > inter ? h : inter;
+    kmax = kmax > hq * d ? kmax : hq * d;
+    int64_t njobs = count_jobs(b, seq_lens);
+    size_t floats = (size_t)(b * (3 * h + nqkv + 2 * inter + hq * d + 1)) + (size_t)(njobs * hq * (d + 2));
+    float *mem = malloc(floats * sizeof(float));
+    int16_t *xq = malloc((size_t)(b * pad32(kmax)) * sizeof(int16_t));
+    attn_job *jobs = malloc((size_t)(njobs + 1) * sizeof(attn_job));
+    int64_t *first = malloc((size_t)(b + 1) * sizeof(int64_t));
+    if (!mem || !xq || !jobs || !first) {
+        free(mem), free(xq), free(jobs), free(first);
+        return -2;
+    }
+    float *resid = mem, *xn = resid + b * h, *tmp = xn + b * h, *qkv = tmp + b * h, *gu = qkv + b * nqkv;
+    float *attn = gu + b * 2 * inter, *xs = attn + b * hq * d, *part = xs + b;
+    plan_jobs(b, seq_lens, jobs, first);
+    attn_t at = {b, hq, hkv, d, page_size, pt_stride, nqkv, NULL, NULL, page_table, jobs, first, part};
+    for (int64_t i = 0; i < b * h; i++) resid[i] = bf16_to_f32(x_in[i]);
+
+#pragma omp parallel num_threads((int)md->threads) firstprivate(at)
+    {
+        for (int64_t l = 0; l < md->layers; l++) {
+            const layer_t *L = md->layer + l;
+            uint16_t *kc = md->k_cache + l * md->layer_stride, *vc = md->v_cache + l * md->layer_stride;
+#pragma omp single
+            {
+                for (int64_t r = 0; r < b; r++) rms_norm(resid + r * h, L->input_norm, h, md->eps, xn + r * h);
+                quantize_rows(xn, b, h, pad32(h), xq, xs);
+            }
+            qgemv(&L->qkv, xq, xs, b, qkv);
+#pragma omp single
+            for (int64_t r = 0; r < b; r++) { /* RoPE on the q and k heads, q scaled, k and v written */
+                float *row = qkv + r * nqkv;
+                for (int64_t hh = 0; hh < hq + hkv; hh++) rope(row + hh * d, cos + r * d, sin + r * d, d);
+                for (int64_t i = 0; i < hq * d; i++) row[i] *= md->attn_scale;
+                uint16_t *kd = kc + slots[r] * hkv * d, *vd = vc + slots[r] * hkv * d;
+                for (int64_t i = 0; i < hkv * d; i++) {
+                    kd[i] = f32_to_bf16(row[hq * d + i]);
+                    vd[i] = f32_to_bf16(row[(hq + hkv) * d + i]);
+                }
+            }
+            at.kc = kc, at.vc = vc;
+            attention(&at, qkv, attn);
+#pragma omp single
+            quantize_rows(attn, b, hq * d, pad32(hq * d), xq, xs);
+            qgemv(&L->o, xq, xs, b, tmp);
+#pragma omp single
+            {
+                for (int64_t i = 0; i < b * h; i++) resid[i] += tmp[i];
+                for (int64_t r = 0; r < b; r++) rms_norm(resid + r * h, L->post_norm, h, md->eps, xn + r * h);
+                quantize_rows(xn, b, h, pad32(h), xq, xs);
+            }
+            qgemv(&L->gate_up, xq, xs, b, gu);
+#pragma omp single
+            {
+                for (int64_t r = 0; r < b; r++) { /* silu(gate) * up, packed to [b, inter] */
+                    float *gr = gu + r * 2 * inter, *dst = gu + r * inter;
+                    for (int64_t i = 0; i < inter; i++) dst[i] = gr[i] / (1.0f + expf(-gr[i])) * gr[inter + i];
+                }
+                quantize_rows(gu, b, inter, pad32(inter), xq, xs);
+            }
+            qgemv(&L->down, xq, xs, b, tmp);
+#pragma omp single
+            for (int64_t i = 0; i < b * h; i++) resid[i] += tmp[i];
+        }
+    }
+    for (int64_t r = 0; r < b; r++) {
+        rms_norm(resid + r * h, md->final_norm, h, md->eps, xn + r * h);
+        for (int64_t i = 0; i < h; i++) out[r * h + i] = f32_to_bf16(xn[r * h + i]);
+    }
+    free(mem), free(xq), free(jobs), free(first);
+    return 0;
+}
+
+/* y [m, n] fp32 = x [m, k] (bf16) @ (w * scale)^T: the logits of a decode batch (same arithmetic as the
+   step's matmuls). */
+int ninfer_qlinear_bf16(const qlinear *L, int64_t m, const uint16_t *x, float *y, int64_t threads) {
+    int64_t kp = pad32(L->k);
+    float *xf = malloc((size_t)(m * L->k + m) * sizeof(float));
+    int16_t *xq = malloc((size_t)(m * kp) * sizeof(int16_t));
+    if (!xf || !xq) {
+        free(xf), free(xq);
+        return -2;
+    }
+    for (int64_t i = 0; i < m * L->k; i++) xf[i] = bf16_to_f32(x[i]);
+    float *xs = xf + m * L->k;
+    quantize_rows(xf, m, L->k, kp, xq, xs);
+#pragma omp parallel num_threads((int)threads)
+    qgemv(L, xq, xs, m, y);
+    free(xf), free(xq);
+    return 0;
+}
+
+/* One layer's decode attention alone (tests, benchmarks): q [b, hq, d] fp32 pre-scaled, out the same. */
+int ninfer_decode_attention(int64_t b, int64_t hq, int64_t hkv, int64_t d, const float *q, const uint16_t *kc,
+                            const uint16_t *vc, const int32_t *page_table, int64_t pt_stride,
+                            const int32_t *seq_lens, int64_t page_size, float *out, int64_t threads) {
+    if (hq > MAX_HEADS || d > MAX_DIM || hq % hkv) return -1;
+    int64_t njobs = count_jobs(b, seq_lens);
+    attn_job *jobs = malloc((size_t)(njobs + 1) * sizeof(attn_job));
+    int64_t *first = malloc((size_t)(b + 1) * sizeof(int64_t));
+    float *part = malloc((size_t)(njobs * hq * (d + 2) + 1) * sizeof(float));
+    if (!jobs || !first || !part) {
+        free(jobs), free(first), free(part);
+        return -2;
+    }
+    plan_jobs(b, seq_lens, jobs, first);
+    attn_t at = {b, hq, hkv, d, page_size, pt_stride, hq * d, kc, vc, page_table, jobs, first, part};
+#pragma omp parallel num_threads((int)threads)
+    attention(&at, q, out);
+    free(jobs), free(first), free(part);
+    return 0;
+}

@@ -1,0 +1,210 @@
+"""The native CPU decode step (ninfer/kernels/cpu_decode.c): built once per machine with the system C
+compiler, loaded with ctypes, called once per decode step (issue 23).
+
+Why C and not torch: a SmolLM2-135M decode step is a 135 MB stream of int8 weights. torch's int8
+weight-only kernel reads ~5 GB/s a core and ~300 small ops cost ~5 ms a step; the C step reads the
+weights at ~16-20 GB/s a core (AVX-512 VNNI) and has no per-op cost, and its attention reads the paged
+context in place. The library is compiled with `-march=native` into a per-user cache keyed by the
+source, the compiler and the CPU's flags, and links the OpenMP runtime torch already loaded (one thread
+pool, not two competing for the cores). Without a compiler, or with NINFER_CPU_NATIVE=0, `library()`
+is None and the torch paths run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("ninfer.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=gnu11"]
+
+
+class QLinear(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", QLinear), ("o", QLinear),
+                ("gate_up", QLinear), ("down", QLinear)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in
+                ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "threads")] + [
+        ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("layer", ctypes.POINTER(Layer)),
+        ("final_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("layer_stride", ctypes.c_int64)]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("NINFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ninfer")
+    return Path(root) / "cpu_native"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile the library (if this source, compiler and CPU have no build yet) and return its path.
+    Concurrent builders (Ray replicas starting together) each write a temporary file and rename it."""
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    flags = [*FLAGS, *extra_flags]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(flags), _cpu_flags()]).encode())
+    out = _cache_dir() / f"cpu_decode-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.ninfer_llama_decode.argtypes = [ctypes.POINTER(Model), i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr]
+    lib.ninfer_llama_decode.restype = ctypes.c_int
+    lib.ninfer_qlinear_bf16.argtypes = [ctypes.POINTER(QLinear), i64, ptr, ptr, i64]
+    lib.ninfer_qlinear_bf16.restype = ctypes.c_int
+    lib.ninfer_decode_attention.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64]
+    lib.ninfer_decode_attention.restype = ctypes.c_int
+    return lib
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (disabled, or no working compiler: logged once)."""
+    if os.environ.get("NINFER_CPU_NATIVE", "1") == "0":
+        return None
+    try:
+        return load(build())
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("native CPU decode step unavailable, using torch ops: %s", str(detail).strip()[:500])
+        return None
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _qlinear(module) -> QLinear:
+    return QLinear(_ptr(module.weight_int8), _ptr(module.scale), module.out_features, module.in_features)
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+class NativeLlamaDecode:
+    """A Llama model's decode step in C: int8 weight-only matmuls without bias, RMSNorm weights in bf16, a bf16
+    KV cache. Holds the tensors whose addresses the C structs carry (the plan is rebuilt whenever the model's
+    modules or tensors change: models.llama drops it)."""
+
+    def __init__(self, lib: ctypes.CDLL, model_struct: Model, layers, keep: list[torch.Tensor], hidden: int):
+        self.lib, self.struct, self.layers, self.keep, self.hidden = lib, model_struct, layers, keep, hidden
+
+    @classmethod
+    def build(cls, plan) -> "NativeLlamaDecode | None":
+        """From a models.llama_cpu.DecodePlan's layer list and the model; None where this step does not apply."""
+        from ninfer.quant.int8_cpu import Int8Linear
+
+        lib = library()
+        if lib is None:
+            return None
+        mods = [lp.modules for lp in plan.layers]
+        if not all(type(m) is Int8Linear and m.bias is None for group in mods for m in group):
+            return None
+        norms = [plan.final_norm] + [n for lp in plan.layers for n in (lp.input_norm, lp.post_norm)]
+        if any(n.dtype != torch.bfloat16 or not n.is_contiguous() for n in norms):
+            return None
+        layers = (Layer * len(plan.layers))()
+        for i, (lp, group) in enumerate(zip(plan.layers, mods)):
+            layers[i] = Layer(_ptr(lp.input_norm), _ptr(lp.post_norm), *(_qlinear(m) for m in group))
+        hidden = plan.final_norm.numel()
+        struct = Model(len(plan.layers), hidden, plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate, 1,
+                       plan.eps, plan.scale, layers, _ptr(plan.final_norm), None, None, 0)
+        keep = norms + [t for group in mods for m in group for t in (m.weight_int8, m.scale)]
+        return cls(lib, struct, layers, keep, hidden)
+
+    @staticmethod
+    def takes(cache) -> bool:
+        return cache.k.dtype == torch.bfloat16 and cache.k.is_contiguous() and cache.v.is_contiguous()
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache) -> torch.Tensor:
+        """x: [B, H] bf16 embeddings; cos/sin [B, head_dim] fp32. Returns the final-normed hidden states, bf16."""
+        x = x.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        b = x.shape[0]
+        s = self.struct
+        s.k_cache, s.v_cache = _ptr(cache.k), _ptr(cache.v)
+        s.layer_stride = cache.k.stride(0)
+        s.threads = _threads()
+        slots = batch.slot_mapping.contiguous()
+        table = batch.page_table.to(torch.int32).contiguous()
+        lens = batch.seq_lens.to(torch.int32).contiguous()
+        out = torch.empty(b, self.hidden, dtype=torch.bfloat16)
+        rc = self.lib.ninfer_llama_decode(ctypes.byref(s), b, _ptr(x), _ptr(cos), _ptr(sin), _ptr(slots),
+                                          _ptr(table), table.stride(0), _ptr(lens), cache.page_size, _ptr(out))
+        if rc != 0:
+            raise RuntimeError(f"native CPU decode step failed ({rc})")
+        return out
+
+
+def qlinear_logits(module, x: torch.Tensor) -> torch.Tensor | None:
+    """fp32 [M, N] = x (bf16 [M, K]) @ the Int8Linear's weight^T, with the decode step's arithmetic; None
+    when the library is unavailable or x is not a small batch of bf16 rows (then torch's kernel runs)."""
+    lib = library()
+    if lib is None or x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[0] > MAX_NATIVE_ROWS or module.bias is not None:
+        return None
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], module.out_features, dtype=torch.float32)
+    q = _qlinear(module)
+    if lib.ninfer_qlinear_bf16(ctypes.byref(q), x.shape[0], _ptr(x), _ptr(y), _threads()) != 0:
+        return None
+    return y
+
+
+MAX_NATIVE_ROWS = 16  # larger batches (prefill) are compute-bound: torch's kernel
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                     seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The C attention alone (tests): q [B, Hq, D] fp32, pre-scaled; bf16 caches [S, Hkv, D]; fp32 out."""
+    lib = library()
+    assert lib is not None
+    q = q.float().contiguous()
+    table, lens = page_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    out = torch.empty_like(q)
+    b, hq, d = q.shape
+    rc = lib.ninfer_decode_attention(b, hq, k_cache.shape[1], d, _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(table),
+                                     table.stride(0), _ptr(lens), page_size, _ptr(out), _threads())
+    assert rc == 0, rc
+    return out
