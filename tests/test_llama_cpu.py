@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.forward import ForwardBatch, ModelCache
-from ninfer.kernels import attention
-from ninfer.kernels import cpu_native
+from ninfer.kernels import attention, cpu_native
 from ninfer.kernels.attention import cpu_decode_rows, paged_attention_ref, sequence_slots
 from ninfer.kernels.cpu_native import NativeLlamaDecode
 from ninfer.models.llama import LlamaForCausalLM
