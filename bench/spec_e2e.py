@@ -17,9 +17,11 @@ their generated tokens per decode second) and the ratio to the same engine witho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -65,9 +67,47 @@ class OracleAfterMTP:
             self.oracle.propose(works, budgets)
 
 
+class StepLog:
+    """The engine thread's phase times (HostWork.phase) step by step, each step marked decode-only or not (a
+    prefill chunk, context copies): `round_ms` averages the decode-only steps, where `step_ms` spreads every
+    step's time (a request's eager prefill too) over the decode steps. (s13's per-round table used step_ms:
+    with drafts there are ~3.4x fewer decode steps, so each carried ~3.4x more of the prefill's host time.)"""
+
+    PHASES = ("engine_boundary", "program_submit", "device_wait", "engine_commit_output")
+
+    def __init__(self, engine):
+        self.steps: list[dict] = []
+        work, step = engine.work, engine._step
+        original = work.phase
+
+        @contextlib.contextmanager
+        def phase(name):
+            if name == "engine_boundary":  # every loop turn opens with it, idle ones too
+                self.steps.append({"decode": False})
+            record, start = self.steps[-1] if self.steps else {}, time.perf_counter()
+            try:
+                with original(name):
+                    yield
+            finally:
+                record[name] = record.get(name, 0.0) + time.perf_counter() - start
+
+        def traced(plan):
+            if self.steps:
+                self.steps[-1]["decode"] = bool(plan.decode) and plan.prefill is None and not plan.before
+            return step(plan)
+
+        work.phase, engine._step = phase, traced
+
+    def round_ms(self, since: int) -> dict:
+        rounds = [r for r in self.steps[since:] if r["decode"]]
+        out = {k: 1e3 * sum(r.get(k, 0.0) for r in rounds) / max(len(rounds), 1) for k in self.PHASES}
+        out["total"] = sum(out.values())
+        return {"steps": len(rounds), **{k: round(v, 3) for k, v in out.items()}}
+
+
 def step_ms(before: dict, after: dict, steps: int) -> dict:
     """The engine thread's wall time per decode step, by host phase and blocking device wait (HostWork):
-    where a round's time goes (propose runs in engine_boundary, observe in engine_commit_output)."""
+    every step's time (prefill steps too) over the decode steps (StepLog.round_ms: decode-only steps)."""
     out = {k: (after["host_work_seconds"][k] - v) * 1e3 / max(steps, 1) for k, v in before["host_work_seconds"].items()}
     out["device_wait"] = (after["device_wait_seconds"] - before["device_wait_seconds"]) * 1e3 / max(steps, 1)
     return {k: round(v, 3) for k, v in out.items()}
@@ -112,6 +152,10 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile the last run of each concurrency (torch.profiler, every thread) and print its "
                         "N ops of most host time (self CPU) and of most device time")
+    p.add_argument("--timeline", action="store_true",
+                   help="profile the last run of each concurrency with CPU and CUDA activity (no stack sampler) and "
+                        "print where the GPU idles per decode step, by engine phase and host op (bench/gpu_timeline.py)")
+    p.add_argument("--trace-dir", default=None, help="with --timeline: keep each gzipped chrome trace here")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, short outputs")
     args = p.parse_args()
     if args.dry_run:
@@ -139,6 +183,7 @@ def main() -> None:
             head = instantiate_mtp(trunk, device, dtype, kv_layer=trunk.cache_spec().num_attn_layers)
             return OracleAfterMTP(MTPProposer(head, draft_head(trunk, args.draft_head)), oracle)
     engine = engine_from_preset(args.shape, settings, device=device, weights=args.weights, proposer=proposer)
+    steplog = StepLog(engine)
     greedy = SamplingParams(temperature=0.0, presence_penalty=0.0, frequency_penalty=0.0)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(args.prompt_len)] for _ in range(lanes)]
@@ -165,13 +210,50 @@ def main() -> None:
                 e.key[:60]: [round(e.self_device_time_total / steps, 1), round(e.count / steps, 2)] for e in top})
         return result
 
+    def timelined(c: int, label: str):
+        """run(c) under torch.profiler (CPU and CUDA activity, engine phases annotated): prints where the GPU
+        idles per decode step and what the engine thread did meanwhile (bench/gpu_timeline.py)."""
+        import gzip
+        import os
+        import shutil
+        import tempfile
+
+        from torch.profiler import ProfilerActivity, profile
+
+        from bench.gpu_timeline import analyze, annotate_phases
+
+        annotate_phases(engine.work)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        try:  # the engine thread's ops too (torch >= 2.8); else only its CUDA activity
+            from torch._C._profiler import _ExperimentalConfig
+
+            extra = {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+        except (ImportError, TypeError):
+            extra = {}
+        with profile(activities=activities, **extra) as prof:
+            result = run(c)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            emit(kind="timeline", concurrency=c, run=label,
+                 **analyze(path, engine._thread.native_id, result[2]["decode_steps"]))
+            if args.trace_dir:
+                os.makedirs(args.trace_dir, exist_ok=True)
+                with open(path, "rb") as src, gzip.open(os.path.join(args.trace_dir, f"trace_c{c}_{label}.json.gz"),
+                                                         "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+        return result
+
+    if args.timeline:
+        profiled = timelined  # noqa: F811
+
     def run(c: int) -> tuple[list[list[int]], float, dict]:
         """c requests at once; their outputs, summed decode tok/s and the engine's speculative counts."""
         import queue
 
         before = {k: getattr(engine.counters, k) for k in ("spec_rounds", "spec_drafted_tokens",
                                                           "spec_accepted_tokens", "decode_steps")}
-        work_before = engine.work.snapshot()
+        work_before, log_before = engine.work.snapshot(), len(steplog.steps)
         events = [queue.SimpleQueue() for _ in range(c)]
         for i in range(c):
             engine.submit(EngineRequest(f"r{i}", prompts[i], sampling=greedy, max_tokens=args.max_tokens),
@@ -191,6 +273,7 @@ def main() -> None:
             outs.append(ids)
         counts = {k: getattr(engine.counters, k) - v for k, v in before.items()}
         counts["step_ms"] = step_ms(work_before, engine.work.snapshot(), counts["decode_steps"])
+        counts["round_ms"] = steplog.round_ms(log_before)
         return outs, rate, counts
 
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
@@ -202,9 +285,9 @@ def main() -> None:
         run(1)  # warm-up (first replays, allocator)
         for c in args.concurrency:
             oracle.continuations = {}
-            base, base_rate, base_counts = profiled(c, "plain") if args.profile else run(c)
+            base, base_rate, base_counts = profiled(c, "plain") if args.profile or args.timeline else run(c)
             emit(kind="spec_e2e", concurrency=c, acceptance_target=None, decode_tok_s=base_rate, ratio=1.0,
-                 step_ms=base_counts["step_ms"])
+                 step_ms=base_counts["step_ms"], round_ms=base_counts["round_ms"])
             if args.reference == "verify":  # the continuation as verify forwards compute it: every draft wrong
                 oracle.continuations = {f"r{i}": [0] * args.max_tokens for i in range(c)}
                 oracle.corrupt = 0.0
@@ -213,7 +296,7 @@ def main() -> None:
                 oracle.continuations = {f"r{i}": ids for i, ids in enumerate(base)}
                 oracle.corrupt = corruption_for(length, args.drafts)
                 last = length == args.acceptance[-1] and not warm
-                outs, rate, counts = profiled(c, f"L{length}") if args.profile and last else run(c)
+                outs, rate, counts = profiled(c, f"L{length}") if (args.profile or args.timeline) and last else run(c)
                 if warm:  # discarded: first verify shapes, the drafter's first kernels and chain-graph capture
                     continue
                 measured = 1 + counts["spec_accepted_tokens"] / max(counts["spec_rounds"], 1)
