@@ -316,6 +316,48 @@ def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mt
         assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
 
 
+@pytest.mark.parametrize("cap", [None, 2])
+def test_mtp_observes_kept_rows_when_a_sequence_next_drafts(tiny_qwen_mtp_path, monkeypatch, cap):
+    """Steps that draft nothing (the adaptive engine's plain steps) run no MTP head: a decode step's rows are
+    kept and observed in one head forward when the sequence next drafts (rows of plain and verify steps
+    together), or once a sequence keeps more than PENDING_CAP (here also 2). Every draft then equals the head
+    run from scratch, and output equals plain greedy."""
+    import itertools
+
+    from ninfer.engine import mtp_proposer
+
+    if cap is not None:
+        monkeypatch.setattr(mtp_proposer, "PENDING_CAP", cap)
+    base = _baseline(tiny_qwen_mtp_path)
+    settings = EngineSettings(max_context=256, max_concurrency=3, prefill_chunk=16, draft_tokens=3, spec="mtp")
+    engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
+    proposer = engine.proposer
+    steps, propose = itertools.count(), engine._propose
+    engine._propose = lambda plan: propose(plan) if next(steps) % 4 == 0 else None  # drafts every fourth step
+    forwards, head_forward = [], proposer.head.forward
+    proposer.head.forward = lambda *a, **kw: (forwards.append(1), head_forward(*a, **kw))[1]
+    in_observe, observe = [], proposer.observe
+
+    def counted(plan, output, committed):
+        before = len(forwards)
+        observe(plan, output, committed)
+        if plan.prefill is None:
+            in_observe.append(len(forwards) - before)
+
+    proposer.observe = counted
+    oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=5)
+    spec, counters, seen = _run_recording_drafts(engine, oracle)
+    assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
+    assert counters.spec_rounds > 0 and counters.spec_fallback_steps > counters.spec_rounds
+    if cap is None:
+        assert in_observe and sum(in_observe) == 0  # decode steps' rows wait for the next draft
+    else:
+        assert sum(in_observe) > 0  # over the cap: observed without waiting
+    for tokens, drafts, budget in seen:
+        assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
+    assert_no_leak(engine)
+
+
 def test_proposal_head_shortlists_the_lm_head_and_drafts_within_it(tiny_qwen_mtp_path, tmp_path):
     """--lm-head-draft (contract: "loads the optimized proposal head"): `ninfer convert-draft-head` adds a
     draft_head component holding the lm_head rows of a token shortlist (corpus-ranked here); the engine's MTP

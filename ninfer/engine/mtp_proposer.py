@@ -4,11 +4,15 @@ The head's KV rides in the trunk's cache as one more attention layer (same pages
 slots), so pauses, snapshots, prefix reuse and page copies carry it with the trunk's.
 
 Per step, two halves (ninfer.models.mtp says what the head computes):
-- `observe` (after the step's tokens are committed): one head forward over every position whose
-  trunk hidden state is new this step (a prefill chunk's tokens, a verify row's committed ones),
-  paired with the token that follows it (now known). This writes the head's KV at those positions and
-  leaves, per sequence that decodes next, the head's output at its last position and the greedy
-  draft it gives (both on the device).
+- `observe` (after the step's tokens are committed): the head over every position whose trunk hidden
+  state is new this step (a prefill chunk's tokens, a verify row's committed ones), paired with the
+  token that follows it (now known). This writes the head's KV at those positions and leaves, per
+  sequence that decodes next, the head's output at its last position and the greedy draft it gives
+  (both on the device). A prefill chunk's positions are observed at once; a decode step's are kept
+  (their hidden rows, on the device) until the sequence next drafts, and `propose` observes them
+  first: steps that draft nothing (the adaptive engine's plain steps, DraftController) then run no
+  head at all, as a plain decode step, and the next draft catches up in one head forward over the rows
+  kept since (at most PENDING_CAP a sequence: past that they are observed in `observe`).
 - `propose` (before the next verify forward): k-1 more head steps from there, one token each (the
   previous draft in, the previous output as hidden), the drafts left on the device. On CUDA, with
   the runner's graphs on, the k-1 steps replay one CUDA graph per batch size (captured the first time
@@ -34,11 +38,12 @@ import torch
 from ninfer.engine.graphs import DecodeInputs, VerifyInputs, capture
 from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
 from ninfer.engine.sequence import Sequence, Status
-from ninfer.engine.speculative import computed_rows, speculates, stage_drafts, unzip_rows, upload_batch
+from ninfer.engine.speculative import computed_rows, speculates, stage_drafts, upload_batch
 from ninfer.forward import CacheSpec, ForwardBatch, host_inputs, verify_inputs
 from ninfer.models.mtp import chain_batch
 
 log = logging.getLogger("ninfer.engine")
+PENDING_CAP = 128  # a sequence's decode rows kept unobserved at most (then observed without waiting for a draft)
 
 
 @dataclass
@@ -49,6 +54,20 @@ class _Frontier:
     position: int
     hidden: torch.Tensor  # [H]
     draft: torch.Tensor  # [] int64
+
+
+@dataclass
+class _Pending:
+    """A decode step's committed positions of one sequence not observed yet: trunk hidden states [n, H] at
+    positions start..start+n-1, computed by a step of `width` tokens a row (1: a plain decode step)."""
+
+    start: int
+    hidden: torch.Tensor
+    width: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.hidden.shape[0]
 
 
 class MTPProposer:
@@ -62,6 +81,7 @@ class MTPProposer:
         self.draft_head = draft_head
         self.runner = None
         self._frontier: dict[str, _Frontier] = {}
+        self._pending: dict[str, list[_Pending]] = {}  # request id -> contiguous unobserved decode rows
         # ("chain" | "observe", batch size) or ("observe_verify", batch size, width) -> (graph, its output)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: tuple[DecodeInputs, torch.Tensor, torch.Tensor] | None = None  # base rows, hidden, draft
@@ -78,6 +98,7 @@ class MTPProposer:
 
     def forget(self, seq: Sequence) -> None:
         self._frontier.pop(seq.request_id, None)
+        self._pending.pop(seq.request_id, None)
 
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.draft_head is not None:
@@ -88,23 +109,61 @@ class MTPProposer:
     # ---- after a step: the head over the positions the trunk computed ----------------------------
     @torch.inference_mode()
     def observe(self, plan: StepPlan, output: RunnerOutput, committed: dict[int, int]) -> None:
+        """Note the step's new positions (module docstring): a prefill chunk's are observed now, a decode row's
+        when the sequence next drafts (`propose`), or now once it keeps more than PENDING_CAP."""
         # a prefill chunk's last row waits for its next token (the next chunk's first, or the first sample)
         rows = [(s, p, h) for s, p, h in computed_rows(plan, output, committed) if s.total_len > p + h.shape[0]]
         if not rows:
             return
+        width = max((len(w.tokens) for w in plan.decode), default=1)
+        prefill = plan.prefill.seq if plan.prefill is not None else None
+        now = []
+        for seq, start, hidden in rows:
+            self._keep(seq, start, hidden, 0 if seq is prefill else width)
+            if seq is prefill or sum(c.hidden.shape[0] for c in self._pending[seq.request_id]) > PENDING_CAP:
+                now.append(seq)
+        self._observe(now)
+
+    def _keep(self, seq: Sequence, start: int, hidden: torch.Tensor, width: int) -> None:
+        """Append positions start.. to seq's unobserved rows, which stay one contiguous run ending there: rows at
+        or past `start` are dropped (a replay computes them again), and so are rows before a gap."""
+        chunks = self._pending.setdefault(seq.request_id, [])
+        while chunks and chunks[-1].start >= start:
+            chunks.pop()
+        if chunks and chunks[-1].end > start:
+            last = chunks[-1]
+            chunks[-1] = _Pending(last.start, last.hidden[: start - last.start], last.width)
+        if chunks and chunks[-1].end < start:
+            chunks.clear()
+        chunks.append(_Pending(start, hidden, width))
+
+    def _observe(self, seqs: list[Sequence]) -> None:
+        """The head over every unobserved row of these sequences, in one forward: the graph of a plain step's or
+        a verify step's rows when each sequence keeps one step's, else eagerly (a prefill chunk, the rows kept
+        over plain steps); each sequence's frontier then sits at its last row."""
+        held = [(s, self._pending.pop(s.request_id)) for s in seqs if self._pending.get(s.request_id)]
+        if not held:
+            return
         runner = self.runner
-        seqs, starts, lens, hidden = unzip_rows(rows)
+        seqs = [s for s, _ in held]
+        starts = [chunks[0].start for _, chunks in held]
+        lens = [chunks[-1].end - chunks[0].start for _, chunks in held]
         tokens = [s.tokens(p + 1, p + 1 + n) for s, p, n in zip(seqs, starts, lens)]
         positions = [s.positions(p, p + n) for s, p, n in zip(seqs, starts, lens)]
         graphed = None
-        if self._graphable(seqs, positions):
-            if all(n == 1 for n in lens):  # plain decode rows: one each
+        if all(len(chunks) == 1 for _, chunks in held) and self._graphable(seqs, positions):
+            widths = {chunks[0].width for _, chunks in held}
+            if all(n == 1 for n in lens):  # one row each (a plain step's, or a verify's that kept none)
+                hidden = torch.cat([c[0].hidden for _, c in held]) if len(held) > 1 else held[0][1][0].hidden
                 graphed = self._observe_replay(seqs, starts, tokens, hidden)
-            elif plan.prefill is None:  # the committed rows of a verify step
-                graphed = self._observe_verify_replay(seqs, starts, tokens, [h for _, _, h in rows])
+            elif len(widths) == 1 and min(widths) > 1:  # the committed rows of one verify step
+                graphed = self._observe_verify_replay(seqs, starts, tokens, [c[0].hidden for _, c in held],
+                                                      widths.pop())
         if graphed is not None:
             last, drafts = graphed
         else:
+            parts = [c.hidden for _, chunks in held for c in chunks]
+            hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
             batch = upload_batch(ForwardBatch.build(tokens, starts, [s.pages for s in seqs], runner.page_size,
                                                     device="cpu", positions=positions), runner)
             out = self.head(batch, runner.cache, batch.input_ids, hidden)
@@ -115,13 +174,12 @@ class MTPProposer:
                 self._frontier[seq.request_id] = _Frontier(p + n - 1, last[j], drafts[j])
 
     def _observe_verify_replay(self, seqs: list[Sequence], starts: list[int], tokens: list[list[int]],
-                               hidden: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                               hidden: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """observe over a verify step's committed rows (tokens[i]: c_i of them at starts[i]..) from one CUDA
         graph per (batch size, verify width): the rows padded to the step's width as a verify batch (padding
         writes no KV), the head over all of them, then each sequence's row c_i - 1 picked. None when the
         head cannot be captured or the rows do not fit (the caller observes eagerly)."""
         runner, b = self.runner, len(seqs)
-        width = runner.last_verify_width
         like = runner.decode_graph_inputs
         if width < 2 or any(len(t) > width for t in tokens) or b > like.max_batch:
             return None
@@ -165,6 +223,7 @@ class MTPProposer:
     # ---- before a step: the chain of drafts ---------------------------------------------------------
     @torch.inference_mode()
     def propose(self, works: list[SeqWork], budgets: list[int]) -> None:
+        self._observe([w.seq for w, b in zip(works, budgets) if b > 0 and speculates(w.seq)])  # the rows kept
         ready = [(w, b, self._frontier.get(w.seq.request_id)) for w, b in zip(works, budgets)]
         ready = [(w, b, f) for w, b, f in ready if f is not None and f.position == w.seq.num_computed - 1
                  and speculates(w.seq)]
