@@ -41,13 +41,36 @@ def test_draft_count_follows_acceptance_and_measured_costs():
     for _ in range(12):  # the drafter is always wrong
         c.round("s", 3, 0)
     assert c.acceptance("s") < 0.05
-    decisions = [c.drafts(1, ["s"]) for _ in range(2 * spec_control.PROBE_EVERY)]
-    assert decisions.count(0) == 2 * spec_control.PROBE_EVERY - 2 and decisions.count(1) == 2  # probes only
+    every = spec_control.PROBE_EVERY
+    decisions = [c.drafts(1, ["s"]) for _ in range(7 * every)]
+    # probes only, each unanswered one waiting twice as long: after 16, 32 and 64 plain steps
+    assert [i for i, k in enumerate(decisions) if k] == [every - 1, 3 * every - 1, 7 * every - 1]
+    assert set(decisions) == {0, 1}
     for _ in range(12):  # it comes back: every draft stands
         c.round("s", 1, 1)
     assert c.drafts(1, ["s"]) == 3
+    for _ in range(12):  # wrong again: the probes start over at PROBE_EVERY
+        c.round("s", 3, 0)
+    decisions = [c.drafts(1, ["s"]) for _ in range(every)]
+    assert decisions.count(1) == 1 and decisions[-1] == 1
     c.forget("s")
     assert c.acceptance("s") == pytest.approx(0.8)
+
+
+def test_probes_back_off_to_probe_max():
+    """A drafter that stays wrong is probed ever more rarely, down to once per PROBE_MAX plain steps (a probe is
+    a verify step: ~1.8 plain steps at 8 rows on the H200, so probing every 16 steps alone cost ~5 %)."""
+    c = DraftController(3)
+    for width, ms in ((1, 10.0), (2, 14.0)):
+        _measured(c, 8, width, ms / 1000)
+    rows = [f"s{i}" for i in range(8)]
+    for r in rows:
+        for _ in range(12):
+            c.round(r, 1, 0)
+    probes = [i for i in range(4 * spec_control.PROBE_MAX) if c.drafts(8, rows)]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[0] == 2 * spec_control.PROBE_EVERY and gaps[-1] == spec_control.PROBE_MAX
+    assert len(probes) < 12
 
 
 def test_a_one_off_slow_step_does_not_price_a_width_out():

@@ -15,9 +15,12 @@ on) keeps:
 
 Each step it takes the k in 0..K that maximises the batch's expected committed tokens per second,
 sum_s (1 + p_s + ... + p_s^k) / T(B, k + 1), where k > 0 must beat k = 0 by MIN_GAIN (step times are
-noisy; a drafter that is seldom right should not win on noise). While k = 0 wins, every
-PROBE_EVERY-th step still drafts one token, so the estimates follow a drafter whose acceptance comes
-back. Output never depends on it: drafts only decide how many tokens a step may commit.
+noisy; a drafter that is seldom right should not win on noise). While k = 0 wins, a step still drafts
+one token now and then (a probe), so the estimates follow a drafter whose acceptance comes back: the
+first PROBE_EVERY plain steps after drafting paid, then twice as many plain steps after each probe
+that did not bring drafting back, up to PROBE_MAX (a probe is a verify step: at 8 rows of the 27B
+NVFP4 shape a width-2 step costs ~1.8 plain ones, so probing every 16 steps alone cost ~5 %). Output
+never depends on it: drafts only decide how many tokens a step may commit.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ TIME_EMA = 0.2  # weight of a new step time
 DECAY = 0.8  # per round, on a sequence's accepted and rejected counts
 PRIOR = (2.0, 0.5)  # a fresh sequence's (accepted, rejected): p = 0.8
 UNMEASURED_COST = 0.1  # per extra token of width, relative to a plain step, until measured
-PROBE_EVERY = 16
+PROBE_EVERY = 16  # plain steps before the first probe
+PROBE_MAX = 512  # the most plain steps between two probes
 OUTLIER = 2.0  # a step-time sample is capped at this multiple of the shape's expected cost
 MIN_GAIN = 1.1  # drafts only where they promise this much more throughput than plain steps
 
@@ -50,6 +54,7 @@ class DraftController:
         self._warm: set[tuple[int, int]] = set()  # shapes whose first step has run
         self._seqs: dict[str, _Acceptance] = {}
         self._plain_streak = 0
+        self._probe_every = PROBE_EVERY
 
     # ---- what the engine reports -----------------------------------------------------------------
     def step_time(self, batch: int, width: int, seconds: float) -> None:
@@ -108,9 +113,11 @@ class DraftController:
                 best_k, best_rate = k, rate
         if best_k == 0:
             self._plain_streak += 1
-            if self._plain_streak >= PROBE_EVERY:
+            if self._plain_streak >= self._probe_every:  # a probe; unless it brings drafting back, the next waits 2x
                 self._plain_streak = 0
+                self._probe_every = min(2 * self._probe_every, PROBE_MAX)
                 return 1
             return 0
         self._plain_streak = 0
+        self._probe_every = PROBE_EVERY
         return best_k
