@@ -233,3 +233,50 @@ def test_sampler_graphs_draw_the_eager_samplers_tokens():
             assert torch.equal(got, eager), (b, got.tolist(), eager.tolist())
             for s in seqs:
                 s.output_ids.append(0)  # the next output index: other noise
+
+
+def test_piecewise_capture_cuts_between_layers():
+    """NINFER_GRAPH_PIECES=1 (ninfer.engine.graphs.PieceGraphs): decode and verify graphs are captured in pieces,
+    cut after the layers graph_cut_layers names; the model calls the cut there and computes what it computes
+    uncut."""
+    from ninfer.artifact.presets import instantiate
+    from ninfer.engine.runner import graph_cut_layers
+    from ninfer.forward import ModelCache
+
+    assert graph_cut_layers(64) == {3, 15, 39}  # pieces of 4, 12, 24 and 24 layers
+    assert graph_cut_layers(4) == {0, 1} and graph_cut_layers(1) == frozenset()
+    model = instantiate("tiny-qwen3.6", "cpu", torch.float32, seed=0)
+    cache = ModelCache(model.cache_spec(), 8, PAGE, 2, torch.float32, "cpu")
+    batch = ForwardBatch.build([[5, 9, 3], [7]], [0, 0], [[0], [1]], PAGE, state_slots=[0, 1])
+    with torch.inference_mode():
+        whole = model(batch, cache)
+        cuts = []
+        model.graph_cuts, model.graph_cut = graph_cut_layers(len(model.layers)), lambda: cuts.append(1)
+        batch.derived.clear()
+        pieces = model(batch, cache)
+        model.graph_cuts, model.graph_cut = frozenset(), None
+    assert len(cuts) == len(graph_cut_layers(len(model.layers))) > 0
+    assert torch.equal(whole, pieces)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_piecewise_graphs_greedy_equals_eager(monkeypatch):
+    """Decode graphs captured in pieces replay what the eager forward computes (greedy output, 8 lanes)."""
+    from bench import selfcheck
+    from ninfer.artifact.presets import instantiate
+    from ninfer.kernels import backend
+
+    if not backend.triton_available():
+        pytest.skip("graphs need the Triton backend")
+    from test_kernels import PROMPTS, _tokenizer
+
+    monkeypatch.setenv("NINFER_GRAPH_PIECES", "1")
+    model = instantiate("tiny-qwen3.6", "cuda", torch.bfloat16, seed=0)
+    tok = _tokenizer()
+    graphs = selfcheck.engine_greedy(model, tok, "cuda", torch.bfloat16, no_cuda_graph=False, concurrency=8,
+                                     prompts=PROMPTS)
+    eager = selfcheck.engine_greedy(model, tok, "cuda", torch.bfloat16, no_cuda_graph=True, concurrency=8,
+                                    prompts=PROMPTS)
+    assert "pieces each" in graphs["graph_status"] and graphs["graph_replays"] > 0, graphs
+    assert graphs["outputs"] == eager["outputs"]

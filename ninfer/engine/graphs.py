@@ -22,6 +22,8 @@ the same kernels with the same parameters, so their outputs agree exactly.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -261,16 +263,70 @@ class SamplerInputs(StaticInputs):
         return SamplingBatch.from_rows(floats, longs), longs[3]
 
 
-def capture(run, device: torch.device, *, warmups: int, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+class PieceGraphs:
+    """One forward captured as several CUDA graphs, replayed back to back (`capture` with `split`).
+
+    A CUDA graph launch costs the host time in proportion to its kernels, and the GPU starts on a graph
+    only once its launch returns: ~1.1-1.2 ms for a 27B decode or verify step's ~1,300-1,800 kernels on
+    the H200 (bench/results/2026-12-04-h200-s14, --timeline), during which the GPU idles after each step's
+    read back. Cut into pieces, the GPU runs the first (a few layers) while the host launches the rest."""
+
+    def __init__(self, graphs: list[torch.cuda.CUDAGraph]):
+        self.graphs = graphs
+
+    def replay(self) -> None:
+        for graph in self.graphs:
+            graph.replay()
+
+    def pool(self):
+        return self.graphs[0].pool()
+
+
+def capture(run, device: torch.device, *, warmups: int, pool=None, split=None):
     """Warm `run` up on a side stream (Triton JIT and autotune, cuBLAS heuristics, the allocator),
-    then capture it; returns the graph and `run`'s output, which each replay rewrites."""
+    then capture it; returns the graph and `run`'s output, which each replay rewrites.
+
+    split: a context manager factory, split(cut), under which `run` calls cut() wherever the capture goes
+    on in a new graph (ModelRunner: between decoder layers); the graph returned is then a PieceGraphs. Every
+    piece records into the first one's memory pool (or `pool`), and what one piece leaves for the next stays
+    referenced by `run` until it returns, so pieces replayed in order compute what one graph would."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(warmups):
             run()
     torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = run()
-    return graph, out
+    if split is None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = run()
+        return graph, out
+    graphs: list[torch.cuda.CUDAGraph] = []
+
+    def begin() -> None:
+        graph = torch.cuda.CUDAGraph()
+        shared = graphs[0].pool() if graphs else pool
+        if shared is None:
+            graph.capture_begin(capture_error_mode="thread_local")
+        else:
+            graph.capture_begin(pool=shared, capture_error_mode="thread_local")
+        graphs.append(graph)
+
+    def cut() -> None:
+        graphs[-1].capture_end()
+        begin()
+
+    torch.cuda.synchronize(device)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        begin()
+        try:
+            with split(cut):
+                out = run()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the capture's own error is the one to report
+                graphs[-1].capture_end()
+            raise
+        graphs[-1].capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return PieceGraphs(graphs), out

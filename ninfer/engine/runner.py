@@ -50,6 +50,9 @@ from ninfer.kernels.linear import rows_like
 
 log = logging.getLogger("ninfer.engine")
 PIECES_ENV = "NINFER_PREFILL_PIECES"
+# NINFER_GRAPH_PIECES=1: decode and verify graphs are captured in pieces (graphs.PieceGraphs), cut between
+# decoder layers (graph_cut_layers), so the GPU starts a step while the host still launches most of it
+GRAPH_PIECES_ENV = "NINFER_GRAPH_PIECES"
 # The prefill plan's cost model, in tokens: a forward of up to `knee` tokens costs about the same (its
 # weight reads), beyond that its compute; each replay adds REPLAY_COST (the step's small kernels and
 # launch). The knee depends on the model (`piece_costs`; H200, bench/results/2026-11-30-h200-s9/call3-5):
@@ -101,6 +104,14 @@ def piece_costs(model: torch.nn.Module) -> PieceCosts:
     if kinds & {Experts, NVFP4Experts}:
         return PieceCosts(KNEE_MOE)
     return PieceCosts(KNEE_NVFP4, HFMA_MAX_M) if NVFP4Linear in kinds else PieceCosts()
+
+
+def graph_cut_layers(num_layers: int) -> frozenset[int]:
+    """The decoder layers after which a piecewise decode or verify capture starts its next graph: after 1/16
+    of the layers, 1/4 and 5/8 (64 layers: pieces of 4, 12, 24 and 24 layers, the logits in the last). The
+    first piece launches quickly; each later one launches while the GPU runs the ones before."""
+    cuts = {round(num_layers * f) - 1 for f in (1 / 16, 1 / 4, 5 / 8)}
+    return frozenset(c for c in cuts if 0 <= c < num_layers - 1)
 
 
 def piece_sizes(chunk: int) -> list[int]:
@@ -185,6 +196,9 @@ class ModelRunner:
         self.piece_costs = piece_costs(model)
         self.prefill_replays = 0
         self.eager_steps = 0
+        layers = getattr(model, "layers", None)
+        self.graph_cuts = (graph_cut_layers(len(layers)) if os.environ.get(GRAPH_PIECES_ENV) == "1"
+                           and hasattr(model, "graph_cuts") and layers is not None else frozenset())
         self._decode_inputs: DecodeInputs | None = None
         self.last_verify_width = 0  # the last verify forward's tokens per sequence (rollback reads it)
         self._staged: StagedDrafts | None = None  # the launched verify's device drafts (collect reads them)
@@ -264,6 +278,19 @@ class ModelRunner:
         self.last_hidden = source[rows]
         return self.model.compute_logits(hidden[rows] if self.feature_layers else self.last_hidden)
 
+    @contextlib.contextmanager
+    def _pieces(self, cut):
+        """While a forward is captured in pieces: the model calls `cut` after each layer of graph_cuts."""
+        self.model.graph_cuts, self.model.graph_cut = self.graph_cuts, cut
+        try:
+            yield
+        finally:
+            self.model.graph_cuts, self.model.graph_cut = frozenset(), None
+
+    @property
+    def _split(self):
+        return self._pieces if self.graph_cuts else None
+
     def _capture_failed(self, what: str, exc: Exception) -> str:
         """Log a failed capture; returns the reason for graph_status."""
         log.warning("%s CUDA graph capture failed, %s runs eagerly: %s", what, what, exc)
@@ -285,15 +312,20 @@ class ModelRunner:
             for b in range(max_batch, 0, -1):
                 batch = inputs.batch(b)
                 graph, logits = capture(lambda batch=batch: self._logits(batch), self.device,
-                                        warmups=2 if b == max_batch else 1, pool=pool)
+                                        warmups=2 if b == max_batch else 1, pool=pool, split=self._split)
                 pool = graph.pool()
                 self.graphs[(b, 1)] = GraphEntry(graph, logits, inputs, self.last_hidden, self.last_all_hidden)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # e.g. a model path that reads the device back: run decode eagerly
             self.graphs.clear()
             self._decode_inputs = None
+            if self.graph_cuts:  # captured whole instead
+                self._capture_failed("piecewise decode", exc)
+                self.graph_cuts = frozenset()
+                return self._capture_decode(max_batch, width)
             return "off: " + self._capture_failed("decode", exc)
-        return f"on: batch sizes 1..{max_batch}, page-table width {width}"
+        pieces = f", {len(self.graph_cuts) + 1} pieces each" if self.graph_cuts else ""
+        return f"on: batch sizes 1..{max_batch}, page-table width {width}{pieces}"
 
     @torch.inference_mode()
     def _capture_verify(self, max_batch: int, max_drafts: int, pages: int) -> str:
@@ -310,13 +342,17 @@ class ModelRunner:
                     batch = inputs.batch(b)
                     with self._verify_shapes(b):  # launched (and captured) with the decode batch's matmuls
                         graph, logits = capture(lambda batch=batch: self._logits(batch), self.device, warmups=1,
-                                                pool=pool)
+                                                pool=pool, split=self._split)
                     self.graphs[(b, width)] = GraphEntry(graph, logits, inputs, self.last_hidden, self.last_all_hidden)
                     captured.append((b, width))
             torch.cuda.synchronize(self.device)
         except Exception as exc:
             for key in captured:
                 self.graphs.pop(key, None)
+            if self.graph_cuts:  # captured whole instead
+                self._capture_failed("piecewise verify", exc)
+                self.graph_cuts = frozenset()
+                return self._capture_verify(max_batch, max_drafts, pages)
             return "verify eager: " + self._capture_failed("verify", exc)
         return f"verify graphs of 2..{max_drafts + 1} tokens per sequence"
 

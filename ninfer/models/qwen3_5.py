@@ -265,6 +265,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.num_attn_layers, self.num_state_layers = attn_idx, state_idx
         self.capture_layers: tuple[int, ...] = ()  # forward keeps these layers' outputs in `captured`
         self.captured: torch.Tensor | None = None
+        # a piecewise CUDA-graph capture (ninfer.engine.graphs.capture's split): forward calls graph_cut()
+        # after each of these layers
+        self.graph_cuts: frozenset[int] = frozenset()
+        self.graph_cut = None
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), zero_centered=True)
@@ -307,6 +311,8 @@ class Qwen3_5ForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, batch, cache, meta)
             if i in self.capture_layers:
                 captured.append(residual + x)  # the hidden state the next layer's norm reads
+            if i in self.graph_cuts:
+                self.graph_cut()
         self.captured = torch.cat(captured, dim=-1) if captured else None
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
