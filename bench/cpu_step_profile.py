@@ -60,7 +60,9 @@ def run(runner, context: int, args) -> dict:
     seq = _sequence(context, args.warmup + args.steps, runner.page_size)
     prompt = [(31 * j) % 40000 + 500 for j in range(context)]
     with torch.inference_mode():
-        token = _prefill(runner, seq, prompt, 1024)
+        started = time.perf_counter()
+        token = _prefill(runner, seq, prompt, args.prefill_chunk)
+        prefill_s = time.perf_counter() - started
         _, token = _decode(runner, seq, token, args.warmup)
         if args.profile == "torch":
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -78,7 +80,8 @@ def run(runner, context: int, args) -> dict:
             times, _ = _decode(runner, seq, token, args.steps)
     ms = [t * 1e3 for t in times]
     return {"context": context, "steps": args.steps, "median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms),
-            "min_ms": min(ms), "tokens_per_s": 1e3 / statistics.median(ms)}
+            "min_ms": min(ms), "tokens_per_s": 1e3 / statistics.median(ms), "prefill_s": prefill_s,
+            "prefill_chunk": args.prefill_chunk}
 
 
 def main() -> None:
@@ -87,6 +90,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[128, 6000])
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"])
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="tokens a prefill forward (configs/tiny.yaml's)")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--profile", choices=["none", "torch", "cprofile"], default="none")
@@ -95,7 +99,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     top = max(args.context) + args.warmup + args.steps + 64
-    settings = EngineSettings(max_context=top, kv_capacity=top, max_concurrency=1, prefill_chunk=1024, eos_ids=set())
+    settings = EngineSettings(max_context=top, kv_capacity=top, max_concurrency=1, prefill_chunk=args.prefill_chunk, eos_ids=set())
     engine = load_engine(args.artifact, settings, dtype=args.dtype, start=False)  # everything on this thread
     for context in args.context:
         result = run(engine.runner, context, args)

@@ -265,21 +265,28 @@ def bf16_problem(context: list[int], tables: list[list[int]], page_size: int, hq
     return q, k_cache, v_cache, batch
 
 
+def attention_tolerance(d: int) -> dict:
+    """The vector path (AVX-512 BF16, head_dim a multiple of 32) takes the softmax weights in bf16 (relative 2^-9;
+    q as well, exact here: it is bf16 already); the plain C path is fp32 throughout."""
+    vector = d % 32 == 0 and "avx512_bf16" in cpu_native._cpu_flags()
+    return dict(atol=4e-3, rtol=1e-2) if vector else dict(atol=2e-5, rtol=2e-5)
+
+
 @needs_native
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 64), (14, 2, 64), (8, 2, 128), (6, 2, 40)])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 64), (14, 2, 64), (8, 2, 128), (30, 5, 64), (6, 2, 40)])
 @pytest.mark.parametrize("context", [1, 15, 16, 17, 129, 300, 1000])
 def test_native_attention_matches_gathered_attention(hq, hkv, d, context):
-    """Vector path (head_dim a multiple of 16, few heads a group), its general form (14:2 heads) and the plain C
-    path (head_dim 40); contexts across the chunk (128) and 16-token block edges, pages in several runs."""
+    """Vector path (head_dim a multiple of 32; sizes as constants for 3:1 and 7:1 heads of 64, its general form for
+    8:2 of 128) and the plain C path (head_dim 40); contexts across the chunk (128) and 16-token block edges,
+    pages in several runs."""
     page_size = 16
     pages = -(-context // page_size)
     table = [p + p // 3 for p in range(pages)]
     q, k_cache, v_cache, batch = bf16_problem([context], [table], page_size, hq, hkv, d)
     scale = d ** -0.5
     want = gathered_attention(q, k_cache, v_cache, batch, page_size, scale)
-    got = cpu_native.decode_attention(q.float() * scale, k_cache, v_cache, batch.page_table, batch.seq_lens,
-                                      page_size)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    got = cpu_native.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, page_size, scale)
+    torch.testing.assert_close(got, want, **attention_tolerance(d))
 
 
 @needs_native
@@ -288,8 +295,8 @@ def test_native_attention_batch_of_several_sequences():
     tables = [[0], list(range(10, 10 + 44)), [300, 302, 303, 305, 307, 309, 311, 313, 315]]
     q, k_cache, v_cache, batch = bf16_problem(contexts, tables, 16, 9, 3, 64)
     want = gathered_attention(q, k_cache, v_cache, batch, 16, 0.125)
-    got = cpu_native.decode_attention(q.float() * 0.125, k_cache, v_cache, batch.page_table, batch.seq_lens, 16)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    got = cpu_native.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, 16, 0.125)
+    torch.testing.assert_close(got, want, **attention_tolerance(64))
 
 
 @needs_native
@@ -325,12 +332,12 @@ def test_plain_c_build_computes_what_the_vector_build_computes():
     assert torch.equal(y, head.logits(x))
 
     q, k_cache, v_cache, batch = bf16_problem([300], [list(range(19))], 16, 9, 3, 64)
-    want = cpu_native.decode_attention(q.float() / 8, k_cache, v_cache, batch.page_table, batch.seq_lens, 16)
+    want = cpu_native.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, 16, 0.125)
     out = torch.empty(1, 9, 64)
-    table, lens, qf = batch.page_table.contiguous(), batch.seq_lens.to(torch.int32), (q.float() / 8).contiguous()
-    assert plain.ninfer_decode_attention(1, 9, 3, 64, qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    table, lens, qf = batch.page_table.contiguous(), batch.seq_lens.to(torch.int32), q.float().contiguous()
+    assert plain.ninfer_decode_attention(1, 9, 3, 64, qf.data_ptr(), 0.125, k_cache.data_ptr(), v_cache.data_ptr(),
                                          table.data_ptr(), table.stride(0), lens.data_ptr(), 16, out.data_ptr(), 2) == 0
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, want, **attention_tolerance(64))
 
 
 def test_native_step_can_be_switched_off(monkeypatch):

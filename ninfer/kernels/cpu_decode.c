@@ -25,14 +25,16 @@ contiguous tensors owned by Python; bf16 values are uint16 bit patterns. */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
-#define NINFER_AVX512 1
+#define NINFER_AVX512 1 /* the matmuls' int16 dot (vpdpwssd) */
+#if defined(__AVX512BF16__)
+#define NINFER_BF16 1   /* attention's bf16 pair dots (vdpbf16ps) */
+#endif
 #endif
 
 #define QMAX 16383.0f /* int16 activations: 2^14 - 1 keeps 256 products of |w| <= 127 inside int32 */
 #define KCHUNK 256
 #define CHUNK 128     /* context tokens per attention job */
 #define MAX_HEADS 64  /* query heads */
-#define MAX_GROUP_REGS 24 /* query heads per KV head times head_dim / 16, for the vector path */
 #define MAX_DIM 256   /* head_dim */
 
 typedef struct {
@@ -160,11 +162,7 @@ typedef struct {
     int64_t seq, start, end;
 } attn_job;
 
-#ifdef NINFER_AVX512
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
+#ifdef NINFER_BF16
 /* exp_nonpos on 16 lanes: scalef(p(f), n) = p(f) * 2^n */
 static inline __m512 exp_nonpos16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -183,33 +181,44 @@ static inline __m512 exp_nonpos16(__m512 x) {
 }
 #endif
 
-#ifdef NINFER_AVX512
-/* Scores of g query heads against one KV head's rows (kr + rows[t]) of a chunk: 16 tokens' partial vectors
-   are summed across lanes together (a transposing reduction, ~2 operations a token instead of ~8). */
-static inline __attribute__((always_inline)) void scores_pass(const int64_t g, const int64_t nb, const float *q,
-                                                             const uint16_t *kr, const int64_t *rows, int64_t len,
-                                                             float *scores) {
+#ifdef NINFER_BF16
+#define VEC_HEADS 32 /* the vector path: at most this many query heads, head_dim at most 128 */
+
+
+/* Scores of the hq = hkv * g query heads against a chunk's K rows (kc + rows[t]: a token's rows of every KV
+   head lie together, and are read in that order: one sequential stream, 2.5x the bandwidth of a pass per
+   KV head on the dev machine), as bf16 pair dots (q rounded to bf16 once, as the torch path holds it; fp32
+   sums). 16 tokens' partial vectors are summed across lanes together (a transposing reduction, ~2
+   operations a token instead of ~8). */
+static inline __attribute__((always_inline)) void scores_pass(const int64_t hkv, const int64_t g, const int64_t n32,
+                                                             const float *q, const uint16_t *kc, const int64_t *rows,
+                                                             int64_t len, float scale, float *scores) {
     static const int token_lane[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
     const __m512i order = _mm512_loadu_si512((const void *)token_lane);
-    __m512 qv[MAX_HEADS > 24 ? 24 : MAX_HEADS];
-    for (int64_t h = 0; h < g; h++)
-        for (int64_t i = 0; i < nb; i++) qv[h * nb + i] = _mm512_loadu_ps(q + h * 16 * nb + 16 * i);
+    const int64_t hq = hkv * g;
+    __m512bh qv[VEC_HEADS * 4];
+    for (int64_t h = 0; h < hq; h++)
+        for (int64_t i = 0; i < n32; i++) {
+            const float *src = q + (h * n32 + i) * 32;
+            qv[h * n32 + i] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+        }
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         int64_t tn = len - t0 < 16 ? len - t0 : 16;
-        __m512 r[MAX_GROUP_REGS][16];
+        __m512 r[VEC_HEADS][16];
         for (int64_t tt = 0; tt < 16; tt++) {
-            __m512 kv[MAX_DIM / 16];
-            if (tt < tn)
-                for (int64_t i = 0; i < nb; i++) kv[i] = load_bf16x16(kr + rows[t0 + tt] + 16 * i);
-            else
-                for (int64_t i = 0; i < nb; i++) kv[i] = _mm512_setzero_ps();
-            for (int64_t h = 0; h < g; h++) {
-                __m512 acc = _mm512_mul_ps(qv[h * nb], kv[0]);
-                for (int64_t i = 1; i < nb; i++) acc = _mm512_fmadd_ps(qv[h * nb + i], kv[i], acc);
-                r[h][tt] = acc;
+            for (int64_t kvh = 0; kvh < hkv; kvh++) {
+                __m512bh kb[4];
+                for (int64_t i = 0; i < n32; i++)
+                    kb[i] = tt < tn ? (__m512bh)_mm512_loadu_si512((const void *)(kc + rows[t0 + tt] + (kvh * n32 + i) * 32))
+                                    : (__m512bh)_mm512_setzero_si512();
+                for (int64_t h = kvh * g; h < (kvh + 1) * g; h++) {
+                    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[h * n32], kb[0]);
+                    for (int64_t i = 1; i < n32; i++) acc = _mm512_dpbf16_ps(acc, qv[h * n32 + i], kb[i]);
+                    r[h][tt] = acc;
+                }
             }
         }
-        for (int64_t h = 0; h < g; h++) {
+        for (int64_t h = 0; h < hq; h++) {
             __m512 *v = r[h];
             for (int i = 0; i < 8; i++) /* lanes 0-7: token i, 8-15: token i + 8 */
                 v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
@@ -220,16 +229,18 @@ static inline __attribute__((always_inline)) void scores_pass(const int64_t g, c
             __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
             /* lane l now holds token token_lane[l] (an involution): put them in token order */
             _mm512_mask_storeu_ps(scores + h * CHUNK + t0, (__mmask16)((1u << tn) - 1),
-                                  _mm512_permutexvar_ps(order, sums));
+                                  _mm512_mul_ps(_mm512_permutexvar_ps(order, sums), _mm512_set1_ps(scale)));
         }
     }
 }
 
-/* scores -> exp(score - max) in place; the partials' m and l */
-static inline __attribute__((always_inline)) void softmax_pass(const int64_t g, float *scores, int64_t len,
-                                                              float *part, int64_t d) {
-    for (int64_t h = 0; h < g; h++) {
-        float *sh = scores + h * CHUNK, *ph = part + h * (d + 2);
+/* scores -> exp(score - max) as bf16 in pb (zero padded to even length); the partials' m and l */
+static inline __attribute__((always_inline)) void softmax_pass(const int64_t hq, const float *scores, uint16_t *pb,
+                                                              int64_t len, float *part, int64_t d) {
+    for (int64_t h = 0; h < hq; h++) {
+        const float *sh = scores + h * CHUNK;
+        float *ph = part + h * (d + 2);
+        uint16_t *bh = pb + h * (CHUNK + 2);
         __m512 mv = _mm512_set1_ps(-INFINITY);
         int64_t t = 0;
         for (; t + 16 <= len; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sh + t));
@@ -239,39 +250,83 @@ static inline __attribute__((always_inline)) void softmax_pass(const int64_t g, 
         float l = 0.0f;
         for (t = 0; t + 16 <= len; t += 16) {
             __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sh + t), mb));
-            _mm512_storeu_ps(sh + t, e);
+            _mm256_storeu_si256((__m256i *)(bh + t), (__m256i)_mm512_cvtneps_pbh(e));
             lv = _mm512_add_ps(lv, e);
         }
-        for (; t < len; t++) l += (sh[t] = exp_nonpos(sh[t] - m));
+        for (; t < len; t++) {
+            float e = exp_nonpos(sh[t] - m);
+            l += e;
+            bh[t] = f32_to_bf16(e);
+        }
+        bh[len] = 0;
         ph[0] = m;
         ph[1] = l + _mm512_reduce_add_ps(lv);
     }
 }
 
-/* part's acc of each of g heads = sum_t p[h][t] * V row t (vr + rows[t]) */
-static inline __attribute__((always_inline)) void values_pass(const int64_t g, const int64_t nb, const uint16_t *vr,
-                                                             const int64_t *rows, int64_t len, const float *p,
-                                                             float *part) {
-    __m512 acc[24];
-    for (int64_t i = 0; i < g * nb; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t++) {
-        __m512 vv[MAX_DIM / 16];
-        for (int64_t i = 0; i < nb; i++) vv[i] = load_bf16x16(vr + rows[t] + 16 * i);
-        for (int64_t h = 0; h < g; h++) {
-            __m512 w = _mm512_set1_ps(p[h * CHUNK + t]);
-            for (int64_t i = 0; i < nb; i++) acc[h * nb + i] = _mm512_fmadd_ps(w, vv[i], acc[h * nb + i]);
+/* part's acc of each head = sum_t p[h][t] * its KV head's V row t (vc + rows[t], every KV head's row in
+   order, as the scores): two tokens a bf16 pair dot, their rows interleaved by unpacklo/hi (so an
+   accumulator's lanes hold a permutation of 16 of 32 dims, undone at the end) */
+static inline __attribute__((always_inline)) void values_pass(const int64_t hkv, const int64_t g, const int64_t n32,
+                                                             const uint16_t *vc, const int64_t *rows, int64_t len,
+                                                             const uint16_t *pb, float *part) {
+    static const int lo_dims[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+    static const int hi_dims[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    const int64_t hq = hkv * g;
+    __m512 acc[VEC_HEADS * 8];
+    for (int64_t i = 0; i < hq * 2 * n32; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 2) {
+        const uint16_t *v0 = vc + rows[t], *v1 = t + 1 < len ? vc + rows[t + 1] : v0; /* p = 0 for the pad */
+        for (int64_t kvh = 0; kvh < hkv; kvh++) {
+            __m512i lo[4], hi[4];
+            for (int64_t i = 0; i < n32; i++) {
+                int64_t at = (kvh * n32 + i) * 32;
+                __m512i a = _mm512_loadu_si512((const void *)(v0 + at)), b = _mm512_loadu_si512((const void *)(v1 + at));
+                lo[i] = _mm512_unpacklo_epi16(a, b);
+                hi[i] = _mm512_unpackhi_epi16(a, b);
+            }
+            for (int64_t h = kvh * g; h < (kvh + 1) * g; h++) {
+                uint32_t pair;
+                memcpy(&pair, pb + h * (CHUNK + 2) + t, 4);
+                __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int64_t i = 0; i < n32; i++) {
+                    acc[(h * n32 + i) * 2] = _mm512_dpbf16_ps(acc[(h * n32 + i) * 2], (__m512bh)lo[i], w);
+                    acc[(h * n32 + i) * 2 + 1] = _mm512_dpbf16_ps(acc[(h * n32 + i) * 2 + 1], (__m512bh)hi[i], w);
+                }
+            }
         }
     }
-    for (int64_t h = 0; h < g; h++)
-        for (int64_t i = 0; i < nb; i++) _mm512_storeu_ps(part + h * (16 * nb + 2) + 2 + 16 * i, acc[h * nb + i]);
+    const __m512i first = _mm512_loadu_si512((const void *)lo_dims), second = _mm512_loadu_si512((const void *)hi_dims);
+    for (int64_t h = 0; h < hq; h++)
+        for (int64_t i = 0; i < n32; i++) { /* lo lanes: dims 8k + j, hi: 8k + 4 + j (k the 128-bit block) */
+            __m512 l = acc[(h * n32 + i) * 2], u = acc[(h * n32 + i) * 2 + 1];
+            float *dst = part + h * (32 * n32 + 2) + 2 + 32 * i;
+            _mm512_storeu_ps(dst, _mm512_permutex2var_ps(l, first, u));
+            _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(l, second, u));
+        }
+}
+#endif
+
+#ifdef NINFER_BF16
+/* Read a chunk's K and V rows (row_elems contiguous elements a token) once in memory order, so that the
+   passes below, one KV head's strided slice at a time, find them in cache: a strided pass straight from
+   memory streams at ~9 GB/s on the dev machine, this sweep at ~20. */
+static void touch_rows(const uint16_t *kc, const uint16_t *vc, const int64_t *rows, int64_t len, int64_t row_elems) {
+    __m512i sink = _mm512_setzero_si512();
+    for (int64_t t = 0; t < len; t++)
+        for (int64_t i = 0; i < row_elems; i += 32) {
+            sink = _mm512_or_si512(sink, _mm512_loadu_si512((const void *)(kc + rows[t] + i)));
+            sink = _mm512_or_si512(sink, _mm512_loadu_si512((const void *)(vc + rows[t] + i)));
+        }
+    __asm__ volatile("" : : "v"(sink)); /* keep the loads */
 }
 #endif
 
 /* Softmax partials of one job (a chunk of one sequence's context, all heads: a token's K and V rows of every
    KV head lie together, so the chunk is read as one sequential stream): for each query head m (max
    score), l (sum of exp), acc (sum of exp * v, d values) at part + head * (d + 2). q: [hq, d] fp32,
-   pre-scaled; query head h reads KV head h / (hq / hkv). */
-static void attend_chunk(const float *q, int64_t hq, int64_t hkv, int64_t d, const uint16_t *kc, const uint16_t *vc,
+   scores times `scale`; query head h reads KV head h / (hq / hkv). */
+static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, int64_t d, const uint16_t *kc, const uint16_t *vc,
                          const int32_t *pages, int64_t page_size, int64_t start, int64_t end, float *part) {
     float scores[MAX_HEADS * CHUNK] __attribute__((aligned(64)));
     int64_t rows[CHUNK]; /* element offset of each token's slot in the caches */
@@ -281,24 +336,29 @@ static void attend_chunk(const float *q, int64_t hq, int64_t hkv, int64_t d, con
         rows[t] = ((int64_t)pages[pos / page_size] * page_size + pos % page_size) * hkv * d;
     }
     for (int64_t h = 0; h < hq; h++) memset(part + h * (d + 2) + 2, 0, (size_t)d * sizeof(float));
-#ifdef NINFER_AVX512
-    if (d % 16 == 0 && g * (d / 16) <= 24) {
-        for (int64_t kvh = 0; kvh < hkv; kvh++) { /* the sizes as constants: accumulators stay in registers */
+#ifdef NINFER_BF16
+    if (d % 32 == 0 && d <= 128 && hq <= VEC_HEADS) {
+        uint16_t pb[VEC_HEADS * (CHUNK + 2)] __attribute__((aligned(64))); /* exp'd scores in bf16 */
+        touch_rows(kc, vc, rows, len, hkv * d);
+        for (int64_t kvh = 0; kvh < hkv; kvh++) { /* one KV head's query heads a pass: their sums in registers */
             const float *qg = q + kvh * g * d;
             float *sg = scores + kvh * g * CHUNK, *pg = part + kvh * g * (d + 2);
-#define GROUP_CASE(G, NB) \
-    case G * 100 + NB: \
-        scores_pass(G, NB, qg, kc + kvh * d, rows, len, sg); \
-        softmax_pass(G, sg, len, pg, d); \
-        values_pass(G, NB, vc + kvh * d, rows, len, sg, pg); \
+            uint16_t *bg = pb + kvh * g * (CHUNK + 2);
+            const uint16_t *kh = kc + kvh * d, *vh = vc + kvh * d;
+            /* the sizes as constants where they are common, so the compiler unrolls */
+#define GROUP_CASE(G, N32) \
+    case G * 100 + N32: \
+        scores_pass(1, G, N32, qg, kh, rows, len, scale, sg); \
+        softmax_pass(G, sg, bg, len, pg, d); \
+        values_pass(1, G, N32, vh, rows, len, bg, pg); \
         break;
-            switch (g * 100 + d / 16) {
-                GROUP_CASE(1, 4) GROUP_CASE(2, 4) GROUP_CASE(3, 4) GROUP_CASE(4, 4) GROUP_CASE(5, 4) GROUP_CASE(6, 4)
-                GROUP_CASE(1, 8) GROUP_CASE(2, 8) GROUP_CASE(3, 8)
+            switch (g * 100 + d / 32) {
+                GROUP_CASE(1, 2) GROUP_CASE(2, 2) GROUP_CASE(3, 2) GROUP_CASE(4, 2) GROUP_CASE(5, 2) GROUP_CASE(7, 2)
+                GROUP_CASE(1, 4) GROUP_CASE(2, 4) GROUP_CASE(4, 4)
             default:
-                scores_pass(g, d / 16, qg, kc + kvh * d, rows, len, sg);
-                softmax_pass(g, sg, len, pg, d);
-                values_pass(g, d / 16, vc + kvh * d, rows, len, sg, pg);
+                scores_pass(1, g, d / 32, qg, kh, rows, len, scale, sg);
+                softmax_pass(g, sg, bg, len, pg, d);
+                values_pass(1, g, d / 32, vh, rows, len, bg, pg);
             }
 #undef GROUP_CASE
         }
@@ -313,7 +373,7 @@ static void attend_chunk(const float *q, int64_t hq, int64_t hkv, int64_t d, con
                 const float *qh = q + h * d;
                 float s = 0.0f;
                 for (int64_t i = 0; i < d; i++) s += qh[i] * kf[i];
-                scores[h * CHUNK + t] = s;
+                scores[h * CHUNK + t] = s * scale;
             }
         }
     }
@@ -371,6 +431,7 @@ static void plan_jobs(int64_t b, const int32_t *seq_lens, attn_job *jobs, int64_
 
 typedef struct {
     int64_t b, hq, hkv, d, page_size, pt_stride, q_stride;
+    float scale;
     const uint16_t *kc, *vc;
     const int32_t *page_table;
     const attn_job *jobs;
@@ -378,14 +439,14 @@ typedef struct {
     float *part; /* [jobs, hq, d + 2] */
 } attn_t;
 
-/* out [b, hq, d] = decode attention of q ([b] rows q_stride apart, [hq, d] each, pre-scaled); called by
+/* out [b, hq, d] = decode attention of q ([b] rows q_stride apart, [hq, d] each); called by
    every thread of a parallel region (two orphaned `omp for`: chunks, then merges) */
 static void attention(const attn_t *a, const float *q, float *out) {
     int64_t per_job = a->hq * (a->d + 2);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t j = 0; j < a->first[a->b]; j++) {
         const attn_job *job = a->jobs + j;
-        attend_chunk(q + job->seq * a->q_stride, a->hq, a->hkv, a->d, a->kc, a->vc,
+        attend_chunk(q + job->seq * a->q_stride, a->scale, a->hq, a->hkv, a->d, a->kc, a->vc,
                      a->page_table + job->seq * a->pt_stride, a->page_size, job->start, job->end, a->part + j * per_job);
     }
 #pragma omp for schedule(static)
@@ -421,7 +482,7 @@ int ninfer_llama_decode(const model_t *md, int64_t b, const uint16_t *x_in, cons
     float *resid = mem, *xn = resid + b * h, *tmp = xn + b * h, *qkv = tmp + b * h, *gu = qkv + b * nqkv;
     float *attn = gu + b * 2 * inter, *xs = attn + b * hq * d, *part = xs + b;
     plan_jobs(b, seq_lens, jobs, first);
-    attn_t at = {b, hq, hkv, d, page_size, pt_stride, nqkv, NULL, NULL, page_table, jobs, first, part};
+    attn_t at = {b, hq, hkv, d, page_size, pt_stride, nqkv, md->attn_scale, NULL, NULL, page_table, jobs, first, part};
     for (int64_t i = 0; i < b * h; i++) resid[i] = bf16_to_f32(x_in[i]);
 
 #pragma omp parallel num_threads((int)md->threads) firstprivate(at)
@@ -436,10 +497,9 @@ int ninfer_llama_decode(const model_t *md, int64_t b, const uint16_t *x_in, cons
             }
             qgemv(&L->qkv, xq, xs, b, qkv);
 #pragma omp single
-            for (int64_t r = 0; r < b; r++) { /* RoPE on the q and k heads, q scaled, k and v written */
+            for (int64_t r = 0; r < b; r++) { /* RoPE on the q and k heads, k and v written */
                 float *row = qkv + r * nqkv;
                 for (int64_t hh = 0; hh < hq + hkv; hh++) rope(row + hh * d, cos + r * d, sin + r * d, d);
-                for (int64_t i = 0; i < hq * d; i++) row[i] *= md->attn_scale;
                 uint16_t *kd = kc + slots[r] * hkv * d, *vd = vc + slots[r] * hkv * d;
                 for (int64_t i = 0; i < hkv * d; i++) {
                     kd[i] = f32_to_bf16(row[hq * d + i]);
@@ -498,8 +558,8 @@ int ninfer_qlinear_bf16(const qlinear *L, int64_t m, const uint16_t *x, float *y
     return 0;
 }
 
-/* One layer's decode attention alone (tests, benchmarks): q [b, hq, d] fp32 pre-scaled, out the same. */
-int ninfer_decode_attention(int64_t b, int64_t hq, int64_t hkv, int64_t d, const float *q, const uint16_t *kc,
+/* One layer's decode attention alone (tests, benchmarks): q [b, hq, d] fp32, out the same. */
+int ninfer_decode_attention(int64_t b, int64_t hq, int64_t hkv, int64_t d, const float *q, float scale, const uint16_t *kc,
                             const uint16_t *vc, const int32_t *page_table, int64_t pt_stride,
                             const int32_t *seq_lens, int64_t page_size, float *out, int64_t threads) {
     if (hq > MAX_HEADS || d > MAX_DIM || hq % hkv) return -1;
@@ -512,7 +572,7 @@ int ninfer_decode_attention(int64_t b, int64_t hq, int64_t hkv, int64_t d, const
         return -2;
     }
     plan_jobs(b, seq_lens, jobs, first);
-    attn_t at = {b, hq, hkv, d, page_size, pt_stride, hq * d, kc, vc, page_table, jobs, first, part};
+    attn_t at = {b, hq, hkv, d, page_size, pt_stride, hq * d, scale, kc, vc, page_table, jobs, first, part};
 #pragma omp parallel num_threads((int)threads)
     attention(&at, q, out);
     free(jobs), free(first), free(part);

@@ -92,7 +92,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.ninfer_llama_decode.restype = ctypes.c_int
     lib.ninfer_qlinear_bf16.argtypes = [ctypes.POINTER(QLinear), i64, ptr, ptr, i64]
     lib.ninfer_qlinear_bf16.restype = ctypes.c_int
-    lib.ninfer_decode_attention.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64]
+    lib.ninfer_decode_attention.argtypes = [i64, i64, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr, i64, ptr, i64, ptr, i64]
     lib.ninfer_decode_attention.restype = ctypes.c_int
     return lib
 
@@ -195,8 +195,8 @@ MAX_NATIVE_ROWS = 16  # larger batches (prefill) are compute-bound: torch's kern
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                     seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The C attention alone (tests): q [B, Hq, D] fp32, pre-scaled; bf16 caches [S, Hkv, D]; fp32 out."""
+                     seq_lens: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+    """The C attention alone (tests, benchmarks): q [B, Hq, D]; bf16 caches [S, Hkv, D]; fp32 out."""
     lib = library()
     assert lib is not None
     q = q.float().contiguous()
@@ -204,7 +204,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     out = torch.empty_like(q)
     b, hq, d = q.shape
-    rc = lib.ninfer_decode_attention(b, hq, k_cache.shape[1], d, _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(table),
+    rc = lib.ninfer_decode_attention(b, hq, k_cache.shape[1], d, _ptr(q), scale, _ptr(k_cache), _ptr(v_cache), _ptr(table),
                                      table.stride(0), _ptr(lens), page_size, _ptr(out), _threads())
     assert rc == 0, rc
     return out

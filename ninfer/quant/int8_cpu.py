@@ -11,7 +11,12 @@ tied output projection gets an int8 copy for the logits.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+# From this many rows (a prefill chunk) the weight is widened to bf16 for torch's GEMM: 2.4x faster than the
+# int8 weight-only kernel at 128 rows, 2.6-3.4x at 512 (2 cores); below it the int8 kernel wins
+PREFILL_ROWS = 32
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,12 +41,17 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.bfloat16 and self.bias is None and x.is_contiguous():  # no reshapes
-            return torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scale)
+            return self._matmul(x)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scale)
+        y = self._matmul(rows)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] >= PREFILL_ROWS:  # compute-bound: the int8 values are exact in bf16, so a bf16 GEMM
+            return F.linear(rows, self.weight_int8.to(torch.bfloat16)) * self.scale
+        return torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scale)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 x @ W^T for the output head: a decode batch through the native CPU kernel (no bf16 rounding of
