@@ -261,17 +261,15 @@ def test_mtp_drafts_equal_a_from_scratch_head_and_output_equals_plain_greedy(tin
     assert_no_leak(engine)
 
 
-def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mtp_path, monkeypatch):
-    """The CUDA-graph paths of MTP drafting (MTPProposer._replay: the chain over static DecodeInputs whose host
-    lengths are device-only, static hidden and draft rows, one graph per batch size; _observe_replay and
-    _observe_verify_replay: the head over a plain step's or a verify step's committed rows), run on the CPU with a
-    stand-in for capture that re-runs the captured function at every replay: the static inputs are refilled
-    each round and its drafts equal the head run from scratch."""
+def _fake_mtp_graphs(monkeypatch) -> list:
+    """The MTP proposer's CUDA-graph paths on the CPU: a stand-in for capture that re-runs the captured function
+    at every replay (what a graph does with its static buffers), and static inputs whose batches carry the host
+    lengths the CPU reference kernels read (a graph's kernels do not). Returns the list of captured stand-ins;
+    the caller points ModelRunner.decode_graph_inputs at static DecodeInputs."""
     from ninfer.engine import mtp_proposer
     from ninfer.engine.graphs import DecodeInputs, VerifyInputs
-    from ninfer.engine.runner import ModelRunner
 
-    class Replayed:  # what a CUDA graph does with its static buffers, eagerly
+    class Replayed:
         def __init__(self, run):
             self.run, self.out = run, run()
 
@@ -287,7 +285,7 @@ def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mt
     monkeypatch.setattr(mtp_proposer, "capture", fake_capture)
     plain_batch = DecodeInputs.batch
 
-    def with_host_lengths(self, b):  # the CPU reference kernels read host lengths (a graph's kernels do not)
+    def with_host_lengths(self, b):
         batch = plain_batch(self, b)
         batch.seq_lens_cpu = batch.seq_lens.tolist()
         return batch
@@ -301,11 +299,28 @@ def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mt
         return batch
 
     monkeypatch.setattr(VerifyInputs, "batch", verify_with_host_lengths)
+    return captured
+
+
+def _static_decode_inputs(engine, monkeypatch) -> None:
+    from ninfer.engine.graphs import DecodeInputs
+    from ninfer.engine.runner import ModelRunner
+
+    static = DecodeInputs(3, 256 // engine.runner.page_size + 2, CPU)
+    monkeypatch.setattr(ModelRunner, "decode_graph_inputs", property(lambda self: static))
+
+
+def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mtp_path, monkeypatch):
+    """The CUDA-graph paths of MTP drafting (MTPProposer._replay: the chain over static DecodeInputs whose host
+    lengths are device-only, static hidden and draft rows, one graph per batch size; _observe_replay and
+    _observe_verify_replay: the head over a plain step's or a verify step's committed rows), run on the CPU with a
+    stand-in for capture that re-runs the captured function at every replay: the static inputs are refilled
+    each round and its drafts equal the head run from scratch."""
+    captured = _fake_mtp_graphs(monkeypatch)
     base = _baseline(tiny_qwen_mtp_path)
     settings = EngineSettings(max_context=256, max_concurrency=3, prefill_chunk=16, draft_tokens=3, spec="mtp")
     engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
-    static = DecodeInputs(3, 256 // engine.runner.page_size + 2, CPU)
-    monkeypatch.setattr(ModelRunner, "decode_graph_inputs", property(lambda self: static))
+    _static_decode_inputs(engine, monkeypatch)
     oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=5)
     spec, counters, seen = _run_recording_drafts(engine, oracle)
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
@@ -316,43 +331,49 @@ def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mt
         assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
 
 
-@pytest.mark.parametrize("cap", [None, 2])
-def test_mtp_observes_kept_rows_when_a_sequence_next_drafts(tiny_qwen_mtp_path, monkeypatch, cap):
-    """Steps that draft nothing (the adaptive engine's plain steps) run no MTP head: a decode step's rows are
-    kept and observed in one head forward when the sequence next drafts (rows of plain and verify steps
-    together), or once a sequence keeps more than PENDING_CAP (here also 2). Every draft then equals the head
-    run from scratch, and output equals plain greedy."""
+@pytest.mark.parametrize("window, graphs", [(None, False), (2, False), (None, True), (3, True)])
+def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_path, monkeypatch, window, graphs):
+    """A step's rows that carried no drafts (the adaptive engine's plain steps) run no MTP head: they are kept
+    and observed when the sequence next drafts, or WINDOW (here also 2, 3) at a time, through the verify-shaped
+    graph of WINDOW rows a sequence (the graph paths as in the test above). Every draft equals the head run
+    from scratch, and output equals plain greedy."""
     import itertools
 
     from ninfer.engine import mtp_proposer
 
-    if cap is not None:
-        monkeypatch.setattr(mtp_proposer, "PENDING_CAP", cap)
+    if window is not None:
+        monkeypatch.setattr(mtp_proposer, "WINDOW", window)
+    captured = _fake_mtp_graphs(monkeypatch) if graphs else None
     base = _baseline(tiny_qwen_mtp_path)
     settings = EngineSettings(max_context=256, max_concurrency=3, prefill_chunk=16, draft_tokens=3, spec="mtp")
     engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
+    if graphs:
+        _static_decode_inputs(engine, monkeypatch)
     proposer = engine.proposer
     steps, propose = itertools.count(), engine._propose
     engine._propose = lambda plan: propose(plan) if next(steps) % 4 == 0 else None  # drafts every fourth step
     forwards, head_forward = [], proposer.head.forward
     proposer.head.forward = lambda *a, **kw: (forwards.append(1), head_forward(*a, **kw))[1]
-    in_observe, observe = [], proposer.observe
+    plain, observe = [], proposer.observe
 
     def counted(plan, output, committed):
         before = len(forwards)
         observe(plan, output, committed)
-        if plan.prefill is None:
-            in_observe.append(len(forwards) - before)
+        if plan.prefill is None and not any(w.draft_ids for w in plan.decode):
+            plain.append(len(forwards) - before)
 
     proposer.observe = counted
     oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=5)
     spec, counters, seen = _run_recording_drafts(engine, oracle)
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert counters.spec_rounds > 0 and counters.spec_fallback_steps > counters.spec_rounds
-    if cap is None:
-        assert in_observe and sum(in_observe) == 0  # decode steps' rows wait for the next draft
+    if window is None:
+        assert plain and sum(plain) == 0  # three plain steps between drafts: fewer rows than a window
     else:
-        assert sum(in_observe) > 0  # over the cap: observed without waiting
+        assert sum(plain) > 0  # whole windows observed without waiting
+    if graphs:
+        windows = {k for k in proposer._graphs if k[0] == "observe_verify" and k[2] == mtp_proposer.WINDOW}
+        assert captured and windows
     for tokens, drafts, budget in seen:
         assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
     assert_no_leak(engine)

@@ -43,7 +43,7 @@ from ninfer.forward import CacheSpec, ForwardBatch, host_inputs, verify_inputs
 from ninfer.models.mtp import chain_batch
 
 log = logging.getLogger("ninfer.engine")
-PENDING_CAP = 128  # a sequence's decode rows kept unobserved at most (then observed without waiting for a draft)
+WINDOW = 8  # rows a sequence kept unobserved: observed this many at a time (a verify-shaped graph of this width)
 
 
 @dataclass
@@ -109,20 +109,24 @@ class MTPProposer:
     # ---- after a step: the head over the positions the trunk computed ----------------------------
     @torch.inference_mode()
     def observe(self, plan: StepPlan, output: RunnerOutput, committed: dict[int, int]) -> None:
-        """Note the step's new positions (module docstring): a prefill chunk's are observed now, a decode row's
-        when the sequence next drafts (`propose`), or now once it keeps more than PENDING_CAP."""
+        """The head over the step's new positions (module docstring): a prefill chunk's and a drafted row's now,
+        a row without drafts kept until the sequence drafts again or keeps WINDOW rows."""
         # a prefill chunk's last row waits for its next token (the next chunk's first, or the first sample)
         rows = [(s, p, h) for s, p, h in computed_rows(plan, output, committed) if s.total_len > p + h.shape[0]]
         if not rows:
             return
         width = max((len(w.tokens) for w in plan.decode), default=1)
         prefill = plan.prefill.seq if plan.prefill is not None else None
-        now = []
+        drafted = {id(w.seq) for w in plan.decode if w.draft_ids}
+        now, full = [], []
         for seq, start, hidden in rows:
             self._keep(seq, start, hidden, 0 if seq is prefill else width)
-            if seq is prefill or sum(c.hidden.shape[0] for c in self._pending[seq.request_id]) > PENDING_CAP:
+            if seq is prefill or id(seq) in drafted:
                 now.append(seq)
+            elif self._pending[seq.request_id][-1].end - self._pending[seq.request_id][0].start >= WINDOW:
+                full.append(seq)
         self._observe(now)
+        self._observe(full, whole_windows=True)
 
     def _keep(self, seq: Sequence, start: int, hidden: torch.Tensor, width: int) -> None:
         """Append positions start.. to seq's unobserved rows, which stay one contiguous run ending there: rows at
@@ -137,41 +141,72 @@ class MTPProposer:
             chunks.clear()
         chunks.append(_Pending(start, hidden, width))
 
-    def _observe(self, seqs: list[Sequence]) -> None:
-        """The head over every unobserved row of these sequences, in one forward: the graph of a plain step's or
-        a verify step's rows when each sequence keeps one step's, else eagerly (a prefill chunk, the rows kept
-        over plain steps); each sequence's frontier then sits at its last row."""
+    def _observe(self, seqs: list[Sequence], whole_windows: bool = False) -> None:
+        """The head over the unobserved rows of these sequences (whole_windows: the most whole WINDOWs of them,
+        the rest kept): one step's rows of each replay the graph of a plain step or of that verify step, rows
+        kept over several steps replay the verify-shaped graph of WINDOW rows a sequence, window by window;
+        eagerly in one forward where no graph fits. Each sequence's frontier then sits at its last row observed."""
         held = [(s, self._pending.pop(s.request_id)) for s in seqs if self._pending.get(s.request_id)]
+        if whole_windows:
+            for i, (seq, chunks) in enumerate(held):
+                rows = torch.cat([c.hidden for c in chunks]) if len(chunks) > 1 else chunks[0].hidden
+                cut = rows.shape[0] // WINDOW * WINDOW
+                if cut < rows.shape[0]:  # the rest waits
+                    self._pending[seq.request_id] = [_Pending(chunks[0].start + cut, rows[cut:], 1)]
+                held[i] = (seq, [_Pending(chunks[0].start, rows[:cut], 1)])
+            held = [(s, c) for s, c in held if c[0].hidden.shape[0]]
         if not held:
             return
-        runner = self.runner
         seqs = [s for s, _ in held]
         starts = [chunks[0].start for _, chunks in held]
         lens = [chunks[-1].end - chunks[0].start for _, chunks in held]
         tokens = [s.tokens(p + 1, p + 1 + n) for s, p, n in zip(seqs, starts, lens)]
         positions = [s.positions(p, p + n) for s, p, n in zip(seqs, starts, lens)]
-        graphed = None
-        if all(len(chunks) == 1 for _, chunks in held) and self._graphable(seqs, positions):
+        hidden = [torch.cat([c.hidden for c in chunks]) if len(chunks) > 1 else chunks[0].hidden
+                  for _, chunks in held]
+        results = None
+        if self._graphable(seqs, positions):
             widths = {chunks[0].width for _, chunks in held}
-            if all(n == 1 for n in lens):  # one row each (a plain step's, or a verify's that kept none)
-                hidden = torch.cat([c[0].hidden for _, c in held]) if len(held) > 1 else held[0][1][0].hidden
-                graphed = self._observe_replay(seqs, starts, tokens, hidden)
-            elif len(widths) == 1 and min(widths) > 1:  # the committed rows of one verify step
-                graphed = self._observe_verify_replay(seqs, starts, tokens, [c[0].hidden for _, c in held],
-                                                      widths.pop())
-        if graphed is not None:
-            last, drafts = graphed
-        else:
-            parts = [c.hidden for _, chunks in held for c in chunks]
-            hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
-            batch = upload_batch(ForwardBatch.build(tokens, starts, [s.pages for s in seqs], runner.page_size,
-                                                    device="cpu", positions=positions), runner)
-            out = self.head(batch, runner.cache, batch.input_ids, hidden)
-            last = out[batch.last_token_indices()]
-            drafts = self._argmax(last)
-        for j, (seq, p, n) in enumerate(zip(seqs, starts, lens)):
+            single = all(len(chunks) == 1 for _, chunks in held)
+            if single and all(n == 1 for n in lens):  # one row each (a plain step's, or a verify's that kept one)
+                graphed = self._observe_replay(seqs, starts, tokens, torch.cat(hidden) if len(held) > 1 else hidden[0])
+            elif single and len(widths) == 1 and min(widths) > 1:  # the committed rows of one verify step
+                graphed = self._observe_verify_replay(seqs, starts, tokens, hidden, widths.pop())
+            else:  # rows of several steps
+                graphed = self._observe_windows(seqs, starts, tokens, hidden)
+            if graphed is not None:
+                results = [(graphed[0][j], graphed[1][j]) for j in range(len(seqs))]
+        if results is None:
+            results = self._observe_eager(seqs, starts, tokens, positions, hidden)
+        for (seq, p, n), (last, draft) in zip(zip(seqs, starts, lens), results):
             if seq.status is Status.DECODE or seq.total_len == p + n + 1:
-                self._frontier[seq.request_id] = _Frontier(p + n - 1, last[j], drafts[j])
+                self._frontier[seq.request_id] = _Frontier(p + n - 1, last, draft)
+
+    def _observe_eager(self, seqs, starts, tokens, positions, hidden) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The head over every row in one eager forward: each sequence's output at its last row, and its draft."""
+        runner = self.runner
+        batch = upload_batch(ForwardBatch.build(tokens, starts, [s.pages for s in seqs], runner.page_size,
+                                                device="cpu", positions=positions), runner)
+        out = self.head(batch, runner.cache, batch.input_ids, torch.cat(hidden) if len(hidden) > 1 else hidden[0])
+        last = out[batch.last_token_indices()]
+        drafts = self._argmax(last)
+        return [(last[j], drafts[j]) for j in range(len(seqs))]
+
+    def _observe_windows(self, seqs, starts, tokens, hidden) -> tuple[list, list] | None:
+        """Rows of several steps through the verify-shaped graph of WINDOW rows a sequence, WINDOW rows of each
+        sequence a replay (the sequences with rows left); each sequence's output and draft at its last row, or
+        None when the graph cannot be had (the caller observes eagerly)."""
+        lasts, drafts = [None] * len(seqs), [None] * len(seqs)
+        for at in range(0, max(h.shape[0] for h in hidden), WINDOW):
+            group = [j for j, h in enumerate(hidden) if h.shape[0] > at]
+            replayed = self._observe_verify_replay(
+                [seqs[j] for j in group], [starts[j] + at for j in group], [tokens[j][at: at + WINDOW] for j in group],
+                [hidden[j][at: at + WINDOW] for j in group], WINDOW)
+            if replayed is None:
+                return None
+            for i, j in enumerate(group):
+                lasts[j], drafts[j] = replayed[0][i], replayed[1][i]
+        return lasts, drafts
 
     def _observe_verify_replay(self, seqs: list[Sequence], starts: list[int], tokens: list[list[int]],
                                hidden: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
