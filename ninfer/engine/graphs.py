@@ -267,9 +267,11 @@ class PieceGraphs:
     """One forward captured as several CUDA graphs, replayed back to back (`capture` with `split`).
 
     A CUDA graph launch costs the host time in proportion to its kernels, and the GPU starts on a graph
-    only once its launch returns: ~1.1-1.2 ms for a 27B decode or verify step's ~1,300-1,800 kernels on
-    the H200 (bench/results/2026-12-04-h200-s14, --timeline), during which the GPU idles after each step's
-    read back. Cut into pieces, the GPU runs the first (a few layers) while the host launches the rest."""
+    only once its launch returns. Cut into pieces, the GPU runs the first (a few layers) while the host
+    launches the rest. Under torch.profiler a 27B decode or verify graph's launch took ~1.1-1.2 ms on the
+    H200 (bench/results/2026-12-04-h200-s14, --timeline), but that was mostly the profiler's: without it
+    a plain step's whole program_submit is ~0.3 ms, and pieces gained 1.6 % at C=1 and 0.7 % at C=8
+    (plain decode, 27B NVFP4), so they stay opt-in (NINFER_GRAPH_PIECES=1)."""
 
     def __init__(self, graphs: list[torch.cuda.CUDAGraph]):
         self.graphs = graphs
