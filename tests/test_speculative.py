@@ -594,3 +594,75 @@ def test_a_sampled_draft_is_accepted_with_the_target_probability(tiny_qwen_path)
     sd = (p_draft * (1 - p_draft) / runs) ** 0.5
     assert 0.05 < p_draft < 0.95, p_draft  # a test that can fail both ways
     assert abs(accepted / runs - p_draft) < 4.5 * sd, (accepted / runs, p_draft)
+
+
+@pytest.mark.parametrize("host_budget", [None, 0], ids=["snapshot", "replay"])
+def test_block_drafter_context_travels_with_paused_requests(tiny_qwen_path, tmp_path, host_budget):
+    """Under KV pressure the engine pauses requests (snapshot to the host, or replay) and later restores them on
+    other pages; the drafter's context K/V moves with the target's pages (context_transfer_bytes backend_kv), so
+    every proposal, before a pause and after, equals the drafter run from scratch over the whole sequence, and
+    output equals plain greedy decoding."""
+    import asyncio
+
+    path = _block_drafter_artifact(tiny_qwen_path, tmp_path / "dflash", "dflash")
+    prompts = [[(31 * i + 7 * s) % 700 + 60 for i in range(60)] for s in range(4)]
+    # no admission deadline: the point is the pauses, and a loaded CI machine runs this slowly
+    common = dict(max_context=512, prefill_chunk=32, page_size=4, prefix_reuse=False, pending_timeout_ms=10**9)
+
+    def run(engine):
+        engine.settings.eos_ids = set()  # random weights: generate the full length
+
+        async def main():
+            async def one(i):
+                return [e async for e in engine.stream(EngineRequest(f"s{i}", prompts[i], max_tokens=40,
+                                                                       sampling=GREEDY))]
+            return await asyncio.gather(*(one(i) for i in range(4)))
+        return [token_ids(events) for events in asyncio.run(main())]
+
+    plain = load_engine(tiny_qwen_path, EngineSettings(**common, max_concurrency=1), device=CPU)
+    try:
+        want = run(plain)
+    finally:
+        plain.shutdown()
+    settings = EngineSettings(**common, max_concurrency=4, kv_capacity=160, state_slots=8, draft_tokens=4,
+                              spec="dflash", host_context_bytes=host_budget)
+    engine = load_engine(path, settings, device=CPU)
+    seen = []
+    propose = engine.proposer.propose
+
+    def recording(works, budgets):
+        propose(works, budgets)
+        seen.extend((w.seq.tokens(0, w.seq.total_len), _proposed(w), b) for w, b in zip(works, budgets))
+
+    engine.proposer.propose = recording
+    try:
+        got = run(engine)
+    finally:
+        engine.shutdown()
+    assert got == want
+    c = engine.counters
+    assert engine.scheduler.preemptions > 0
+    if host_budget is None:
+        assert c.snapshot_restores > 0
+        moved = c.context_transfer_bytes
+        assert moved["backend_kv_d2h"] == moved["backend_kv_h2d"] > 0
+    else:
+        assert c.replay_restores > 0 and c.snapshot_restores == 0
+    assert len(seen) > 40
+    for tokens, drafts, budget in seen:
+        assert drafts == _reference_block(engine, tokens)[:budget]
+    assert_no_leak(engine)
+
+
+def test_a_staged_table_wider_than_the_verify_rows_places_what_fits():
+    """A block drafter stages its whole block (k columns); when every row's budget is below k (near max_tokens,
+    under KV pressure) the verify rows are narrower, and only the first width - 1 drafts go in."""
+    from ninfer.engine.speculative import StagedDrafts
+
+    table = torch.arange(1, 9).view(2, 4)
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    StagedDrafts([None, None], table, [0, 1], [0, 1]).place(ids, torch.tensor)
+    assert ids.tolist() == [[0, 1, 2], [0, 5, 6]]
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    StagedDrafts([None], table, [1], [0]).place(ids, lambda v, dtype: torch.tensor(v, dtype=dtype))
+    assert ids.tolist() == [[0, 0, 0], [0, 1, 2]]

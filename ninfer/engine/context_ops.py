@@ -1,8 +1,12 @@
 """Carries out a plan's context operations (ninfer.engine.plan.ContextOp): prefix and capture copies on
 the device, pause snapshots to the host and restores from it. The KV manager decided them and keeps
 the reference counts; this only moves bytes, in plan order, and counts them
-(`Counters.context_transfer_bytes`, by direction: d2d, d2h, h2d).
+(`Counters.context_transfer_bytes`, by resource and direction: d2d, d2h, h2d).
+
+Companion caches share the model cache's page numbering (a block drafter's context K/V: its entry for a
+position lives at the position's slot), so their pages move with the model's: counted as "backend_kv".
 """
+
 
 from __future__ import annotations
 
@@ -14,8 +18,10 @@ from ninfer.forward import ModelCache
 
 
 class ContextExecutor:
-    def __init__(self, kv: KVManager, model_cache: ModelCache, counters: Counters):
+    def __init__(self, kv: KVManager, model_cache: ModelCache, counters: Counters,
+                 companions: tuple[ModelCache, ...] = ()):
         self.kv, self.model_cache, self.counters = kv, model_cache, counters
+        self.companions = companions
         self.state_image_bytes = transfers.state_bytes(model_cache)
 
     def run(self, ops: list[ContextOp]) -> None:
@@ -26,6 +32,9 @@ class ContextExecutor:
         if op.src_pages:
             transfers.copy_pages(self.model_cache, op.src_pages, op.dst_pages)
             self._count("d2d", kv=len(op.dst_pages) * transfers.page_bytes(self.model_cache))
+            for cache in self.companions:
+                transfers.copy_pages(cache, op.src_pages, op.dst_pages)
+                self._count("d2d", backend=len(op.dst_pages) * transfers.page_bytes(cache))
         if op.src_slot is not None and op.dst_slot is not None:
             transfers.copy_state(self.model_cache, op.src_slot, op.dst_slot)
             self._count("d2d", state=self.state_image_bytes)
@@ -33,6 +42,7 @@ class ContextExecutor:
     def _snapshot(self, op: ContextOp) -> None:
         seq, reserved = op.seq, op.seq.snapshot.nbytes
         snap = transfers.to_host(self.model_cache, op.src_pages, op.src_slot)
+        snap.companions = [transfers.to_host(cache, op.src_pages, None) for cache in self.companions]
         seq.snapshot = snap
         self.kv.host_used += snap.nbytes - reserved
         c = self.counters
@@ -44,18 +54,19 @@ class ContextExecutor:
         seq = op.seq
         snap = seq.snapshot
         transfers.from_host(self.model_cache, snap, op.dst_pages, op.dst_slot)
+        for cache, part in zip(self.companions, snap.companions):
+            transfers.from_host(cache, part, op.dst_pages, None)
         self.kv.free_snapshot(seq)
         self.counters.transfer_bytes_h2d += snap.nbytes
         self._count_snapshot("h2d", snap)
         self.counters.snapshot_restores += 1
 
-    def _count(self, direction: str, kv: int = 0, state: int = 0) -> None:
+    def _count(self, direction: str, kv: int = 0, state: int = 0, backend: int = 0) -> None:
         moved = self.counters.context_transfer_bytes
         moved[f"main_kv_{direction}"] += kv
         moved[f"state_{direction}"] += state
+        moved[f"backend_kv_{direction}"] += backend
 
     def _count_snapshot(self, direction: str, snap: transfers.HostSnapshot) -> None:
-        def size(*tensors):
-            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-        self._count(direction, kv=size(snap.k, snap.v, snap.k_scale, snap.v_scale), state=size(snap.conv, snap.ssm))
+        self._count(direction, kv=snap.kv_nbytes, state=snap.state_nbytes,
+                    backend=sum(c.nbytes for c in snap.companions))

@@ -31,8 +31,8 @@ class Counters:
     spec_fallback_steps: int = 0  # decode rows of a speculative engine that carried none
     # ---- observability (metrics and the request log) ----
     host_context_peak_bytes: int = 0
-    context_transfer_bytes: dict[str, int] = field(  # "<resource>_<direction>": main_kv|state x d2h|h2d|d2d
-        default_factory=lambda: {f"{r}_{d}": 0 for r in ("main_kv", "state") for d in ("d2h", "h2d", "d2d")})
+    context_transfer_bytes: dict[str, int] = field(  # "<resource>_<direction>": main_kv|state|backend_kv x d2h|h2d|d2d
+        default_factory=lambda: {f"{r}_{d}": 0 for r in ("main_kv", "state", "backend_kv") for d in ("d2h", "h2d", "d2d")})
 
 
     def count_round(self, drafted: int, accepted: int) -> None:

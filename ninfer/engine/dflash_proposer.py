@@ -12,10 +12,10 @@ token and every committed verify row. Per step, two halves:
 The drafter's cache has the target cache's page geometry (a position's context entry lives at the
 same slot as its target KV) plus a few scratch pages per lane: a block reaches block_size - 1
 positions past the frontier, further than the pages the scheduler reserves for the verify window,
-so the block's page table continues into its lane's scratch pages. Its entries are not carried by
-the target's page copies, snapshots or prefix reuse: after a reused prefix or a snapshot restore the
-drafter sees stale context there (fewer accepted drafts, never different output; replay rebuilds
-it). Drafts are greedy, so acceptance is the lossless rule (ninfer.engine.speculative).
+so the block's page table continues into its lane's scratch pages. Its pages travel with the target's
+(`companion_caches`: the engine's page copies, pause snapshots and restores move them too), and a
+reused prefix's shared pages hold the entries of the request that computed them, at the same positions.
+Drafts are greedy, so acceptance is the lossless rule (ninfer.engine.speculative).
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ class DFlashProposer:
         lanes = runner.counts.shape[0]
         self.cache = ModelCache(self.drafter.cache_spec(), trunk.num_pages + lanes * self.scratch_pages,
                                 trunk.page_size, 0, self.drafter.fc.weight.dtype, runner.device)
+
+    def companion_caches(self) -> list[ModelCache]:
+        """Caches numbered like the target's pages, whose pages move with them (ninfer.engine.context_ops)."""
+        return [self.cache]
 
     def forget(self, seq: Sequence) -> None:
         self._frontier.pop(seq.request_id, None)

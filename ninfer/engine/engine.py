@@ -157,15 +157,17 @@ class Engine:
         host_budget = settings.host_context_bytes
         if host_budget is None:
             host_budget = 8 * 2**30 + 8 * transfers.state_bytes(model_cache)
+        # caches paged like the model's (a block drafter's context): their pages are copied and paused with it
+        companions = tuple(self.proposer.companion_caches()) if hasattr(self.proposer, "companion_caches") else ()
         self.kv = KVManager(pages, slots, prefix_reuse=settings.prefix_reuse, host_budget=host_budget,
-                            snapshot_bytes=lambda n, state: transfers.snapshot_bytes(model_cache, n, state))
+                            snapshot_bytes=lambda n, state: transfers.snapshot_bytes(model_cache, n, state, companions))
         self.cache = self.kv.cache  # the retained checkpoints (an index; the KV manager owns their pages)
         self.scheduler = Scheduler(max_concurrency=settings.max_concurrency, prefill_chunk=settings.prefill_chunk,
                                    kv=self.kv, draft_tokens=settings.draft_tokens if proposer else 0,
                                    max_context=settings.max_context)
         self.thinking = thinking or ThinkingControl(think_end_id=None)
         self.counters = Counters()
-        self.context = ContextExecutor(self.kv, model_cache, self.counters)
+        self.context = ContextExecutor(self.kv, model_cache, self.counters, companions)
         self.output = OutputProcessor(self.thinking, self.counters, max_context=settings.max_context)
         self.work = HostWork()
         self._recovering: set[str] = set()  # restored requests whose next commit completes recovery
@@ -367,7 +369,6 @@ class Engine:
                         plan.want_hidden = True
                         plan.want_prefill_hidden = getattr(self.proposer, "wants_prefill_hidden", False)
                     started = time.perf_counter()
-                    self._propose(plan)
                     self._admitted(plan)
                     self._preempted(plan)
                     for seq in plan.starved:
@@ -390,6 +391,8 @@ class Engine:
         """Copies, forwards, commits and the scheduler's update for one plan."""
         with self.work.phase("program_submit"):
             self.context.run(plan.before)
+            # drafts after the copies and restores: a drafter reads its context from the pages they fill
+            self._propose(plan)
             launched = self.runner.launch(plan)
             self.context.run(plan.after)
         with self.work.phase("device_wait"):

@@ -91,16 +91,17 @@ class StagedDrafts:
 
     def place(self, ids, upload) -> None:
         """Copy the drafts into a verify batch's device input ids [B, width] (after its last token; a row
-        with fewer drafts than k gets the rest in its padding, which nothing keeps)."""
-        k = self.table.shape[1]
-        if k > ids.shape[1] - 1:
-            raise ValueError(f"{k} staged drafts do not fit verify rows of {ids.shape[1]} tokens")
+        with fewer drafts than the width holds gets the rest in its padding, which nothing keeps). The table
+        may be wider than the batch's widest budget (a drafter drafts its whole block; budgets shrink near
+        max_tokens or under KV pressure): only its first width - 1 columns can be kept."""
+        k = min(self.table.shape[1], ids.shape[1] - 1)
         if self.batch_rows == self.table_rows == list(range(ids.shape[0])):
-            ids[:, 1:1 + k].copy_(self.table)
+            ids[:, 1:1 + k].copy_(self.table[:, :k])
         else:
             import torch
 
-            ids[upload(self.batch_rows, torch.long), 1:1 + k] = self.table[upload(self.table_rows, torch.long)]
+            ids[upload(self.batch_rows, torch.long), 1:1 + k] = \
+                self.table[upload(self.table_rows, torch.long)][:, :k]
 
     def fill(self, flat: list[int]) -> list[int]:
         """Given the step's read back with the table's values at its end, write each work's draft ids (and

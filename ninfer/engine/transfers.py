@@ -8,7 +8,7 @@ moves its block scales too."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,15 +67,24 @@ class HostSnapshot:
     num_pages: int
     k_scale: torch.Tensor | None = None  # quantized KV only
     v_scale: torch.Tensor | None = None
+    companions: list["HostSnapshot"] = field(default_factory=list)  # the same pages of companion caches
+
+    @property
+    def kv_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+
+    @property
+    def state_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm) if t is not None)
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.k, self.v, self.k_scale, self.v_scale, self.conv, self.ssm)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return self.kv_nbytes + self.state_nbytes + sum(c.nbytes for c in self.companions)
 
 
-def snapshot_bytes(cache: ModelCache, num_pages: int, has_state: bool) -> int:
-    return num_pages * page_bytes(cache) + (state_bytes(cache) if has_state else 0)
+def snapshot_bytes(cache: ModelCache, num_pages: int, has_state: bool, companions: tuple[ModelCache, ...] = ()) -> int:
+    pages = num_pages * (page_bytes(cache) + sum(page_bytes(c) for c in companions))
+    return pages + (state_bytes(cache) if has_state else 0)
 
 
 def to_host(cache: ModelCache, pages: list[int], slot: int | None) -> HostSnapshot:

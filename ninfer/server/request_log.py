@@ -256,7 +256,7 @@ def throughput_fields(before: dict[str, Any], after: dict[str, Any], seconds: fl
             "captures": _delta(before, after, "prefix_captures"),
             "evictions": _delta(before, after, "prefix_evictions"),
             "transfer_bytes": {r: {d: transfers[f"{r}_{d}"] for d in ("d2h", "h2d", "d2d")}
-                               for r in ("main_kv", "state")},
+                               for r in ("main_kv", "state", "backend_kv")},
             "occupancy": {k: after[k] for k in ("kv_pages_used", "kv_pages_capacity", "state_slots_used",
                                                 "state_slots_capacity", "retained_checkpoints",
                                                 "host_context_used_bytes", "host_context_capacity_bytes")},
