@@ -349,3 +349,29 @@ def test_native_step_can_be_switched_off(monkeypatch):
     finally:
         monkeypatch.delenv("NINFER_CPU_NATIVE")
         cpu_native.library.cache_clear()
+
+
+def test_served_engine_decodes_on_one_core_fewer_and_prefills_on_all(monkeypatch, tiny_llama_path):
+    """The Engine replica leaves a core to the router, proxy and Ray for decode steps (NINFER_CPU_THREADS
+    overrides), and gives prefill's torch ops every core."""
+    import os
+
+    from ninfer.config import ServerConfig
+    from ninfer.server.startup import engine_cpu_threads, load_engine_for
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.delenv("NINFER_CPU_THREADS", raising=False)
+    assert engine_cpu_threads() == 2
+    monkeypatch.setenv("NINFER_CPU_THREADS", "1")
+    assert engine_cpu_threads() == 1
+    monkeypatch.setattr(cpu_native, "decode_threads", None)
+    threads = torch.get_num_threads()
+    try:
+        engine = load_engine_for(ServerConfig(artifact=str(tiny_llama_path), max_context=64))
+        engine.shutdown()
+        assert cpu_native.decode_threads == 1 and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.delenv("NINFER_CPU_THREADS")
+    assert engine_cpu_threads() == 1

@@ -118,8 +118,13 @@ def _qlinear(module) -> QLinear:
     return QLinear(_ptr(module.weight_int8), _ptr(module.scale), module.out_features, module.in_features)
 
 
+# Threads of a native decode step (and its logits), where the process sets them apart from torch's (the
+# served Engine replica: ninfer.server.startup); None: torch's thread count.
+decode_threads: int | None = None
+
+
 def _threads() -> int:
-    return torch.get_num_threads()
+    return decode_threads or torch.get_num_threads()
 
 
 class NativeLlamaDecode:

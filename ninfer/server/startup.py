@@ -81,11 +81,10 @@ def engine_settings(cfg: ServerConfig) -> EngineSettings:
 
 
 def engine_cpu_threads() -> int:
-    """Threads of a CPU engine inside the served graph: NINFER_CPU_THREADS, else one fewer than the cores this
-    process may run on (at least one). The router, the HTTP proxy and Ray's own processes need a core: a decode
-    step's threads meet at ~10 barriers a layer, and one of them descheduled stalls the others for a time
-    slice; on the 2-core dev machine one engine thread gave 62-69 tok/s through HTTP where two gave 43-65
-    (bench/results/2026-12-03-cpu-s14)."""
+    """Threads of a CPU engine's decode steps inside the served graph: NINFER_CPU_THREADS, else one fewer than the
+    cores this process may run on (at least one). The router, the HTTP proxy and Ray's own processes need a
+    core: a decode step's threads meet at ~10 barriers a layer, and one of them descheduled stalls the others
+    for a time slice (bench/results/2026-12-03-cpu-s14). Prefill, compute-bound and long, takes every core."""
     return int(os.environ.get("NINFER_CPU_THREADS", "0")) or max(1, len(os.sched_getaffinity(0)) - 1)
 
 
@@ -100,8 +99,12 @@ def load_engine_for(cfg: ServerConfig, *, device_index: int | None = None, threa
 
     device = pick_device(cfg.device if device_index is None else device_index)
     if device.type == "cpu":
-        # Ray sets OMP threads from a replica's num_cpus; the engine sets its own (engine_cpu_threads).
-        torch.set_num_threads(threads or engine_cpu_threads())
+        # Ray sets OMP threads from a replica's num_cpus; the engine sets its own: torch's (prefill) every core,
+        # the native decode step's engine_cpu_threads()
+        from ninfer.kernels import cpu_native
+
+        torch.set_num_threads(threads or max(1, len(os.sched_getaffinity(0))))
+        cpu_native.decode_threads = threads or engine_cpu_threads()
     log.info("loading %s on %s", cfg.artifact, device)
     started = time.monotonic()
     engine = load_engine(cfg.artifact, engine_settings(cfg), device=device, dtype=cfg.dtype)
