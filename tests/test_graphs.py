@@ -263,20 +263,8 @@ def test_piecewise_capture_cuts_between_layers():
 @needs_cuda
 def test_piecewise_graphs_greedy_equals_eager(monkeypatch):
     """Decode graphs captured in pieces replay what the eager forward computes (greedy output, 8 lanes)."""
-    from bench import selfcheck
-    from ninfer.artifact.presets import instantiate
-    from ninfer.kernels import backend
+    from test_kernels import greedy_with_and_without_graphs
 
-    if not backend.triton_available():
-        pytest.skip("graphs need the Triton backend")
-    from test_kernels import PROMPTS, _tokenizer
-
-    monkeypatch.setenv("NINFER_GRAPH_PIECES", "1")
-    model = instantiate("tiny-qwen3.6", "cuda", torch.bfloat16, seed=0)
-    tok = _tokenizer()
-    graphs = selfcheck.engine_greedy(model, tok, "cuda", torch.bfloat16, no_cuda_graph=False, concurrency=8,
-                                     prompts=PROMPTS)
-    eager = selfcheck.engine_greedy(model, tok, "cuda", torch.bfloat16, no_cuda_graph=True, concurrency=8,
-                                    prompts=PROMPTS)
+    graphs, eager = greedy_with_and_without_graphs(monkeypatch, "NINFER_GRAPH_PIECES")
     assert "pieces each" in graphs["graph_status"] and graphs["graph_replays"] > 0, graphs
     assert graphs["outputs"] == eager["outputs"]

@@ -238,22 +238,26 @@ def test_programmatic_dependent_launch_changes_no_output(name, nvfp4, monkeypatc
     assert runs["1"]["outputs"] == runs["0"]["outputs"]
 
 
+def greedy_with_and_without_graphs(monkeypatch, switch: str) -> tuple[dict, dict]:
+    """With environment switch `switch`=1, tiny-qwen3.6 (bf16, CUDA, 8 lanes) greedy over PROMPTS through the
+    engine replaying its CUDA graphs, then eagerly (--no-cuda-graph): selfcheck.engine_greedy's two reports."""
+    if not backend.triton_available():
+        pytest.skip("graphs need the Triton backend")
+    from ninfer.artifact.presets import instantiate
+
+    monkeypatch.setenv(switch, "1")
+    model = instantiate("tiny-qwen3.6", "cuda", torch.bfloat16, seed=0)
+    tok = _tokenizer()
+    return tuple(selfcheck.engine_greedy(model, tok, "cuda", torch.bfloat16, no_cuda_graph=eager, concurrency=8,
+                                         prompts=PROMPTS) for eager in (False, True))
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_prefill_pieces_identical_with_and_without_cuda_graphs(monkeypatch):
     """NINFER_PREFILL_PIECES=1: prompts of 3..40 tokens (chunk 16) prefill in power-of-two pieces,
     replayed from their graphs or run eagerly (--no-cuda-graph): the same greedy outputs."""
-    if not backend.triton_available():
-        pytest.skip("graphs need the Triton backend")
-    from ninfer.artifact.presets import instantiate
-
-    monkeypatch.setenv("NINFER_PREFILL_PIECES", "1")
-    model = instantiate("tiny-qwen3.6", "cuda", torch.bfloat16, seed=0)
-    tok = _tokenizer()
-    graphs = selfcheck.engine_greedy(model, tok, "cuda", torch.bfloat16, no_cuda_graph=False, concurrency=8,
-                                     prompts=PROMPTS)
-    eager = selfcheck.engine_greedy(model, tok, "cuda", torch.bfloat16, no_cuda_graph=True, concurrency=8,
-                                    prompts=PROMPTS)
+    graphs, eager = greedy_with_and_without_graphs(monkeypatch, "NINFER_PREFILL_PIECES")
     assert "prefill pieces of 2..8 tokens" in graphs["graph_status"], graphs
     assert graphs["prefill_replays"] > 0 and graphs["outputs"] == eager["outputs"]
 
