@@ -223,9 +223,11 @@ def load_engine(path: str | Path, settings: EngineSettings | None = None, *, dev
     torch_dtype = pick_dtype(dtype, device)
     model = load_model(artifact, device, torch_dtype)
     if dtype == "int8":
+        from ninfer.kernels import cpu_native
         from ninfer.quant.int8_cpu import quantize_model_int8_
 
         quantize_model_int8_(model)
+        cpu_native.library()  # its first build (~3 s) at load, not in the first request's first decode step
     tokenizer = Tokenizer.from_json_str(artifact.tokenizer_json)
     settings = dataclasses.replace(settings) if settings else EngineSettings()
     if not settings.eos_ids:
