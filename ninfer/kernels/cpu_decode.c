@@ -184,20 +184,17 @@ static inline __m512 exp_nonpos16(__m512 x) {
 #ifdef NINFER_BF16
 #define VEC_HEADS 32 /* the vector path: at most this many query heads, head_dim at most 128 */
 
-
-/* Scores of the hq = hkv * g query heads against a chunk's K rows (kc + rows[t]: a token's rows of every KV
-   head lie together, and are read in that order: one sequential stream, 2.5x the bandwidth of a pass per
-   KV head on the dev machine), as bf16 pair dots (q rounded to bf16 once, as the torch path holds it; fp32
-   sums). 16 tokens' partial vectors are summed across lanes together (a transposing reduction, ~2
-   operations a token instead of ~8). */
-static inline __attribute__((always_inline)) void scores_pass(const int64_t hkv, const int64_t g, const int64_t n32,
-                                                             const float *q, const uint16_t *kc, const int64_t *rows,
-                                                             int64_t len, float scale, float *scores) {
+/* Scores of one KV head's g query heads (q: [g, 32 * n32]) against a chunk's rows of that head (kh + rows[t]),
+   as bf16 pair dots (q rounded to bf16 once, as the torch path holds it; fp32 sums), times scale. 16 tokens'
+   partial vectors are summed across lanes together (a transposing reduction, ~2 operations a token instead
+   of ~8). */
+static inline __attribute__((always_inline)) void scores_pass(const int64_t g, const int64_t n32, const float *q,
+                                                             const uint16_t *kh, const int64_t *rows, int64_t len,
+                                                             float scale, float *scores) {
     static const int token_lane[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
     const __m512i order = _mm512_loadu_si512((const void *)token_lane);
-    const int64_t hq = hkv * g;
     __m512bh qv[VEC_HEADS * 4];
-    for (int64_t h = 0; h < hq; h++)
+    for (int64_t h = 0; h < g; h++)
         for (int64_t i = 0; i < n32; i++) {
             const float *src = q + (h * n32 + i) * 32;
             qv[h * n32 + i] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
@@ -206,19 +203,17 @@ static inline __attribute__((always_inline)) void scores_pass(const int64_t hkv,
         int64_t tn = len - t0 < 16 ? len - t0 : 16;
         __m512 r[VEC_HEADS][16];
         for (int64_t tt = 0; tt < 16; tt++) {
-            for (int64_t kvh = 0; kvh < hkv; kvh++) {
-                __m512bh kb[4];
-                for (int64_t i = 0; i < n32; i++)
-                    kb[i] = tt < tn ? (__m512bh)_mm512_loadu_si512((const void *)(kc + rows[t0 + tt] + (kvh * n32 + i) * 32))
-                                    : (__m512bh)_mm512_setzero_si512();
-                for (int64_t h = kvh * g; h < (kvh + 1) * g; h++) {
-                    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[h * n32], kb[0]);
-                    for (int64_t i = 1; i < n32; i++) acc = _mm512_dpbf16_ps(acc, qv[h * n32 + i], kb[i]);
-                    r[h][tt] = acc;
-                }
+            __m512bh kb[4];
+            for (int64_t i = 0; i < n32; i++)
+                kb[i] = tt < tn ? (__m512bh)_mm512_loadu_si512((const void *)(kh + rows[t0 + tt] + 32 * i))
+                                : (__m512bh)_mm512_setzero_si512();
+            for (int64_t h = 0; h < g; h++) {
+                __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[h * n32], kb[0]);
+                for (int64_t i = 1; i < n32; i++) acc = _mm512_dpbf16_ps(acc, qv[h * n32 + i], kb[i]);
+                r[h][tt] = acc;
             }
         }
-        for (int64_t h = 0; h < hq; h++) {
+        for (int64_t h = 0; h < g; h++) {
             __m512 *v = r[h];
             for (int i = 0; i < 8; i++) /* lanes 0-7: token i, 8-15: token i + 8 */
                 v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
@@ -234,10 +229,10 @@ static inline __attribute__((always_inline)) void scores_pass(const int64_t hkv,
     }
 }
 
-/* scores -> exp(score - max) as bf16 in pb (zero padded to even length); the partials' m and l */
-static inline __attribute__((always_inline)) void softmax_pass(const int64_t hq, const float *scores, uint16_t *pb,
+/* g heads' scores -> exp(score - max) as bf16 in pb (zero padded to even length); the partials' m and l */
+static inline __attribute__((always_inline)) void softmax_pass(const int64_t g, const float *scores, uint16_t *pb,
                                                               int64_t len, float *part, int64_t d) {
-    for (int64_t h = 0; h < hq; h++) {
+    for (int64_t h = 0; h < g; h++) {
         const float *sh = scores + h * CHUNK;
         float *ph = part + h * (d + 2);
         uint16_t *bh = pb + h * (CHUNK + 2);
@@ -264,40 +259,36 @@ static inline __attribute__((always_inline)) void softmax_pass(const int64_t hq,
     }
 }
 
-/* part's acc of each head = sum_t p[h][t] * its KV head's V row t (vc + rows[t], every KV head's row in
-   order, as the scores): two tokens a bf16 pair dot, their rows interleaved by unpacklo/hi (so an
-   accumulator's lanes hold a permutation of 16 of 32 dims, undone at the end) */
-static inline __attribute__((always_inline)) void values_pass(const int64_t hkv, const int64_t g, const int64_t n32,
-                                                             const uint16_t *vc, const int64_t *rows, int64_t len,
-                                                             const uint16_t *pb, float *part) {
+/* part's acc of each of g heads = sum_t p[h][t] * the KV head's V row t (vh + rows[t]): two tokens a bf16
+   pair dot, their rows interleaved by unpacklo/hi (so an accumulator's lanes hold a permutation of 16 of 32
+   dims, undone at the end) */
+static inline __attribute__((always_inline)) void values_pass(const int64_t g, const int64_t n32, const uint16_t *vh,
+                                                             const int64_t *rows, int64_t len, const uint16_t *pb,
+                                                             float *part) {
     static const int lo_dims[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
     static const int hi_dims[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-    const int64_t hq = hkv * g;
     __m512 acc[VEC_HEADS * 8];
-    for (int64_t i = 0; i < hq * 2 * n32; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < g * 2 * n32; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t += 2) {
-        const uint16_t *v0 = vc + rows[t], *v1 = t + 1 < len ? vc + rows[t + 1] : v0; /* p = 0 for the pad */
-        for (int64_t kvh = 0; kvh < hkv; kvh++) {
-            __m512i lo[4], hi[4];
+        const uint16_t *v0 = vh + rows[t], *v1 = t + 1 < len ? vh + rows[t + 1] : v0; /* p = 0 for the pad */
+        __m512i lo[4], hi[4];
+        for (int64_t i = 0; i < n32; i++) {
+            __m512i a = _mm512_loadu_si512((const void *)(v0 + 32 * i)), b = _mm512_loadu_si512((const void *)(v1 + 32 * i));
+            lo[i] = _mm512_unpacklo_epi16(a, b);
+            hi[i] = _mm512_unpackhi_epi16(a, b);
+        }
+        for (int64_t h = 0; h < g; h++) {
+            uint32_t pair;
+            memcpy(&pair, pb + h * (CHUNK + 2) + t, 4);
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
             for (int64_t i = 0; i < n32; i++) {
-                int64_t at = (kvh * n32 + i) * 32;
-                __m512i a = _mm512_loadu_si512((const void *)(v0 + at)), b = _mm512_loadu_si512((const void *)(v1 + at));
-                lo[i] = _mm512_unpacklo_epi16(a, b);
-                hi[i] = _mm512_unpackhi_epi16(a, b);
-            }
-            for (int64_t h = kvh * g; h < (kvh + 1) * g; h++) {
-                uint32_t pair;
-                memcpy(&pair, pb + h * (CHUNK + 2) + t, 4);
-                __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
-                for (int64_t i = 0; i < n32; i++) {
-                    acc[(h * n32 + i) * 2] = _mm512_dpbf16_ps(acc[(h * n32 + i) * 2], (__m512bh)lo[i], w);
-                    acc[(h * n32 + i) * 2 + 1] = _mm512_dpbf16_ps(acc[(h * n32 + i) * 2 + 1], (__m512bh)hi[i], w);
-                }
+                acc[(h * n32 + i) * 2] = _mm512_dpbf16_ps(acc[(h * n32 + i) * 2], (__m512bh)lo[i], w);
+                acc[(h * n32 + i) * 2 + 1] = _mm512_dpbf16_ps(acc[(h * n32 + i) * 2 + 1], (__m512bh)hi[i], w);
             }
         }
     }
     const __m512i first = _mm512_loadu_si512((const void *)lo_dims), second = _mm512_loadu_si512((const void *)hi_dims);
-    for (int64_t h = 0; h < hq; h++)
+    for (int64_t h = 0; h < g; h++)
         for (int64_t i = 0; i < n32; i++) { /* lo lanes: dims 8k + j, hi: 8k + 4 + j (k the 128-bit block) */
             __m512 l = acc[(h * n32 + i) * 2], u = acc[(h * n32 + i) * 2 + 1];
             float *dst = part + h * (32 * n32 + 2) + 2 + 32 * i;
@@ -305,9 +296,7 @@ static inline __attribute__((always_inline)) void values_pass(const int64_t hkv,
             _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(l, second, u));
         }
 }
-#endif
 
-#ifdef NINFER_BF16
 /* Read a chunk's K and V rows (row_elems contiguous elements a token) once in memory order, so that the
    passes below, one KV head's strided slice at a time, find them in cache: a strided pass straight from
    memory streams at ~9 GB/s on the dev machine, this sweep at ~20. */
@@ -322,8 +311,7 @@ static void touch_rows(const uint16_t *kc, const uint16_t *vc, const int64_t *ro
 }
 #endif
 
-/* Softmax partials of one job (a chunk of one sequence's context, all heads: a token's K and V rows of every
-   KV head lie together, so the chunk is read as one sequential stream): for each query head m (max
+/* Softmax partials of one job (a chunk of one sequence's context, all heads): for each query head m (max
    score), l (sum of exp), acc (sum of exp * v, d values) at part + head * (d + 2). q: [hq, d] fp32,
    scores times `scale`; query head h reads KV head h / (hq / hkv). */
 static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, int64_t d, const uint16_t *kc, const uint16_t *vc,
@@ -335,7 +323,6 @@ static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, i
         int64_t pos = start + t;
         rows[t] = ((int64_t)pages[pos / page_size] * page_size + pos % page_size) * hkv * d;
     }
-    for (int64_t h = 0; h < hq; h++) memset(part + h * (d + 2) + 2, 0, (size_t)d * sizeof(float));
 #ifdef NINFER_BF16
     if (d % 32 == 0 && d <= 128 && hq <= VEC_HEADS) {
         uint16_t pb[VEC_HEADS * (CHUNK + 2)] __attribute__((aligned(64))); /* exp'd scores in bf16 */
@@ -348,17 +335,17 @@ static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, i
             /* the sizes as constants where they are common, so the compiler unrolls */
 #define GROUP_CASE(G, N32) \
     case G * 100 + N32: \
-        scores_pass(1, G, N32, qg, kh, rows, len, scale, sg); \
+        scores_pass(G, N32, qg, kh, rows, len, scale, sg); \
         softmax_pass(G, sg, bg, len, pg, d); \
-        values_pass(1, G, N32, vh, rows, len, bg, pg); \
+        values_pass(G, N32, vh, rows, len, bg, pg); \
         break;
             switch (g * 100 + d / 32) {
                 GROUP_CASE(1, 2) GROUP_CASE(2, 2) GROUP_CASE(3, 2) GROUP_CASE(4, 2) GROUP_CASE(5, 2) GROUP_CASE(7, 2)
                 GROUP_CASE(1, 4) GROUP_CASE(2, 4) GROUP_CASE(4, 4)
             default:
-                scores_pass(1, g, d / 32, qg, kh, rows, len, scale, sg);
+                scores_pass(g, d / 32, qg, kh, rows, len, scale, sg);
                 softmax_pass(g, sg, bg, len, pg, d);
-                values_pass(1, g, d / 32, vh, rows, len, bg, pg);
+                values_pass(g, d / 32, vh, rows, len, bg, pg);
             }
 #undef GROUP_CASE
         }
@@ -366,6 +353,7 @@ static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, i
     }
 #endif
     float kf[MAX_DIM];
+    for (int64_t h = 0; h < hq; h++) memset(part + h * (d + 2) + 2, 0, (size_t)d * sizeof(float));
     for (int64_t t = 0; t < len; t++) {
         for (int64_t kvh = 0; kvh < hkv; kvh++) {
             for (int64_t i = 0; i < d; i++) kf[i] = bf16_to_f32(kc[rows[t] + kvh * d + i]);

@@ -26,6 +26,8 @@ import torch
 log = logging.getLogger("ninfer.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
+# larger batches than this (prefill) are compute-bound: torch's kernel takes their logits
+MAX_NATIVE_ROWS = 16
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=gnu11"]
 
 
@@ -195,8 +197,6 @@ def qlinear_logits(module, x: torch.Tensor) -> torch.Tensor | None:
         return None
     return y
 
-
-MAX_NATIVE_ROWS = 16  # larger batches (prefill) are compute-bound: torch's kernel
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
