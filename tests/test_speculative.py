@@ -599,7 +599,8 @@ def test_a_sampled_draft_is_accepted_with_the_target_probability(tiny_qwen_path)
 @pytest.mark.parametrize("host_budget", [None, 0], ids=["snapshot", "replay"])
 def test_block_drafter_context_travels_with_paused_requests(tiny_qwen_path, tmp_path, host_budget):
     """Under KV pressure the engine pauses requests (snapshot to the host, or replay) and later restores them on
-    other pages; the drafter's context K/V moves with the target's pages (context_transfer_bytes backend_kv), so
+    other pages; the drafter's context K/V moves with the target's pages (contract, metrics:
+    ninfer_context_transfer_bytes_total{resource,direction} counts "backend KV" payloads, here backend_kv), so
     every proposal, before a pause and after, equals the drafter run from scratch over the whole sequence, and
     output equals plain greedy decoding."""
     import asyncio
