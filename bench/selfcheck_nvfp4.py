@@ -168,6 +168,28 @@ PREFETCH_CONFIGS = [dict(kind="hfma", BLOCK_N=bn, BLOCK_W=64 * w, num_warps=w, P
                     for bn, w in ((8, 2), (4, 2), (8, 4)) for p in (0, 2, 4)]
 
 
+# Wide launches of the tensor-core GEMV (speculative verification: 8 sequences x up to 4 positions)
+MMA_WIDE_CONFIGS = [dict(kind="mma", TILES=tiles, WARPS=8) for tiles in (1, 2)]  # 2: 1 from 24 rows (gemv_mma)
+
+
+def check_mma_wide(device="cuda", *, shapes: dict | None = None, ms=(16, 24, 32)) -> dict:
+    """Every token of a launch of up to 32 rows against the 8-row launch of its tile, bit for bit, at
+    each shape and MMA_WIDE_CONFIGS tile: {"shape_mM_tiles": true when equal}."""
+    from ninfer.kernels import triton_nvfp4
+
+    out = {}
+    for name, (n, k) in (shapes or SHAPES_27B).items():
+        q, _ = _problem(n, k, 1, device, torch.bfloat16)
+        for m in ms:
+            x = _problem(1, k, m, device, torch.bfloat16, seed=m)[1]
+            for cfg in MMA_WIDE_CONFIGS:
+                wide = triton_nvfp4.nvfp4_gemv(x, *q, config=cfg)
+                tiles = [triton_nvfp4.nvfp4_gemv(x[r0:r0 + 8], *q, config=dict(cfg, TILES=2))
+                         for r0 in range(0, m, 8)]
+                out[f"{name}_m{m}_t{cfg['TILES']}"] = torch.equal(wide, torch.cat(tiles))
+    return out
+
+
 def default_sweep(m: int) -> list[dict]:
     """Candidate configs: for M = 1 the packed-fp16 GEMV and the fp32-decode one, for M <= HFMA_MAX_M
     the packed-fp16 GEMV and the tensor-core kernel, above the tensor-core kernel."""
@@ -257,10 +279,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="only time the GEMV tiles with L2 prefetch distances 0, 2, 4 at M = 1, 2")
     parser.add_argument("--sweep-mma", action="store_true",
                         help="only time the tensor-core GEMV tiles against the packed-fp16 ones at M = 1..8")
+    parser.add_argument("--sweep-mma-wide", action="store_true",
+                        help="only the tensor-core GEMV at 8..32 rows (verification): bitwise check and times")
     parser.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args(argv)
     result = {"device": torch.cuda.get_device_name()}
-    if args.sweep_mma:
+    if args.sweep_mma_wide:
+        result["check_mma_wide"] = check_mma_wide("cuda")
+        result["sweep_mma_wide"] = sweep_gemv_configs("cuda", ms=(8, 16, 24, 32), configs=MMA_WIDE_CONFIGS)
+        result["sweep_hfma_m1"] = sweep_gemv_configs("cuda", ms=(1,), configs=[
+            dict(kind="hfma", BLOCK_N=8, BLOCK_W=128, num_warps=2)])
+    elif args.sweep_mma:
         result["check_mma"] = check_nvfp4("cuda", torch.bfloat16, ms=(1, 3, 8), configs=MMA_CONFIGS)
         result["sweep_mma"] = sweep_gemv_configs("cuda", ms=(1, 2, 4, 8), configs=MMA_CONFIGS + [
             dict(kind="hfma", BLOCK_N=8, BLOCK_W=128, num_warps=2)])

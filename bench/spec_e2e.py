@@ -172,8 +172,11 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     lanes = max(args.concurrency)
-    settings = EngineSettings(max_context=args.prompt_len + args.max_tokens + 64, max_concurrency=lanes,
-                              draft_tokens=args.drafts, prefix_reuse=False, kv_capacity=None,
+    context = args.prompt_len + args.max_tokens + 64
+    # KV for every lane at once: with one sequence's worth (kv_capacity=None), "C = 8" ran the requests one
+    # after another (s13 / s14's C = 8 figures were C = 1 eight times)
+    settings = EngineSettings(max_context=context, max_concurrency=lanes,
+                              draft_tokens=args.drafts, prefix_reuse=False, kv_capacity=lanes * context,
                               exact_verify=not args.fast_verify, adaptive_drafts=args.adaptive)
     oracle = OracleProposer({}, vocab=1000, seed=1)
     proposer = oracle

@@ -226,10 +226,17 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
     assert (full.float() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item()
     for m in range(1, 8):
         assert torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *q, config=cfg), full[:m]), m
-    assert triton_nvfp4_mma.mma_fits(8, k, warps) and not triton_nvfp4_mma.mma_fits(9, k, warps)
+    # Up to four tiles of 8 tokens share a launch (speculative verification): every token equals its
+    # one-tile launch bit for bit, whatever the tile it lands in, the last tile ragged
+    wide = torch.cat([x, torch.randn(19, k, generator=gen).to(torch.bfloat16)])
+    got = triton_nvfp4.nvfp4_gemv(wide, *q, config=cfg)
+    for r0 in range(0, 27, 8):
+        assert torch.equal(got[r0:r0 + 8], triton_nvfp4.nvfp4_gemv(wide[r0:r0 + 8], *q, config=cfg)), r0
+    assert torch.equal(triton_nvfp4.nvfp4_gemv(wide[:13], *q, config=cfg), got[:13])
+    assert triton_nvfp4_mma.mma_fits(32, k, warps) and not triton_nvfp4_mma.mma_fits(33, k, warps)
     assert not triton_nvfp4_mma.mma_fits(3, k + 16, warps)
     with pytest.raises(ValueError, match="mma GEMV"):
-        triton_nvfp4.nvfp4_gemv(torch.zeros(9, k, dtype=torch.bfloat16), *q, config=cfg)
+        triton_nvfp4.nvfp4_gemv(torch.zeros(33, k, dtype=torch.bfloat16), *q, config=cfg)
 
 
 @needs_interpreter
@@ -269,8 +276,8 @@ def _rows_like_matches_decode(device: str, n: int, k: int, cases) -> None:
 @needs_interpreter
 def test_rows_like_computes_each_row_as_its_decode_row():
     """Under the interpreter: the row mapping and the passes (one packed-fp16 pass of up to 4 rows, the
-    mma GEMV's 8) for 1, 2 and 5 sequences."""
-    _rows_like_matches_decode("cpu", 24, 256, [(1, 3), (2, 2), (5, 2)])
+    mma GEMV's launches of up to 32: 6 sequences x 4 positions in one) for 1, 2, 5 and 6 sequences."""
+    _rows_like_matches_decode("cpu", 24, 256, [(1, 3), (2, 2), (5, 2), (6, 4)])
 
 
 def test_gemv_table_takes_tensor_cores_where_the_packed_fp16_gemv_needs_two_passes():

@@ -71,6 +71,8 @@ HFMA_ROWS_PER_PASS = 4
 # Two 16-row tiles per program; 8 warps splitting K where K is whole steps of 8 warps (512), else 4.
 MMA_MIN_M = 5
 MMA_TILES = 2
+# Rows of x per mma launch in speculative verification (triton_nvfp4_mma.MAX_ROWS)
+MMA_MAX_ROWS = 32
 # Off when NINFER_NVFP4_MMA=0 or when its start-up check failed (use_mma below; the runner calls it).
 MMA_ENABLED = os.environ.get("NINFER_NVFP4_MMA", "1") != "0"
 # Its K loop unrolled twice: the prefetched registers swap roles instead of being copied each step.
@@ -691,7 +693,8 @@ def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     of decode row j (0 <= j < like) at j * width .. (j + 1) * width - 1; each row computed exactly as row j of
     a `like`-row decode GEMV computes it: that pass's kernel and tiles, with more rows of x per launch (the
     kernels' rows are independent: each row's products and sums do not depend on the others'), so the
-    weights stream once per launch of up to 4 (packed fp16), 8 (mma) or 16 (dot) rows, not once per row."""
+    weights stream once per launch of up to 4 (packed fp16), 32 (mma: four tiles of 8 tokens sharing each
+    decoded block) or 16 (dot) rows, not once per row."""
     m, k = x.shape
     n = packed.shape[0]
     if m % like:
@@ -704,7 +707,7 @@ def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     for first, count, cfg in _decode_passes(like, n, k):
         lo, hi = first * width, (first + count) * width
         kind = cfg["kind"]
-        step = {"hfma": HFMA_ROWS_PER_PASS, "mma": HFMA_MAX_M}.get(kind, GEMV_MAX_M)
+        step = {"hfma": HFMA_ROWS_PER_PASS, "mma": MMA_MAX_ROWS}.get(kind, GEMV_MAX_M)
         for r0 in range(lo, hi, step):
             rows = min(step, hi - r0)
             if kind == "hfma":

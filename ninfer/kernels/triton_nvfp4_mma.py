@@ -34,55 +34,108 @@ from ninfer.kernels.pdl import pdl_release, pdl_wait
 from ninfer.kernels.triton_nvfp4 import _F16_UNSCALE, _x_pairs, decode_word_ptx
 
 K_STEP = 64  # codes of every row one warp takes per step: 4 scale blocks, 32 bytes
+# Rows of x one launch takes: up to four tiles of 8 tokens share each decoded weight block. Decode
+# (M <= 8) runs one tile; speculative verification (nvfp4_gemv_rows_like) up to four, so 8 sequences'
+# 4 verify positions stream the weights once, each token's sums computed as a one-tile launch does.
+MAX_ROWS = 32
 
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 
 
-def _pair_mma_asm(pair: int) -> str:
-    """PTX for two scale blocks (2 pair, 2 pair + 1 of the step) of a 16-row tile against 8 tokens.
-    Outputs $0..$3: acc + partials * scales for D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1].
-    Inputs: $4..$7 row g's four words of the two blocks, $8..$11 row g + 8's; $12 the byte
-    selector t | (t + 4) << 4; $13..$16 x pairs (block 0's b0, block 1's b0, block 0's b1, block 1's
-    b1: _x_pairs' order); $17, $18 the step's scale bytes of rows g and g + 8; $19..$22 acc."""
+def _pair_mma_asm(pair: int, xt: int = 1) -> str:
+    """PTX for two scale blocks (2 pair, 2 pair + 1 of the step) of a 16-row tile against `xt` tiles of
+    8 tokens: the blocks are decoded once, then each token tile runs the same two mma and eight fma as
+    with one tile, so a token's sums do not depend on how many tiles share the launch.
+    With o = 4 xt outputs: $4j..$4j+3 tile j's acc + partials * scales for D[g][2t], D[g][2t+1],
+    D[g+8][2t], D[g+8][2t+1]. Inputs: $o..$o+3 row g's four words of the two blocks, $o+4..$o+7 row
+    g + 8's; $o+8 the byte selector t | (t + 4) << 4; from $o+9 four x pairs per token tile (block 0's
+    b0, block 1's b0, block 0's b1, block 1's b1: _x_pairs' order); then the step's scale bytes of rows
+    g and g + 8; then four accumulators per token tile."""
+    o = 4 * xt
+    x0, s0, a0 = o + 9, o + 9 + 4 * xt, o + 11 + 4 * xt
     lines = ["{", ".reg .b32 e, o, u, z, p, q, G, H, sc, g<4>, h<4>, s01, s23;", ".reg .b16 c0, c1, c2, c3;",
              ".reg .f32 d<4>, f, sg0, sh0, sg1, sh1;", "mov.b32 z, 0;", "mov.f32 f, 0f00000000;"]
-    for word, first in (("G", 4), ("H", 8)):  # byte t of each of the four words -> one word of 8 codes
-        lines.append(f"prmt.b32 p, ${first}, ${first + 1}, $12; prmt.b32 q, ${first + 2}, ${first + 3}, $12; "
+    for word, first in (("G", o), ("H", o + 4)):  # byte t of each of the four words -> one word of 8 codes
+        lines.append(f"prmt.b32 p, ${first}, ${first + 1}, ${o + 8}; prmt.b32 q, ${first + 2}, ${first + 3}, ${o + 8}; "
                      f"prmt.b32 {word}, p, q, 0x5410;")
     lines += decode_word_ptx("G", [f"g{i}" for i in range(4)])  # g0 = (c0, c2) block 0, g1 block 1, g2 = (c1, c3) block 0
     lines += decode_word_ptx("H", [f"h{i}" for i in range(4)])
     # the scales of blocks 2 pair and 2 pair + 1: bytes (g, g + 8) of each -> fp16 pairs -> fp32
     b = 2 * pair
-    lines.append(f"prmt.b32 sc, $17, $18, {hex(b | (4 + b) << 4 | (b + 1) << 8 | (5 + b) << 12)};")
+    lines.append(f"prmt.b32 sc, ${s0}, ${s0 + 1}, {hex(b | (4 + b) << 4 | (b + 1) << 8 | (5 + b) << 12)};")
     lines.append("mov.b32 {c0, c1}, sc; cvt.rn.f16x2.e4m3x2 s01, c0; cvt.rn.f16x2.e4m3x2 s23, c1;")
     lines.append("mov.b32 {c0, c1}, s01; mov.b32 {c2, c3}, s23; cvt.f32.f16 sg0, c0; cvt.f32.f16 sh0, c1; "
                  "cvt.f32.f16 sg1, c2; cvt.f32.f16 sh1, c3;")
-    for blk, (a0, a2, b0, b1, sg, sh) in enumerate((("0", "2", "$13", "$15", "sg0", "sh0"),
-                                                     ("1", "3", "$14", "$16", "sg1", "sh1"))):
-        lines.append(f"{_MMA} {{d0, d1, d2, d3}}, {{g{a0}, h{a0}, g{a2}, h{a2}}}, {{{b0}, {b1}}}, {{f, f, f, f}};")
-        acc = ("$19", "$20", "$21", "$22") if blk == 0 else ("$0", "$1", "$2", "$3")
-        lines.append(f"fma.rn.f32 $0, d0, {sg}, {acc[0]}; fma.rn.f32 $1, d1, {sg}, {acc[1]}; "
-                     f"fma.rn.f32 $2, d2, {sh}, {acc[2]}; fma.rn.f32 $3, d3, {sh}, {acc[3]};")
+    for j in range(xt):
+        xj, aj = x0 + 4 * j, a0 + 4 * j
+        out = [f"${4 * j + c}" for c in range(4)]
+        for blk, (ga, gb, b0, b1, sg, sh) in enumerate((("0", "2", xj, xj + 2, "sg0", "sh0"),
+                                                        ("1", "3", xj + 1, xj + 3, "sg1", "sh1"))):
+            lines.append(f"{_MMA} {{d0, d1, d2, d3}}, {{g{ga}, h{ga}, g{gb}, h{gb}}}, {{${b0}, ${b1}}}, {{f, f, f, f}};")
+            acc = [f"${aj + c}" for c in range(4)] if blk == 0 else out
+            lines.append(f"fma.rn.f32 {out[0]}, d0, {sg}, {acc[0]}; fma.rn.f32 {out[1]}, d1, {sg}, {acc[1]}; "
+                         f"fma.rn.f32 {out[2]}, d2, {sh}, {acc[2]}; fma.rn.f32 {out[3]}, d3, {sh}, {acc[3]};")
     lines.append("}")
     return "\n".join(lines)
 
 
-_PAIR_MMA0 = tl.constexpr(_pair_mma_asm(0))
-_PAIR_MMA1 = tl.constexpr(_pair_mma_asm(1))
+# [pair][token tiles - 1]
+_PAIR_MMA0_1 = tl.constexpr(_pair_mma_asm(0, 1))
+_PAIR_MMA1_1 = tl.constexpr(_pair_mma_asm(1, 1))
+_PAIR_MMA0_2 = tl.constexpr(_pair_mma_asm(0, 2))
+_PAIR_MMA1_2 = tl.constexpr(_pair_mma_asm(1, 2))
+_PAIR_MMA0_3 = tl.constexpr(_pair_mma_asm(0, 3))
+_PAIR_MMA1_3 = tl.constexpr(_pair_mma_asm(1, 3))
+_PAIR_MMA0_4 = tl.constexpr(_pair_mma_asm(0, 4))
+_PAIR_MMA1_4 = tl.constexpr(_pair_mma_asm(1, 4))
+
+
+def _mma_constraints(xt: int) -> str:
+    return ",".join(["=f"] * (4 * xt) + ["r"] * (11 + 4 * xt) + ["f"] * (4 * xt))
+
+
+_MMA_CONSTRAINTS_1 = tl.constexpr(_mma_constraints(1))
+_MMA_CONSTRAINTS_2 = tl.constexpr(_mma_constraints(2))
+_MMA_CONSTRAINTS_3 = tl.constexpr(_mma_constraints(3))
+_MMA_CONSTRAINTS_4 = tl.constexpr(_mma_constraints(4))
 
 
 @triton.jit
-def _pair_mma(acc, ws, sel, xs, sgw, shw, PAIR: tl.constexpr):
-    """acc (4 [L] fp32) += blocks 2 PAIR, 2 PAIR + 1 of one row tile. ws: rows g's then g + 8's four
-    words of those blocks; xs: the pair's four x pairs; sgw / shw: the step's scale bytes (int32)."""
+def _pair_mma(acc, ws, sel, xs, sgw, shw, PAIR: tl.constexpr, XT: tl.constexpr):
+    """acc (4 [L] fp32 per token tile) += blocks 2 PAIR, 2 PAIR + 1 of one row tile. ws: rows g's then
+    g + 8's four words of those blocks; xs: the pair's four x pairs per token tile; sgw / shw: the
+    step's scale bytes (int32)."""
     args = ws + (sel,) + xs + (sgw, shw) + acc
     if PAIR == 0:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(_PAIR_MMA0, "=f,=f,=f,=f" + ",r" * 15 + ",f" * 4, args,
-                                                   dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        if XT == 1:
+            out = tl.inline_asm_elementwise(_PAIR_MMA0_1, _MMA_CONSTRAINTS_1, args,
+                                            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        elif XT == 2:
+            out = tl.inline_asm_elementwise(_PAIR_MMA0_2, _MMA_CONSTRAINTS_2, args,
+                                            dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        elif XT == 3:
+            out = tl.inline_asm_elementwise(_PAIR_MMA0_3, _MMA_CONSTRAINTS_3, args,
+                                            dtype=(tl.float32,) * 12, is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise(_PAIR_MMA0_4, _MMA_CONSTRAINTS_4, args,
+                                            dtype=(tl.float32,) * 16, is_pure=True, pack=1)
     else:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(_PAIR_MMA1, "=f,=f,=f,=f" + ",r" * 15 + ",f" * 4, args,
-                                                   dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-    return o0, o1, o2, o3
+        if XT == 1:
+            out = tl.inline_asm_elementwise(_PAIR_MMA1_1, _MMA_CONSTRAINTS_1, args,
+                                            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        elif XT == 2:
+            out = tl.inline_asm_elementwise(_PAIR_MMA1_2, _MMA_CONSTRAINTS_2, args,
+                                            dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        elif XT == 3:
+            out = tl.inline_asm_elementwise(_PAIR_MMA1_3, _MMA_CONSTRAINTS_3, args,
+                                            dtype=(tl.float32,) * 12, is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise(_PAIR_MMA1_4, _MMA_CONSTRAINTS_4, args,
+                                            dtype=(tl.float32,) * 16, is_pure=True, pack=1)
+    res = ()
+    for c in tl.static_range(4 * XT):  # a plain tuple, which the interpreter can concatenate
+        res = res + (out[c],)
+    return res
 
 
 @triton.jit
@@ -96,16 +149,26 @@ def _load4(ptr):
 
 
 @triton.jit
-def _load_step(wrows, srows, xrow, xok, kb):
+def _load_step(wrows, srows, xrows, xoks, kb):
     """One step's operands for this lane (kb: the step's first scale block): per weight row its 8
-    words (32 bytes, the same for the 4 lanes of a row) and 4 scale bytes as one int32, and token
-    g's x pairs of the 4 blocks (the words 8b + t and 8b + 4 + t: x[16b + 2t ..] and x[16b + 8 + 2t ..])."""
+    words (32 bytes, the same for the 4 lanes of a row) and 4 scale bytes as one int32, and per token
+    tile token g's x pairs of the 4 blocks (the words 8b + t and 8b + 4 + t: x[16b + 2t ..] and
+    x[16b + 8 + 2t ..])."""
     words = ()
     scales = ()
     for j in tl.static_range(len(wrows)):
         words = words + _load4(wrows[j] + kb * 2) + _load4(wrows[j] + kb * 2 + 4)
         scales = scales + (tl.load(srows[j] + kb // 4),)
-    return words, scales, _load_x(xrow, xok, kb)
+    return words, scales, _load_xs(xrows, xoks, kb)
+
+
+@triton.jit
+def _load_xs(xrows, xoks, kb):
+    """_load_x of every token tile: tile j's 8 pairs at 8 j."""
+    xs = ()
+    for j in tl.static_range(len(xrows)):
+        xs = xs + _load_x(xrows[j], xoks[j], kb)
+    return xs
 
 
 @triton.jit
@@ -123,18 +186,24 @@ def _load_x(xrow, xok, kb):
 
 
 @triton.jit
-def _step_mma(accs, words, scales, xs, sel, TILES: tl.constexpr):
-    """accs (4 per row tile) += one step (4 blocks) of every row tile."""
+def _step_mma(accs, words, scales, xs, sel, TILES: tl.constexpr, XT: tl.constexpr):
+    """accs (4 per row tile and token tile, row tile i's at 4 XT i) += one step (4 blocks) of every
+    row tile."""
     out = ()
     for i in tl.static_range(TILES):
-        acc = (accs[4 * i], accs[4 * i + 1], accs[4 * i + 2], accs[4 * i + 3])
+        acc = ()
+        for c in tl.static_range(4 * XT):
+            acc = acc + (accs[4 * XT * i + c],)
         for pair in tl.static_range(2):
             # row g's words at 16 i, row g + 8's at 16 i + 8; the pair's four at 4 pair
             ws = (words[16 * i + 4 * pair], words[16 * i + 4 * pair + 1], words[16 * i + 4 * pair + 2],
                   words[16 * i + 4 * pair + 3], words[16 * i + 4 * pair + 8], words[16 * i + 4 * pair + 9],
                   words[16 * i + 4 * pair + 10], words[16 * i + 4 * pair + 11])
-            x = (xs[4 * pair], xs[4 * pair + 1], xs[4 * pair + 2], xs[4 * pair + 3])
-            acc = _pair_mma(acc, ws, sel, x, scales[2 * i], scales[2 * i + 1], pair)
+            x = ()
+            for j in tl.static_range(XT):  # token tile j's pairs: 8 j + 4 pair ..
+                x = x + (xs[8 * j + 4 * pair], xs[8 * j + 4 * pair + 1], xs[8 * j + 4 * pair + 2],
+                         xs[8 * j + 4 * pair + 3])
+            acc = _pair_mma(acc, ws, sel, x, scales[2 * i], scales[2 * i + 1], pair, XT)
         out = out + acc
     return out
 
@@ -143,12 +212,13 @@ def _step_mma(accs, words, scales, xs, sel, TILES: tl.constexpr):
 def _gemv_mma_kernel(
     X32, W32, S32, RS, Y,
     M, N, stride_x32, stride_ym,
-    KW: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr,
+    KW: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr, XT: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
 ):
     """One program per 16 * TILES weight rows and all of K, its WARPS warps interleaving their steps;
-    M <= 8 rows of x (X32: bf16 pairs as int32). W32: rows of KW words; S32: rows of KW / 8 int32
-    (4 scale bytes each); KW a multiple of 8 * WARPS (K of 64 * WARPS)."""
+    M <= 8 XT rows of x (X32: bf16 pairs as int32), XT tiles of 8 tokens sharing each decoded block.
+    W32: rows of KW words; S32: rows of KW / 8 int32 (4 scale bytes each); KW a multiple of 8 * WARPS
+    (K of 64 * WARPS)."""
     pdl_release(USE_PDL)
     LANES: tl.constexpr = 32 * WARPS
     STEPS: tl.constexpr = KW // 8 // WARPS
@@ -168,10 +238,13 @@ def _gemv_mma_kernel(
                 n = tl.minimum(n, N - 1)  # rows past N read the last row; they are not stored
             wrows = wrows + (W32 + n.to(tl.int64) * KW,)
             srows = srows + (S32 + n.to(tl.int64) * (KW // 8),)
-    xok = g < M
-    xrow = X32 + g * stride_x32 + t
+    xrows = ()
+    xoks = ()
+    for j in tl.static_range(XT):
+        xrows = xrows + (X32 + (8 * j + g) * stride_x32 + t,)
+        xoks = xoks + (8 * j + g < M,)
     accs = ()
-    for _i in tl.static_range(4 * TILES):
+    for _i in tl.static_range(4 * TILES * XT):
         accs = accs + (tl.zeros([LANES], dtype=tl.float32),)
     kb = warp * 4  # this warp's first step: scale blocks 4 w .. 4 w + 3
     words = ()
@@ -180,14 +253,14 @@ def _gemv_mma_kernel(
         words = words + _load4(wrows[j] + kb * 2) + _load4(wrows[j] + kb * 2 + 4)
         scales = scales + (tl.load(srows[j] + kb // 4),)
     pdl_wait(USE_PDL)
-    xs = _load_x(xrow, xok, kb)
+    xs = _load_xs(xrows, xoks, kb)
     for step in tl.range(1, STEPS, loop_unroll_factor=2):  # load step `step` while computing step `step - 1`
-        words_next, scales_next, xs_next = _load_step(wrows, srows, xrow, xok, (step * WARPS + warp) * 4)
-        accs = _step_mma(accs, words, scales, xs, sel, TILES)
+        words_next, scales_next, xs_next = _load_step(wrows, srows, xrows, xoks, (step * WARPS + warp) * 4)
+        accs = _step_mma(accs, words, scales, xs, sel, TILES, XT)
         words = words_next
         scales = scales_next
         xs = xs_next
-    accs = _step_mma(accs, words, scales, xs, sel, TILES)
+    accs = _step_mma(accs, words, scales, xs, sel, TILES, XT)
     # sum the warps' steps; lane l = 4 g + t holds rows g, g + 8 and tokens 2t, 2t + 1
     rl = tl.arange(0, 32)
     rg = rl // 4
@@ -196,27 +269,33 @@ def _gemv_mma_kernel(
         for h in tl.static_range(2):
             n = n0 + 16 * i + 8 * h + rg
             rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
-            for c in tl.static_range(2):
-                part = tl.sum(tl.reshape(accs[4 * i + 2 * h + c], [WARPS, 32]), axis=0)
-                tl.store(Y + (tok + c) * stride_ym + n, (part * rs).to(Y.dtype.element_ty),
-                         mask=(tok + c < M) & (n < N))
+            for j in tl.static_range(XT):
+                for c in tl.static_range(2):
+                    part = tl.sum(tl.reshape(accs[4 * XT * i + 4 * j + 2 * h + c], [WARPS, 32]), axis=0)
+                    m = 8 * j + tok + c
+                    tl.store(Y + m * stride_ym + n, (part * rs).to(Y.dtype.element_ty), mask=(m < M) & (n < N))
 
 
 def mma_fits(m: int, k: int, warps: int) -> bool:
-    """Whether the mma GEMV takes this shape: 1..8 rows of x, whole K tiles for every warp."""
-    return 1 <= m <= 8 and k % (K_STEP * warps) == 0
+    """Whether the mma GEMV takes this shape: 1..MAX_ROWS rows of x, whole K tiles for every warp."""
+    return 1 <= m <= MAX_ROWS and k % (K_STEP * warps) == 0
 
 
 def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles: int, warps: int,
              launch: dict) -> None:
     """y[:m] = x @ W^T: x32 the bf16 rows of x as int32 pairs, words / sbytes W's codes and scale bytes
-    (contiguous rows), launch: the PDL launch options (ninfer.kernels.pdl)."""
+    (contiguous rows), launch: the PDL launch options (ninfer.kernels.pdl). `tiles` (16-row tiles a
+    program) changes no result: each row tile is computed on its own."""
     if not mma_fits(m, k, warps):
-        raise ValueError(f"the mma GEMV takes 1..8 rows of x and K a multiple of {K_STEP * warps}; got M={m}, K={k}")
+        raise ValueError(f"the mma GEMV takes 1..{MAX_ROWS} rows of x and K a multiple of {K_STEP * warps}; "
+                         f"got M={m}, K={k}")
     s32 = sbytes.view(torch.int32)
+    xt = triton.cdiv(m, 8)
+    if xt >= 3:  # two row tiles of three or four token tiles need more than 255 registers (spills)
+        tiles = 1
     grid = (triton.cdiv(n, 16 * tiles),)
     _gemv_mma_kernel[grid](x32, words, s32, row_scale, y, m, n, x32.stride(0), y.stride(0), KW=k // 8, TILES=tiles,
-                           WARPS=warps, EVEN_N=n % (16 * tiles) == 0, num_warps=warps, **launch)
+                           WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, num_warps=warps, **launch)
 
 
 def check_against_reference(device: torch.device) -> str | None:
