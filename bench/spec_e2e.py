@@ -7,6 +7,13 @@ q. With k drafts a round then commits 1 + sum_{j=1..k} (1-q)^j tokens on average
 L); q is solved for each requested L. Every run's output must equal the run without drafts token for
 token (greedy at full shape, through the real engine: scheduler, verify graphs, rollback).
 
+At C > 1 a row's rounding depends on the decode batch's size (the NVFP4 GEMV is the packed-fp16 kernel up
+to 4 rows and the tensor-core one from 5), so a run whose rounds end requests at other steps than the
+plain run did can drift from it (not batch-invariant, like peers' default kernels): its output then
+differs and, the oracle's continuation no longer being the target's, acceptance_measured falls below
+the target. `--reference verify` first runs with every draft rejected, whose batches over time are the
+plain run's, and says whether that run's output equals the plain one (verify exactness at C > 1).
+
 Prints one JSON line per (concurrency, acceptance length) with decode tok/s (sum over requests of
 their generated tokens per decode second) and the ratio to the same engine without drafts.
 
@@ -294,7 +301,11 @@ def main() -> None:
             if args.reference == "verify":  # the continuation as verify forwards compute it: every draft wrong
                 oracle.continuations = {f"r{i}": [0] * args.max_tokens for i in range(c)}
                 oracle.corrupt = 0.0
+                plain = base
                 base, _, _ = run(c)
+                # every draft rejected: one token a row a step, so the batch over time is the plain run's; equal
+                # outputs say verify rows compute what decode rows do at every batch size the run passed through
+                emit(kind="spec_e2e_all_rejected", concurrency=c, output_equals_no_speculation=base == plain)
             for warm, length in [(True, args.acceptance[0])] + [(False, a) for a in args.acceptance]:
                 oracle.continuations = {f"r{i}": ids for i, ids in enumerate(base)}
                 oracle.corrupt = corruption_for(length, args.drafts)
