@@ -11,7 +11,10 @@ At C > 1 a row's rounding depends on the decode batch's size (the NVFP4 GEMV is 
 to 4 rows and the tensor-core one from 5), so a run whose rounds end requests at other steps than the
 plain run did can drift from it (not batch-invariant, like peers' default kernels): its output then
 differs and, the oracle's continuation no longer being the target's, acceptance_measured falls below
-the target. `--reference verify` first runs with every draft rejected, whose batches over time are the
+the target. `--settle N` then reruns up to N times, each time proposing the previous run's own output;
+the oracle's corruption depends only on (request, position), so once a run's output equals the
+continuation it was given its drafts followed the target and acceptance is the target's
+(`drafts_followed_target`). `--reference verify` first runs with every draft rejected, whose batches over time are the
 plain run's, and says whether that run's output equals the plain one (verify exactness at C > 1).
 
 Prints one JSON line per (concurrency, acceptance length) with decode tok/s (sum over requests of
@@ -146,6 +149,9 @@ def main() -> None:
                    help="the continuation the oracle proposes and outputs are compared with: plain decoding's, "
                         "or the verify forwards' own (a run whose drafts are all wrong; its rows then take the "
                         "same matmul shapes as every later run)")
+    p.add_argument("--settle", type=int, default=0,
+                   help="at C > 1, up to this many reruns with the previous run's output as the oracle's "
+                        "continuation, until a run's output is the continuation it was given (controlled acceptance)")
     p.add_argument("--with-mtp", action="store_true",
                    help="run a random MTP head's drafting every round too (its cost), then verify the oracle's")
     p.add_argument("--draft-head", type=int, default=0, metavar="N",
@@ -313,11 +319,18 @@ def main() -> None:
                 outs, rate, counts = profiled(c, f"L{length}") if (args.profile or args.timeline) and last else run(c)
                 if warm:  # discarded: first verify shapes, the drafter's first kernels and chain-graph capture
                     continue
+                settled = outs == base
+                for _ in range(0 if settled else args.settle):  # follow the target's drift (docstring)
+                    oracle.continuations = {f"r{i}": ids for i, ids in enumerate(outs)}
+                    outs, rate, counts = run(c)
+                    settled = outs == [oracle.continuations[f"r{i}"] for i in range(c)]
+                    if settled:
+                        break
                 measured = 1 + counts["spec_accepted_tokens"] / max(counts["spec_rounds"], 1)
                 same = outs == base
                 emit(kind="spec_e2e", concurrency=c, acceptance_target=length, acceptance_measured=measured,
                      corrupt=oracle.corrupt, decode_tok_s=rate, ratio=rate / base_rate if base_rate else None,
-                     output_equals_no_speculation=same, **counts)
+                     output_equals_no_speculation=same, drafts_followed_target=settled, **counts)
                 summary[f"C{c}_L{length}"] = {"tok_s": round(rate, 1), "ratio": round(rate / base_rate, 3)
                                               if base_rate else None, "equal": same}
     finally:

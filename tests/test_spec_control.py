@@ -54,7 +54,31 @@ def test_draft_count_follows_acceptance_and_measured_costs():
     decisions = [c.drafts(1, ["s"]) for _ in range(every)]
     assert decisions.count(1) == 1 and decisions[-1] == 1
     c.forget("s")
-    assert c.acceptance("s") == pytest.approx(0.8)
+    assert c.acceptance("s") == c.acceptance("never-seen") < 0.5  # a fresh start: the engine's recent rounds
+
+
+def test_a_fresh_sequence_starts_from_the_engines_recent_acceptance():
+    """At real C=8 on the H200 (s15) a k=3 round cost ~2.6 plain steps and a k=1 ~1.6; with every new
+    request starting at an optimistic 0.8 each spent its first rounds drafting for a drafter that was
+    seldom right. New sequences now start from the engine's recent rounds (PRIOR on a fresh engine)."""
+    c = DraftController(3)
+    for width, ms in ((1, 15.5), (2, 24.4), (3, 33.0), (4, 41.0)):
+        _measured(c, 8, width, ms / 1000)
+    first = [f"a{i}" for i in range(8)]
+    assert c.acceptance("a0") == pytest.approx(0.8) and c.drafts(8, first) > 0
+    for _ in range(3):  # the drafter is wrong for all of them
+        for r in first:
+            c.round(r, 1, 0)
+    for r in first:
+        c.forget(r)
+    fresh = [f"b{i}" for i in range(8)]
+    assert c.acceptance("b0") < 0.15
+    assert c.drafts(8, fresh) == 0  # a new cohort does not start by drafting
+    for r in fresh:  # the drafter is right for this cohort (the probe's rows): its own counts take over
+        for _ in range(6):
+            c.round(r, 3, 3)
+    assert c.acceptance("b0") > 0.9 and c.acceptance("c0") > 0.8  # and new requests start hopeful again
+    assert c.drafts(8, fresh) == 3
 
 
 def test_probes_back_off_to_probe_max():

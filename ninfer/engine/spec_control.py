@@ -11,7 +11,10 @@ on) keeps:
   until a plain step (w = 1) is measured the engine decodes plainly, a batch size without one borrows the nearest measured one's, and widths not
   measured yet are assumed to cost T(B, 1) * (1 + UNMEASURED_COST * (w - 1)), so they get tried;
 - per sequence, the chance p that a draft stands given that the drafts before it stood: accepted drafts
-  over accepted drafts plus rejections, both decayed each round (a fresh sequence starts at PRIOR).
+  over accepted drafts plus rejections, both decayed each round. A fresh sequence starts from the
+  engine's recent rounds (all sequences', decayed per verified row; PRIOR before any): with a drafter
+  that is seldom right, every new request would otherwise spend its first rounds drafting on an
+  optimistic guess (on the H200 at C=8 a k=3 round costs ~2.6 plain steps).
 
 Each step it takes the k in 0..K that maximises the batch's expected committed tokens per second,
 sum_s (1 + p_s + ... + p_s^k) / T(B, k + 1), where k > 0 must beat k = 0 by MIN_GAIN (step times are
@@ -29,7 +32,8 @@ from dataclasses import dataclass
 
 TIME_EMA = 0.2  # weight of a new step time
 DECAY = 0.8  # per round, on a sequence's accepted and rejected counts
-PRIOR = (2.0, 0.5)  # a fresh sequence's (accepted, rejected): p = 0.8
+PRIOR = (2.0, 0.5)  # the engine's (accepted, rejected) before any round: p = 0.8
+ENGINE_DECAY = 0.95  # per verified row, on the engine-wide counts a fresh sequence starts from
 UNMEASURED_COST = 0.1  # per extra token of width, relative to a plain step, until measured
 PROBE_EVERY = 16  # plain steps before the first probe
 PROBE_MAX = 512  # the most plain steps between two probes
@@ -53,6 +57,7 @@ class DraftController:
         self._times: dict[tuple[int, int], float] = {}  # (batch, width) -> seconds per step
         self._warm: set[tuple[int, int]] = set()  # shapes whose first step has run
         self._seqs: dict[str, _Acceptance] = {}
+        self._engine = _Acceptance()  # every sequence's rounds: a fresh sequence's prior
         self._plain_streak = 0
         self._probe_every = PROBE_EVERY
 
@@ -75,16 +80,26 @@ class DraftController:
 
     def round(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verified row: `accepted` of its `drafted` drafts stood (a shorter run ends in a rejection)."""
-        a = self._seqs.setdefault(request_id, _Acceptance())
+        rejected = 1.0 if accepted < drafted else 0.0
+        a = self._seqs.get(request_id) or self._seqs.setdefault(request_id, self._fresh())
         a.accepted = DECAY * a.accepted + accepted
-        a.rejected = DECAY * a.rejected + (1.0 if accepted < drafted else 0.0)
+        a.rejected = DECAY * a.rejected + rejected
+        e = self._engine
+        e.accepted = ENGINE_DECAY * e.accepted + accepted
+        e.rejected = ENGINE_DECAY * e.rejected + rejected
+
+    def _fresh(self) -> _Acceptance:
+        """A new sequence's counts: the engine's recent acceptance, weighted as PRIOR."""
+        p, weight = self._engine.p, sum(PRIOR)
+        return _Acceptance(p * weight, (1 - p) * weight)
 
     def forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
 
     # ---- the decision --------------------------------------------------------------------------------
     def acceptance(self, request_id: str) -> float:
-        return self._seqs.get(request_id, _Acceptance()).p
+        a = self._seqs.get(request_id)
+        return (a if a is not None else self._fresh()).p
 
     def cost(self, batch: int, width: int) -> float | None:
         """Seconds of a step of this shape: measured, or estimated from the plain step of this batch size (of

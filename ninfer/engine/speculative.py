@@ -23,7 +23,7 @@ thinking-budget suffix.
 
 from __future__ import annotations
 
-import random
+import zlib
 from typing import Protocol
 
 from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
@@ -138,23 +138,32 @@ def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:
 class OracleProposer:
     """Benchmark and test drafter: proposes a known continuation of each request (the target's own greedy
     output, recorded by a run without speculation), each draft replaced by a random token with
-    probability `corrupt`, so acceptance lengths can be set without a trained drafter."""
+    probability `corrupt`, so acceptance lengths can be set without a trained drafter. Whether the draft
+    at a request's output position is replaced, and by what, depends only on (seed, request, position),
+    not on the order of proposals: a run is then a function of the continuations, so a benchmark can
+    feed a run's output back as the next run's continuations until they agree (bench/spec_e2e.py
+    --settle)."""
 
     def __init__(self, continuations: dict[str, list[int]], *, corrupt: float = 0.0, vocab: int = 1000,
                  seed: int = 0):
         self.continuations = continuations  # request id -> continuation; ids without one get no drafts
         self.corrupt = corrupt
         self.vocab = vocab
-        self._rng = random.Random(seed)
+        self.seed = seed
+
+    def _replacement(self, request_id: str, position: int, token: int) -> int:
+        """The draft at `position` of this request's output: `token`, or with probability `corrupt` another."""
+        draw = zlib.crc32(f"{self.seed}:{request_id}:{position}".encode())
+        if draw / 2**32 >= self.corrupt:
+            return token
+        other = zlib.crc32(f"{self.seed}:{request_id}:{position}:token".encode()) % (self.vocab - 1)
+        return (token + 1 + other) % self.vocab
 
     def propose(self, works: list[SeqWork], budgets: list[int]) -> None:
         for work, budget in zip(works, budgets):
             seq = work.seq
             known = self.continuations.get(seq.request_id, [])
             done = len(seq.output_ids)
-            drafts = list(known[done: done + budget])
-            for j in range(len(drafts)):
-                if self._rng.random() < self.corrupt:
-                    drafts[j] = (drafts[j] + 1 + self._rng.randrange(self.vocab - 1)) % self.vocab
+            drafts = [self._replacement(seq.request_id, done + j, t) for j, t in enumerate(known[done: done + budget])]
             work.draft_ids, work.staged = drafts, None  # replaces any drafts staged before (bench wrappers)
             work.tokens = work.tokens[:1] + drafts
