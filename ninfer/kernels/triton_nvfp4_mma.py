@@ -106,6 +106,7 @@ def _pair_mma(acc, ws, sel, xs, sgw, shw, PAIR: tl.constexpr, XT: tl.constexpr):
     g + 8's four words of those blocks; xs: the pair's four x pairs per token tile; sgw / shw: the
     step's scale bytes (int32)."""
     args = ws + (sel,) + xs + (sgw, shw) + acc
+    # spelled out: Triton takes neither a conditional expression over two PTX strings nor a tuple of them
     if PAIR == 0:
         if XT == 1:
             out = tl.inline_asm_elementwise(_PAIR_MMA0_1, _MMA_CONSTRAINTS_1, args,
