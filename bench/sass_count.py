@@ -56,7 +56,9 @@ def loop_profile(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
             loop = max(loop, (start, addr), key=lambda span: span[1] - span[0])
     body = [op.split(".")[0] for addr, op, _ in instrs if loop[0] <= addr <= loop[1]]
     regs = re.search(r"REG:(\d+)", usage)
-    return {"registers": int(regs.group(1)) if regs else None, "loop_instructions": len(body),
+    local = re.search(r"STACK:(\d+)", usage)  # bytes of stack frame: register spills
+    return {"registers": int(regs.group(1)) if regs else None, "local_bytes": int(local.group(1)) if local else None,
+            "loop_instructions": len(body),
             "top_ops": Counter(body).most_common(int(os.environ.get("SASS_TOP", "8")))}
 
 

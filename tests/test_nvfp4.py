@@ -16,6 +16,7 @@ Stated tolerances (measured values in the comments; the bounds sit above them):
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -237,6 +238,31 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
     assert not triton_nvfp4_mma.mma_fits(3, k + 16, warps)
     with pytest.raises(ValueError, match="mma GEMV"):
         triton_nvfp4.nvfp4_gemv(torch.zeros(33, k, dtype=torch.bfloat16), *q, config=cfg)
+
+
+@pytest.mark.skipif(not HAS_TRITON or importlib.util.find_spec("triton.backends.nvidia") is None,
+                    reason="needs triton's NVIDIA backend (its bundled ptxas and cuobjdump)")
+def test_gemv_kernels_compile_for_hopper_without_spills():
+    """The interpreter runs the kernels' Python, not Triton's compiler: a construct the compiler refuses
+    (s15: a conditional expression choosing between two PTX strings) or a tile that spills registers
+    would first show on the device. Compiled here for sm_90 on the CPU (bench/sass_count.py) at the
+    configs decode and verification launch: the packed-fp16 GEMV for 1 and 4 rows, the tensor-core
+    GEMV for one to four 8-token tiles."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    specs = ["hfma:8,128,2", "hfma:8,128,2,4", "mma:2,8", "mma:2,8,2", "mma:1,8,3", "mma:1,8,4"]
+    run = subprocess.run([sys.executable, str(root / "bench" / "sass_count.py"), *specs], capture_output=True,
+                         text=True, env=env, cwd=root, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    kernels = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(kernels) == len(specs)
+    for spec, k in zip(specs, kernels):
+        assert k["local_bytes"] == 0 and k["registers"] <= 255 and k["loop_instructions"] > 0, (spec, k)
 
 
 @needs_interpreter

@@ -292,8 +292,8 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
                          f"got M={m}, K={k}")
     s32 = sbytes.view(torch.int32)
     xt = triton.cdiv(m, 8)
-    if xt >= 3:  # two row tiles of three or four token tiles need more than 255 registers (spills)
-        tiles = 1
+    if xt >= 3:  # four token tiles in two row tiles spill (bench/sass_count.py mma:2,8,4); one row tile from
+        tiles = 1  # three is what the H200 timed (s15); three in two would fit (188 registers), not timed yet
     grid = (triton.cdiv(n, 16 * tiles),)
     _gemv_mma_kernel[grid](x32, words, s32, row_scale, y, m, n, x32.stride(0), y.stride(0), KW=k // 8, TILES=tiles,
                            WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, num_warps=warps, **launch)
