@@ -9,7 +9,8 @@
 #                                              # profile_nvfp4_lm_head: its lm_head in NVFP4 too)
 # Single stages: fused gemv nvfp4 kv kv_fp4 moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
 # (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), decode27_nvfp4 (NVFP4 only), pytest_nvfp4,
-# pytest_nvfp4_kernels, pytest_pdl, pytest_pieces, pytest_mma, sweep_mma (the tensor-core NVFP4 GEMV), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
+# pytest_nvfp4_kernels, pytest_pdl, pytest_pieces, pytest_mma, sweep_mma (the tensor-core NVFP4 GEMV), sweep_mma_wide (its 8..32-row verify launches), spec_c8
+# (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
 # sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
 # suffix _nopdl runs with NINFER_PDL=0 (kernels launched without programmatic dependent launch), its files
@@ -85,6 +86,15 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     sweep_mma)  # the tensor-core NVFP4 GEMV tiles against the packed-fp16 one at M = 1, 2, 4, 8 (27B shapes)
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma --out $out/nvfp4_mma.json \
         > $out/nvfp4_mma.log 2>&1 ;;
+    sweep_mma_wide)  # the tensor-core NVFP4 GEMV at 8..32 rows (verification): bitwise against 8-row launches, times
+      timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-wide --out $out/mma_wide.json \
+        > $out/mma_wide.log 2>&1 ;;
+    spec_c8)  # 27B NVFP4 MTP speculation at real C = 8 with controlled acceptance (--settle), adaptive then k = 3
+      for mode in --adaptive ""; do
+        timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
+          --draft-head 32768 $mode --concurrency 8 --acceptance 1.5 2.5 3.5 --settle 3 --max-tokens 128 \
+          > $out/spec_c8${mode:+_adaptive}.log 2>&1
+      done ;;
     prefetch)  # the NVFP4 GEMV tiles with L2 prefetch distances 0 / 2 / 4 (M = 1, 2; 27B shapes)
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-prefetch --out $out/nvfp4_prefetch.json \
         > $out/nvfp4_prefetch.log 2>&1 ;;
