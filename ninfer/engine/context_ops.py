@@ -7,7 +7,6 @@ Companion caches share the model cache's page numbering (a block drafter's conte
 position lives at the position's slot), so their pages move with the model's: counted as "backend_kv".
 """
 
-
 from __future__ import annotations
 
 from ninfer.engine import transfers

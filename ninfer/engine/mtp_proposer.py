@@ -121,9 +121,10 @@ class MTPProposer:
         now, full = [], []
         for seq, start, hidden in rows:
             self._keep(seq, start, hidden, 0 if seq is prefill else width)
+            kept = self._pending[seq.request_id]
             if seq is prefill or id(seq) in drafted:
                 now.append(seq)
-            elif self._pending[seq.request_id][-1].end - self._pending[seq.request_id][0].start >= WINDOW:
+            elif kept[-1].end - kept[0].start >= WINDOW:
                 full.append(seq)
         self._observe(now)
         self._observe(full, whole_windows=True)

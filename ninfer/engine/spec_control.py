@@ -81,7 +81,9 @@ class DraftController:
     def round(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verified row: `accepted` of its `drafted` drafts stood (a shorter run ends in a rejection)."""
         rejected = 1.0 if accepted < drafted else 0.0
-        a = self._seqs.get(request_id) or self._seqs.setdefault(request_id, self._fresh())
+        a = self._seqs.get(request_id)
+        if a is None:
+            a = self._seqs[request_id] = self._fresh()
         a.accepted = DECAY * a.accepted + accepted
         a.rejected = DECAY * a.rejected + rejected
         e = self._engine

@@ -56,6 +56,10 @@ def state_bytes(cache: ModelCache) -> int:
     return (cache.conv[:, :1].numel() * cache.conv.element_size() + cache.ssm[:, :1].numel() * cache.ssm.element_size())
 
 
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 @dataclass
 class HostSnapshot:
     """A paused request's model state on the host: KV of its pages (in order) and its state slot."""
@@ -71,11 +75,11 @@ class HostSnapshot:
 
     @property
     def kv_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+        return _nbytes(self.k, self.v, self.k_scale, self.v_scale)
 
     @property
     def state_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm) if t is not None)
+        return _nbytes(self.conv, self.ssm)
 
     @property
     def nbytes(self) -> int:

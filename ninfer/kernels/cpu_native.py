@@ -198,7 +198,6 @@ def qlinear_logits(module, x: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      seq_lens: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
     """The C attention alone (tests, benchmarks): q [B, Hq, D]; bf16 caches [S, Hkv, D]; fp32 out."""

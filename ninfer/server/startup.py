@@ -85,7 +85,12 @@ def engine_cpu_threads() -> int:
     cores this process may run on (at least one). The router, the HTTP proxy and Ray's own processes need a
     core: a decode step's threads meet at ~10 barriers a layer, and one of them descheduled stalls the others
     for a time slice (bench/results/2026-12-03-cpu-s14). Prefill, compute-bound and long, takes every core."""
-    return int(os.environ.get("NINFER_CPU_THREADS", "0")) or max(1, len(os.sched_getaffinity(0)) - 1)
+    return int(os.environ.get("NINFER_CPU_THREADS", "0")) or max(1, _cores() - 1)
+
+
+def _cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0))
 
 
 def load_engine_for(cfg: ServerConfig, *, device_index: int | None = None, threads: int | None = None):
@@ -103,7 +108,7 @@ def load_engine_for(cfg: ServerConfig, *, device_index: int | None = None, threa
         # the native decode step's engine_cpu_threads()
         from ninfer.kernels import cpu_native
 
-        torch.set_num_threads(threads or max(1, len(os.sched_getaffinity(0))))
+        torch.set_num_threads(threads or _cores())
         cpu_native.decode_threads = threads or engine_cpu_threads()
     log.info("loading %s on %s", cfg.artifact, device)
     started = time.monotonic()
