@@ -4,6 +4,8 @@ than no speculation (issue 21: "never slower than no speculation"); output never
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from engine_helpers import assert_no_leak, run_all, token_ids
@@ -31,6 +33,52 @@ def test_plain_steps_until_one_is_measured_then_unmeasured_widths_are_tried():
     assert c.cost(2, 4) == pytest.approx(0.013)
     _measured(c, 5, 1, 0.020)
     assert c.cost(3, 1) == 0.010 and c.cost(4, 2) == pytest.approx(0.022)  # the nearest batch size's plain step
+
+
+def test_an_unmeasured_width_costs_its_ratio_at_the_nearest_batch_size():
+    """At 8 rows of the 27B NVFP4 shape a width-2 step costs ~1.6 plain ones (s15), not the +10 % assumed for a
+    width never measured: once a width ran at some batch size, its ratio to that size's plain step prices it
+    at the others, so every batch size a run passes through does not pay a losing verify step to learn it."""
+    c = DraftController(3)
+    _measured(c, 8, 1, 0.0155)
+    _measured(c, 8, 2, 0.0248)
+    _measured(c, 6, 1, 0.0150)
+    assert c.cost(6, 2) == pytest.approx(0.0150 * 1.6)  # 8 rows' ratio
+    assert c.cost(6, 3) == pytest.approx(0.0150 * (1 + 2 * spec_control.UNMEASURED_COST))  # measured nowhere
+    _measured(c, 8, 3, 0.0155 * 2.1)
+    _measured(c, 8, 4, 0.0155 * 2.6)
+    _measured(c, 1, 1, 0.0070)
+    _measured(c, 1, 2, 0.0098)
+    assert c.cost(2, 2) == pytest.approx(0.0070 * 1.4)  # the nearest batch size's ratio (1 row), its plain step
+    rows = [f"s{i}" for i in range(6)]
+    for r in rows:
+        c.round(r, 1, 0)
+        c.round(r, 1, 1)
+    assert 0.3 < c.acceptance("s0") < 0.8
+    assert c.drafts(6, rows) == 0  # ~1.5-1.9 tokens a row for 1.6-2.6x the time does not pay (at +10 % a token it would)
+
+
+def test_probes_keep_their_extra_time_within_budget():
+    """A probe is a width-2 verify step; where it costs 1.6 plain steps (8 rows, s15), probing after 16 plain
+    steps adds ~4 % to them: the first probe waits until its extra time is PROBE_BUDGET of theirs."""
+    c = DraftController(3)
+    _measured(c, 8, 1, 0.0155)
+    _measured(c, 8, 2, 0.0248)
+    rows = [f"s{i}" for i in range(8)]
+    for r in rows:
+        for _ in range(12):
+            c.round(r, 1, 0)
+    decisions = [c.drafts(8, rows) for _ in range(60)]
+    first = decisions.index(1)
+    assert first + 1 == math.ceil(0.6 / spec_control.PROBE_BUDGET) > spec_control.PROBE_EVERY
+    _measured(c, 1, 1, 0.010)
+    _measured(c, 1, 2, 0.0105)  # where a probe costs little, the back-off alone spaces them
+    c2 = DraftController(3)
+    c2._times = dict(c._times)
+    for _ in range(12):
+        c2.round("s", 1, 0)
+    decisions = [c2.drafts(1, ["s"]) for _ in range(spec_control.PROBE_EVERY)]
+    assert decisions.index(1) + 1 == spec_control.PROBE_EVERY
 
 
 def test_draft_count_follows_acceptance_and_measured_costs():

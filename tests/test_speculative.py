@@ -331,18 +331,23 @@ def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mt
         assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
 
 
-@pytest.mark.parametrize("window, graphs", [(None, False), (2, False), (None, True), (3, True)])
-def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_path, monkeypatch, window, graphs):
+@pytest.mark.parametrize("window, cap, graphs", [(None, None, False), (None, 2, False), (None, None, True),
+                                                 (3, 2, True), (2, 3, True)])
+def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_path, monkeypatch, window, cap,
+                                                                 graphs):
     """A step's rows that carried no drafts (the adaptive engine's plain steps) run no MTP head: they are kept
-    and observed when the sequence next drafts, or WINDOW (here also 2, 3) at a time, through the verify-shaped
-    graph of WINDOW rows a sequence (the graph paths as in the test above). Every draft equals the head run
-    from scratch, and output equals plain greedy."""
+    and observed when the sequence next drafts, or, once a sequence keeps CAP rows (here also 2, 3), every
+    sequence's at once: through the verify-shaped graph of WINDOW rows a sequence where they fit (WINDOW 3),
+    else in one eager forward (the graph paths as in the test above). Every draft equals the head run from
+    scratch, and output equals plain greedy."""
     import itertools
 
     from ninfer.engine import mtp_proposer
 
     if window is not None:
         monkeypatch.setattr(mtp_proposer, "WINDOW", window)
+    if cap is not None:
+        monkeypatch.setattr(mtp_proposer, "CAP", cap)
     captured = _fake_mtp_graphs(monkeypatch) if graphs else None
     base = _baseline(tiny_qwen_mtp_path)
     settings = EngineSettings(max_context=256, max_concurrency=3, prefill_chunk=16, draft_tokens=3, spec="mtp")
@@ -367,13 +372,13 @@ def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_p
     spec, counters, seen = _run_recording_drafts(engine, oracle)
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert counters.spec_rounds > 0 and counters.spec_fallback_steps > counters.spec_rounds
-    if window is None:
-        assert plain and sum(plain) == 0  # three plain steps between drafts: fewer rows than a window
+    if cap is None:
+        assert plain and sum(plain) == 0  # three plain steps between drafts: fewer rows than CAP
     else:
-        assert sum(plain) > 0  # whole windows observed without waiting
+        assert sum(plain) > 0  # caught up without waiting for a draft
     if graphs:
         windows = {k for k in proposer._graphs if k[0] == "observe_verify" and k[2] == mtp_proposer.WINDOW}
-        assert captured and windows
+        assert captured and bool(windows) == (cap is None or cap <= mtp_proposer.WINDOW)
     for tokens, drafts, budget in seen:
         assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
     assert_no_leak(engine)

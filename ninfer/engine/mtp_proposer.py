@@ -12,7 +12,9 @@ Per step, two halves (ninfer.models.mtp says what the head computes):
   (their hidden rows, on the device) until the sequence next drafts, and `propose` observes them
   first: steps that draft nothing (the adaptive engine's plain steps, DraftController) then run no
   head at all, as a plain decode step, and the next draft catches up in one head forward over the rows
-  kept since (at most PENDING_CAP a sequence: past that they are observed in `observe`).
+  kept since. Once a sequence keeps CAP rows, every sequence of the step catches up together, in one
+  forward: the head's weights are then read once per CAP plain steps, not once per sequence and
+  window (at C=8 on the H200, s15, per-sequence windows and their host work cost ~0.5 ms a 15.5 ms step).
 - `propose` (before the next verify forward): k-1 more head steps from there, one token each (the
   previous draft in, the previous output as hidden), the drafts left on the device. On CUDA, with
   the runner's graphs on, the k-1 steps replay one CUDA graph per batch size (captured the first time
@@ -43,7 +45,8 @@ from ninfer.forward import CacheSpec, ForwardBatch, host_inputs, verify_inputs
 from ninfer.models.mtp import chain_batch
 
 log = logging.getLogger("ninfer.engine")
-WINDOW = 8  # rows a sequence kept unobserved: observed this many at a time (a verify-shaped graph of this width)
+WINDOW = 8  # kept rows up to this many a sequence are observed through one verify-shaped graph of this width
+CAP = 64  # kept rows a sequence may hold: then every sequence of the step catches up, in one forward
 
 
 @dataclass
@@ -110,7 +113,7 @@ class MTPProposer:
     @torch.inference_mode()
     def observe(self, plan: StepPlan, output: RunnerOutput, committed: dict[int, int]) -> None:
         """The head over the step's new positions (module docstring): a prefill chunk's and a drafted row's now,
-        a row without drafts kept until the sequence drafts again or keeps WINDOW rows."""
+        a row without drafts kept until the sequence drafts again, or until some sequence keeps CAP rows."""
         # a prefill chunk's last row waits for its next token (the next chunk's first, or the first sample)
         rows = [(s, p, h) for s, p, h in computed_rows(plan, output, committed) if s.total_len > p + h.shape[0]]
         if not rows:
@@ -118,16 +121,16 @@ class MTPProposer:
         width = max((len(w.tokens) for w in plan.decode), default=1)
         prefill = plan.prefill.seq if plan.prefill is not None else None
         drafted = {id(w.seq) for w in plan.decode if w.draft_ids}
-        now, full = [], []
+        now, kept, full = [], [], False
         for seq, start, hidden in rows:
             self._keep(seq, start, hidden, 0 if seq is prefill else width)
-            kept = self._pending[seq.request_id]
             if seq is prefill or id(seq) in drafted:
                 now.append(seq)
-            elif kept[-1].end - kept[0].start >= WINDOW:
-                full.append(seq)
-        self._observe(now)
-        self._observe(full, whole_windows=True)
+            else:
+                kept.append(seq)
+                chunks = self._pending[seq.request_id]
+                full = full or chunks[-1].end - chunks[0].start >= CAP
+        self._observe(now + kept if full else now)
 
     def _keep(self, seq: Sequence, start: int, hidden: torch.Tensor, width: int) -> None:
         """Append positions start.. to seq's unobserved rows, which stay one contiguous run ending there: rows at
@@ -142,20 +145,12 @@ class MTPProposer:
             chunks.clear()
         chunks.append(_Pending(start, hidden, width))
 
-    def _observe(self, seqs: list[Sequence], whole_windows: bool = False) -> None:
-        """The head over the unobserved rows of these sequences (whole_windows: the most whole WINDOWs of them,
-        the rest kept): one step's rows of each replay the graph of a plain step or of that verify step, rows
-        kept over several steps replay the verify-shaped graph of WINDOW rows a sequence, window by window;
-        eagerly in one forward where no graph fits. Each sequence's frontier then sits at its last row observed."""
+    def _observe(self, seqs: list[Sequence]) -> None:
+        """The head over the kept rows of these sequences: one step's rows of each replay the graph of a plain
+        step or of that verify step, up to WINDOW rows a sequence kept over several steps the verify-shaped
+        graph of WINDOW rows, more (a catch-up) or rows no graph fits go through one eager forward. Each
+        sequence's frontier then sits at its last row."""
         held = [(s, self._pending.pop(s.request_id)) for s in seqs if self._pending.get(s.request_id)]
-        if whole_windows:
-            for i, (seq, chunks) in enumerate(held):
-                rows = torch.cat([c.hidden for c in chunks]) if len(chunks) > 1 else chunks[0].hidden
-                cut = rows.shape[0] // WINDOW * WINDOW
-                if cut < rows.shape[0]:  # the rest waits
-                    self._pending[seq.request_id] = [_Pending(chunks[0].start + cut, rows[cut:], 1)]
-                held[i] = (seq, [_Pending(chunks[0].start, rows[:cut], 1)])
-            held = [(s, c) for s, c in held if c[0].hidden.shape[0]]
         if not held:
             return
         seqs = [s for s, _ in held]
@@ -173,8 +168,10 @@ class MTPProposer:
                 graphed = self._observe_replay(seqs, starts, tokens, torch.cat(hidden) if len(held) > 1 else hidden[0])
             elif single and len(widths) == 1 and min(widths) > 1:  # the committed rows of one verify step
                 graphed = self._observe_verify_replay(seqs, starts, tokens, hidden, widths.pop())
-            else:  # rows of several steps
-                graphed = self._observe_windows(seqs, starts, tokens, hidden)
+            elif max(lens) <= WINDOW:  # rows of a few steps
+                graphed = self._observe_verify_replay(seqs, starts, tokens, hidden, WINDOW)
+            else:  # a catch-up: one forward reads the head's weights once
+                graphed = None
             if graphed is not None:
                 results = [(graphed[0][j], graphed[1][j]) for j in range(len(seqs))]
         if results is None:
@@ -192,22 +189,6 @@ class MTPProposer:
         last = out[batch.last_token_indices()]
         drafts = self._argmax(last)
         return [(last[j], drafts[j]) for j in range(len(seqs))]
-
-    def _observe_windows(self, seqs, starts, tokens, hidden) -> tuple[list, list] | None:
-        """Rows of several steps through the verify-shaped graph of WINDOW rows a sequence, WINDOW rows of each
-        sequence a replay (the sequences with rows left); each sequence's output and draft at its last row, or
-        None when the graph cannot be had (the caller observes eagerly)."""
-        lasts, drafts = [None] * len(seqs), [None] * len(seqs)
-        for at in range(0, max(h.shape[0] for h in hidden), WINDOW):
-            group = [j for j, h in enumerate(hidden) if h.shape[0] > at]
-            replayed = self._observe_verify_replay(
-                [seqs[j] for j in group], [starts[j] + at for j in group], [tokens[j][at: at + WINDOW] for j in group],
-                [hidden[j][at: at + WINDOW] for j in group], WINDOW)
-            if replayed is None:
-                return None
-            for i, j in enumerate(group):
-                lasts[j], drafts[j] = replayed[0][i], replayed[1][i]
-        return lasts, drafts
 
     def _observe_verify_replay(self, seqs: list[Sequence], starts: list[int], tokens: list[list[int]],
                                hidden: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor] | None:

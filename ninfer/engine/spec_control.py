@@ -8,8 +8,11 @@ on) keeps:
 - per batch size B and width w, the engine's wall time of decode-only steps (an exponential moving
   average, the proposer's own work included; a shape's first step is not counted when it is far over
   its estimate (graph capture, first compiles), and later samples are capped at OUTLIER times it);
-  until a plain step (w = 1) is measured the engine decodes plainly, a batch size without one borrows the nearest measured one's, and widths not
-  measured yet are assumed to cost T(B, 1) * (1 + UNMEASURED_COST * (w - 1)), so they get tried;
+  until a plain step (w = 1) is measured the engine decodes plainly, a batch size without one borrows the
+  nearest measured one's; a width not measured at B costs T(B, 1) times its measured ratio to the plain
+  step at the nearest batch size where both ran (at 8 rows of the 27B NVFP4 shape a width-2 step costs
+  ~1.6 plain ones, at 1 row ~1.4), and a width measured nowhere T(B, 1) * (1 + UNMEASURED_COST * (w - 1)),
+  so it gets tried;
 - per sequence, the chance p that a draft stands given that the drafts before it stood: accepted drafts
   over accepted drafts plus rejections, both decayed each round. A fresh sequence starts from the
   engine's recent rounds (all sequences', decayed per verified row; PRIOR before any): with a drafter
@@ -21,13 +24,15 @@ sum_s (1 + p_s + ... + p_s^k) / T(B, k + 1), where k > 0 must beat k = 0 by MIN_
 noisy; a drafter that is seldom right should not win on noise). While k = 0 wins, a step still drafts
 one token now and then (a probe), so the estimates follow a drafter whose acceptance comes back: the
 first PROBE_EVERY plain steps after drafting paid, then twice as many plain steps after each probe
-that did not bring drafting back, up to PROBE_MAX (a probe is a verify step: at 8 rows of the 27B
-NVFP4 shape a width-2 step costs ~1.8 plain ones, so probing every 16 steps alone cost ~5 %). Output
-never depends on it: drafts only decide how many tokens a step may commit.
+that did not bring drafting back, up to PROBE_MAX, and never sooner than keeps the probes' extra time
+under PROBE_BUDGET of the plain steps' (a probe is a verify step: at 8 rows of the 27B NVFP4 shape a
+width-2 step costs ~1.6 plain ones, so probing every 16 steps alone cost ~4 %). Output never depends
+on it: drafts only decide how many tokens a step may commit.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 TIME_EMA = 0.2  # weight of a new step time
@@ -39,6 +44,7 @@ PROBE_EVERY = 16  # plain steps before the first probe
 PROBE_MAX = 512  # the most plain steps between two probes
 OUTLIER = 2.0  # a step-time sample is capped at this multiple of the shape's expected cost
 MIN_GAIN = 1.1  # drafts only where they promise this much more throughput than plain steps
+PROBE_BUDGET = 0.02  # the most a probe's extra time may add to the plain steps before the next probe
 
 
 @dataclass
@@ -105,12 +111,32 @@ class DraftController:
 
     def cost(self, batch: int, width: int) -> float | None:
         """Seconds of a step of this shape: measured, or estimated from the plain step of this batch size (of
-        the nearest measured one while it has none: decode costs change slowly with the batch), None when
-        no plain step was measured yet."""
+        the nearest measured one while it has none: decode costs change slowly with the batch) times the
+        width's ratio to the plain step where both were measured, None when no plain step was measured yet."""
         if (batch, width) in self._times:
             return self._times[(batch, width)]
-        plain = [(abs(b - batch), t) for (b, w), t in self._times.items() if w == 1]
-        return None if not plain else min(plain)[1] * (1 + UNMEASURED_COST * (width - 1))
+        plain = self._nearest(batch, 1)
+        if plain is None:
+            return None
+        if width == 1:
+            return plain[1]
+        both = [b for b, w in self._times if w == width and (b, 1) in self._times]
+        if not both:
+            return plain[1] * (1 + UNMEASURED_COST * (width - 1))
+        near = min(both, key=lambda b: (abs(b - batch), b))
+        return plain[1] * self._times[(near, width)] / self._times[(near, 1)]
+
+    def _nearest(self, batch: int, width: int) -> tuple[int, float] | None:
+        """(batch size, seconds) of the measured step of this width nearest in batch size."""
+        got = [(abs(b - batch), b, t) for (b, w), t in self._times.items() if w == width]
+        return None if not got else min(got)[1:]
+
+    def _probe_gap(self, batch: int) -> int:
+        """Plain steps before the next probe: the back-off's, and at least as many as keep a probe's extra
+        time (a width-2 step over a plain one) within PROBE_BUDGET of theirs."""
+        plain, probe = self.cost(batch, 1), self.cost(batch, 2)
+        extra = max(probe / plain - 1, 0.0) if plain and probe else 0.0
+        return min(max(self._probe_every, math.ceil(extra / PROBE_BUDGET)), PROBE_MAX)
 
     def drafts(self, batch: int, request_ids: list[str]) -> int:
         """The draft count for a decode step of `batch` rows whose drafting rows are `request_ids`."""
@@ -130,7 +156,7 @@ class DraftController:
                 best_k, best_rate = k, rate
         if best_k == 0:
             self._plain_streak += 1
-            if self._plain_streak >= self._probe_every:  # a probe; unless it brings drafting back, the next waits 2x
+            if self._plain_streak >= self._probe_gap(batch):  # a probe; unless it brings drafting back, the next waits 2x
                 self._plain_streak = 0
                 self._probe_every = min(2 * self._probe_every, PROBE_MAX)
                 return 1
