@@ -169,7 +169,7 @@ PREFETCH_CONFIGS = [dict(kind="hfma", BLOCK_N=bn, BLOCK_W=64 * w, num_warps=w, P
 
 
 # Wide launches of the tensor-core GEMV (speculative verification: 8 sequences x up to 4 positions)
-MMA_WIDE_CONFIGS = [dict(kind="mma", TILES=tiles, WARPS=8) for tiles in (1, 2)]  # 2: 1 from 24 rows (gemv_mma)
+MMA_WIDE_CONFIGS = [dict(kind="mma", TILES=tiles, WARPS=8) for tiles in (1, 2)]  # 2: what decode and verify launch
 
 
 def check_mma_wide(device="cuda", *, shapes: dict | None = None, ms=(16, 24, 32)) -> dict:

@@ -7,8 +7,9 @@ and NVFP4 decode at C = 8 ran slower than bf16. Here the weights are the mma's A
 rows x 16 K) and x^T its B operand (16 K x 8 tokens): one decode serves all eight tokens, and the
 multiply-adds cost the tensor cores, not the issue slots.
 
-Layout. An mma's 16 K values are one scale block, so its partial sums take the block scale in one
-fp32 FMA each (acc += partial * scale; the scale never touches the fp16 operands). Lane l = 4g + t
+Layout. An mma's 16 K values are one scale block. The block scale multiplies the decoded fp16 A
+fragment (one HMUL2 per two weights, exact: see _pair_mma_asm), so every token tile's mma accumulate in
+place and a token tile costs its two mma alone (before, 8 fp32 FMA per block pair and tile). Lane l = 4g + t
 holds rows g and g + 8 of a 16-row tile; of each block (two words) it takes byte t of both words,
 i.e. codes 2t, 2t + 1 (word 0) and 8 + 2t, 9 + 2t (word 1). Any order of K that A and B share leaves
 the dot product unchanged, so the decode's pairs (c0, c2), (c1, c3) are the A fragment's a0 / a2,
@@ -44,37 +45,37 @@ _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 
 def _pair_mma_asm(pair: int, xt: int = 1) -> str:
     """PTX for two scale blocks (2 pair, 2 pair + 1 of the step) of a 16-row tile against `xt` tiles of
-    8 tokens: the blocks are decoded once, then each token tile runs the same two mma and eight fma as
-    with one tile, so a token's sums do not depend on how many tiles share the launch.
-    With o = 4 xt outputs: $4j..$4j+3 tile j's acc + partials * scales for D[g][2t], D[g][2t+1],
-    D[g+8][2t], D[g+8][2t+1]. Inputs: $o..$o+3 row g's four words of the two blocks, $o+4..$o+7 row
-    g + 8's; $o+8 the byte selector t | (t + 4) << 4; from $o+9 four x pairs per token tile (block 0's
-    b0, block 1's b0, block 0's b1, block 1's b1: _x_pairs' order); then the step's scale bytes of rows
-    g and g + 8; then four accumulators per token tile."""
+    8 tokens: the blocks are decoded and scaled once (scale folded into the fp16 A fragment, exactly), then
+    each token tile runs the same two mma accumulating in place, so a token's sums do not depend on how
+    many tiles share the launch.
+    With o = 4 xt outputs: $4j..$4j+3 tile j's acc + A @ B for D[g][2t], D[g][2t+1], D[g+8][2t],
+    D[g+8][2t+1]. Inputs: $o..$o+3 row g's four words of the two blocks, $o+4..$o+7 row g + 8's; $o+8
+    the byte selector t | (t + 4) << 4; from $o+9 four x pairs per token tile (block 0's b0, block 1's
+    b0, block 0's b1, block 1's b1: _x_pairs' order); then the step's scale bytes of rows g and g + 8;
+    then four accumulators per token tile."""
     o = 4 * xt
     x0, s0, a0 = o + 9, o + 9 + 4 * xt, o + 11 + 4 * xt
-    lines = ["{", ".reg .b32 e, o, u, z, p, q, G, H, sc, g<4>, h<4>, s01, s23;", ".reg .b16 c0, c1, c2, c3;",
-             ".reg .f32 d<4>, f, sg0, sh0, sg1, sh1;", "mov.b32 z, 0;", "mov.f32 f, 0f00000000;"]
+    lines = ["{", ".reg .b32 e, o, u, z, p, q, G, H, sc, g<4>, h<4>, sg0, sh0, sg1, sh1;", ".reg .b16 c0, c1;",
+             "mov.b32 z, 0;"]
     for word, first in (("G", o), ("H", o + 4)):  # byte t of each of the four words -> one word of 8 codes
         lines.append(f"prmt.b32 p, ${first}, ${first + 1}, ${o + 8}; prmt.b32 q, ${first + 2}, ${first + 3}, ${o + 8}; "
                      f"prmt.b32 {word}, p, q, 0x5410;")
     lines += decode_word_ptx("G", [f"g{i}" for i in range(4)])  # g0 = (c0, c2) block 0, g1 block 1, g2 = (c1, c3) block 0
     lines += decode_word_ptx("H", [f"h{i}" for i in range(4)])
-    # the scales of blocks 2 pair and 2 pair + 1: bytes (g, g + 8) of each -> fp16 pairs -> fp32
-    b = 2 * pair
-    lines.append(f"prmt.b32 sc, ${s0}, ${s0 + 1}, {hex(b | (4 + b) << 4 | (b + 1) << 8 | (5 + b) << 12)};")
-    lines.append("mov.b32 {c0, c1}, sc; cvt.rn.f16x2.e4m3x2 s01, c0; cvt.rn.f16x2.e4m3x2 s23, c1;")
-    lines.append("mov.b32 {c0, c1}, s01; mov.b32 {c2, c3}, s23; cvt.f32.f16 sg0, c0; cvt.f32.f16 sh0, c1; "
-                 "cvt.f32.f16 sg1, c2; cvt.f32.f16 sh1, c3;")
+    # block 2 pair + i's scales of rows g and g + 8 (bytes i of $s0, $s0 + 1) as fp16 pairs (s, s); code * 2^-14
+    # times an E4M3 scale has at most 6 significant bits and is a multiple of 2^-24, so fp16 holds it exactly
+    for i in range(2):
+        b = 2 * pair + i
+        lines.append(f"prmt.b32 sc, ${s0}, ${s0 + 1}, {hex(b | b << 4 | (4 + b) << 8 | (4 + b) << 12)}; "
+                     f"mov.b32 {{c0, c1}}, sc; cvt.rn.f16x2.e4m3x2 sg{i}, c0; cvt.rn.f16x2.e4m3x2 sh{i}, c1;")
+        lines.append(f"mul.rn.f16x2 g{i}, g{i}, sg{i}; mul.rn.f16x2 g{i + 2}, g{i + 2}, sg{i}; "
+                     f"mul.rn.f16x2 h{i}, h{i}, sh{i}; mul.rn.f16x2 h{i + 2}, h{i + 2}, sh{i};")
     for j in range(xt):
         xj, aj = x0 + 4 * j, a0 + 4 * j
-        out = [f"${4 * j + c}" for c in range(4)]
-        for blk, (ga, gb, b0, b1, sg, sh) in enumerate((("0", "2", xj, xj + 2, "sg0", "sh0"),
-                                                        ("1", "3", xj + 1, xj + 3, "sg1", "sh1"))):
-            lines.append(f"{_MMA} {{d0, d1, d2, d3}}, {{g{ga}, h{ga}, g{gb}, h{gb}}}, {{${b0}, ${b1}}}, {{f, f, f, f}};")
-            acc = [f"${aj + c}" for c in range(4)] if blk == 0 else out
-            lines.append(f"fma.rn.f32 {out[0]}, d0, {sg}, {acc[0]}; fma.rn.f32 {out[1]}, d1, {sg}, {acc[1]}; "
-                         f"fma.rn.f32 {out[2]}, d2, {sh}, {acc[2]}; fma.rn.f32 {out[3]}, d3, {sh}, {acc[3]};")
+        out = "{" + ", ".join(f"${4 * j + c}" for c in range(4)) + "}"
+        acc = "{" + ", ".join(f"${aj + c}" for c in range(4)) + "}"
+        lines.append(f"{_MMA} {out}, {{g0, h0, g2, h2}}, {{${xj}, ${xj + 2}}}, {acc};")
+        lines.append(f"{_MMA} {out}, {{g1, h1, g3, h3}}, {{${xj + 1}, ${xj + 3}}}, {out};")
     lines.append("}")
     return "\n".join(lines)
 
@@ -292,8 +293,6 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
                          f"got M={m}, K={k}")
     s32 = sbytes.view(torch.int32)
     xt = triton.cdiv(m, 8)
-    if xt >= 3:  # four token tiles in two row tiles spill (bench/sass_count.py mma:2,8,4); one row tile from
-        tiles = 1  # three is what the H200 timed (s15); three in two would fit (188 registers), not timed yet
     grid = (triton.cdiv(n, 16 * tiles),)
     _gemv_mma_kernel[grid](x32, words, s32, row_scale, y, m, n, x32.stride(0), y.stride(0), KW=k // 8, TILES=tiles,
                            WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, num_warps=warps, **launch)
