@@ -18,7 +18,8 @@ continuation it was given its drafts followed the target and acceptance is the t
 plain run's, and says whether that run's output equals the plain one (verify exactness at C > 1).
 
 Prints one JSON line per (concurrency, acceptance length) with decode tok/s (sum over requests of
-their generated tokens per decode second) and the ratio to the same engine without drafts.
+their generated tokens per decode second; with --repeat R the median of R runs) and the ratio to the
+same engine without drafts.
 
     python bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --concurrency 1 8 --drafts 3
     python bench/spec_e2e.py --dry-run   # tiny preset on the CPU: the harness itself
@@ -33,6 +34,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -149,6 +151,9 @@ def main() -> None:
                    help="the continuation the oracle proposes and outputs are compared with: plain decoding's, "
                         "or the verify forwards' own (a run whose drafts are all wrong; its rows then take the "
                         "same matmul shapes as every later run)")
+    p.add_argument("--repeat", type=int, default=1, metavar="R",
+                   help="time each plain and speculative run R times and report the medians (run-to-run noise "
+                        "at C=8 was ~4 %%)")
     p.add_argument("--settle", type=int, default=0,
                    help="at C > 1, up to this many reruns with the previous run's output as the oracle's "
                         "continuation, until a run's output is the continuation it was given (controlled acceptance)")
@@ -302,6 +307,7 @@ def main() -> None:
         for c in args.concurrency:
             oracle.continuations = {}
             base, base_rate, base_counts = profiled(c, "plain") if args.profile or args.timeline else run(c)
+            base_rate = median([base_rate] + [run(c)[1] for _ in range(args.repeat - 1)])
             emit(kind="spec_e2e", concurrency=c, acceptance_target=None, decode_tok_s=base_rate, ratio=1.0,
                  step_ms=base_counts["step_ms"], round_ms=base_counts["round_ms"])
             if args.reference == "verify":  # the continuation as verify forwards compute it: every draft wrong
@@ -326,6 +332,7 @@ def main() -> None:
                     settled = outs == [oracle.continuations[f"r{i}"] for i in range(c)]
                     if settled:
                         break
+                rate = median([rate] + [run(c)[1] for _ in range(args.repeat - 1)])  # same drafts: same output
                 measured = 1 + counts["spec_accepted_tokens"] / max(counts["spec_rounds"], 1)
                 same = outs == base
                 emit(kind="spec_e2e", concurrency=c, acceptance_target=length, acceptance_measured=measured,

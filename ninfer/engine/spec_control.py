@@ -10,8 +10,9 @@ on) keeps:
   its estimate (graph capture, first compiles), and later samples are capped at OUTLIER times it);
   until a plain step (w = 1) is measured the engine decodes plainly, a batch size without one borrows the
   nearest measured one's; a width not measured at B costs T(B, 1) times its measured ratio to the plain
-  step at the nearest batch size where both ran (at 8 rows of the 27B NVFP4 shape a width-2 step costs
-  ~1.6 plain ones, at 1 row ~1.4), and a width measured nowhere T(B, 1) * (1 + UNMEASURED_COST * (w - 1)),
+  step at a batch size BORROW away where both ran (as a run's batch shrinks, each size would otherwise pay
+  a losing verify step to learn it; farther off the kernels differ: at 8 rows of the 27B NVFP4 shape a
+  width-4 step costs ~2.4 plain ones, at 1 row ~1.8), else T(B, 1) * (1 + UNMEASURED_COST * (w - 1)),
   so it gets tried;
 - per sequence, the chance p that a draft stands given that the drafts before it stood: accepted drafts
   over accepted drafts plus rejections, both decayed each round. A fresh sequence starts from the
@@ -24,7 +25,8 @@ sum_s (1 + p_s + ... + p_s^k) / T(B, k + 1), where k > 0 must beat k = 0 by MIN_
 noisy; a drafter that is seldom right should not win on noise). While k = 0 wins, a step still drafts
 one token now and then (a probe), so the estimates follow a drafter whose acceptance comes back: the
 first PROBE_EVERY plain steps after drafting paid, then twice as many plain steps after each probe
-that did not bring drafting back, up to PROBE_MAX, and never sooner than keeps the probes' extra time
+that did not bring drafting back, up to PROBE_MAX (a back-off per batch size: a drafter not worth its
+verify at 8 rows may well be at 1), and never sooner than keeps the probes' extra time
 under PROBE_BUDGET of the plain steps' (a probe is a verify step: at 8 rows of the 27B NVFP4 shape a
 width-2 step costs ~1.6 plain ones, so probing every 16 steps alone cost ~4 %). Output never depends
 on it: drafts only decide how many tokens a step may commit.
@@ -45,6 +47,7 @@ PROBE_MAX = 512  # the most plain steps between two probes
 OUTLIER = 2.0  # a step-time sample is capped at this multiple of the shape's expected cost
 MIN_GAIN = 1.1  # drafts only where they promise this much more throughput than plain steps
 PROBE_BUDGET = 0.02  # the most a probe's extra time may add to the plain steps before the next probe
+BORROW = 1  # batch sizes apart an unmeasured width may borrow a measured ratio from (kernels change with M)
 
 
 @dataclass
@@ -64,8 +67,8 @@ class DraftController:
         self._warm: set[tuple[int, int]] = set()  # shapes whose first step has run
         self._seqs: dict[str, _Acceptance] = {}
         self._engine = _Acceptance()  # every sequence's rounds: a fresh sequence's prior
-        self._plain_streak = 0
-        self._probe_every = PROBE_EVERY
+        self._plain_streak = 0  # plain steps since the last probe or drafting step
+        self._probe_every: dict[int, int] = {}  # batch size -> its back-off (PROBE_EVERY until a probe there failed)
 
     # ---- what the engine reports -----------------------------------------------------------------
     def step_time(self, batch: int, width: int, seconds: float) -> None:
@@ -120,7 +123,7 @@ class DraftController:
             return None
         if width == 1:
             return plain[1]
-        both = [b for b, w in self._times if w == width and (b, 1) in self._times]
+        both = [b for b, w in self._times if w == width and (b, 1) in self._times and abs(b - batch) <= BORROW]
         if not both:
             return plain[1] * (1 + UNMEASURED_COST * (width - 1))
         near = min(both, key=lambda b: (abs(b - batch), b))
@@ -136,7 +139,7 @@ class DraftController:
         time (a width-2 step over a plain one) within PROBE_BUDGET of theirs."""
         plain, probe = self.cost(batch, 1), self.cost(batch, 2)
         extra = max(probe / plain - 1, 0.0) if plain and probe else 0.0
-        return min(max(self._probe_every, math.ceil(extra / PROBE_BUDGET)), PROBE_MAX)
+        return min(max(self._probe_every.get(batch, PROBE_EVERY), math.ceil(extra / PROBE_BUDGET)), PROBE_MAX)
 
     def drafts(self, batch: int, request_ids: list[str]) -> int:
         """The draft count for a decode step of `batch` rows whose drafting rows are `request_ids`."""
@@ -158,9 +161,9 @@ class DraftController:
             self._plain_streak += 1
             if self._plain_streak >= self._probe_gap(batch):  # a probe; unless it brings drafting back, the next waits 2x
                 self._plain_streak = 0
-                self._probe_every = min(2 * self._probe_every, PROBE_MAX)
+                self._probe_every[batch] = min(2 * self._probe_every.get(batch, PROBE_EVERY), PROBE_MAX)
                 return 1
             return 0
         self._plain_streak = 0
-        self._probe_every = PROBE_EVERY
+        self._probe_every.pop(batch, None)
         return best_k
