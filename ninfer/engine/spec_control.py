@@ -16,9 +16,12 @@ on) keeps:
   so it gets tried;
 - per sequence, the chance p that a draft stands given that the drafts before it stood: accepted drafts
   over accepted drafts plus rejections, both decayed each round. A fresh sequence starts from the
-  engine's recent rounds (all sequences', decayed per verified row; PRIOR before any): with a drafter
-  that is seldom right, every new request would otherwise spend its first rounds drafting on an
-  optimistic guess (on the H200 at C=8 a k=3 round costs ~2.6 plain steps).
+  engine's recent rounds (all sequences', decayed per verified row; PRIOR before any), weighted as
+  FRESH_WEIGHT rounds: with a drafter that is seldom right, every new request would otherwise spend its
+  first rounds drafting on an optimistic guess (on the H200 at C=8 a k=3 round costs ~2.6 plain steps).
+  Acceptance differs by request (code, prose), so a sequence the engine's estimate keeps from drafting
+  is probed at its first decode step (one width-2 step for a whole arriving cohort), and its own rounds
+  take over from there (s16: after a run of poorly drafted requests, a well drafted one never drafted).
 
 Each step it takes the k in 0..K that maximises the batch's expected committed tokens per second,
 sum_s (1 + p_s + ... + p_s^k) / T(B, k + 1), where k > 0 must beat k = 0 by MIN_GAIN (step times are
@@ -41,6 +44,7 @@ TIME_EMA = 0.2  # weight of a new step time
 DECAY = 0.8  # per round, on a sequence's accepted and rejected counts
 PRIOR = (2.0, 0.5)  # the engine's (accepted, rejected) before any round: p = 0.8
 ENGINE_DECAY = 0.95  # per verified row, on the engine-wide counts a fresh sequence starts from
+FRESH_WEIGHT = 1.0  # rounds' weight of that start: one probe's outcome moves it far
 UNMEASURED_COST = 0.1  # per extra token of width, relative to a plain step, until measured
 PROBE_EVERY = 16  # plain steps before the first probe
 PROBE_MAX = 512  # the most plain steps between two probes
@@ -67,6 +71,7 @@ class DraftController:
         self._warm: set[tuple[int, int]] = set()  # shapes whose first step has run
         self._seqs: dict[str, _Acceptance] = {}
         self._engine = _Acceptance()  # every sequence's rounds: a fresh sequence's prior
+        self._probed: set[str] = set()  # sequences without rounds of their own probed at their first step
         self._plain_streak = 0  # plain steps since the last probe or drafting step
         self._probe_every: dict[int, int] = {}  # batch size -> its back-off (PROBE_EVERY until a probe there failed)
 
@@ -100,12 +105,13 @@ class DraftController:
         e.rejected = ENGINE_DECAY * e.rejected + rejected
 
     def _fresh(self) -> _Acceptance:
-        """A new sequence's counts: the engine's recent acceptance, weighted as PRIOR."""
-        p, weight = self._engine.p, sum(PRIOR)
-        return _Acceptance(p * weight, (1 - p) * weight)
+        """A new sequence's counts: the engine's recent acceptance, weighted as FRESH_WEIGHT rounds."""
+        p = self._engine.p
+        return _Acceptance(p * FRESH_WEIGHT, (1 - p) * FRESH_WEIGHT)
 
     def forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
+        self._probed.discard(request_id)
 
     # ---- the decision --------------------------------------------------------------------------------
     def acceptance(self, request_id: str) -> float:
@@ -158,6 +164,11 @@ class DraftController:
             if best_rate is None or rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
+            unseen = [r for r in request_ids if r not in self._seqs and r not in self._probed]
+            if unseen:  # their first probe, at once: their own acceptance decides from their first rounds on
+                self._probed.update(unseen)
+                self._plain_streak = 0
+                return 1
             self._plain_streak += 1
             if self._plain_streak >= self._probe_gap(batch):  # a probe; unless it brings drafting back, the next waits 2x
                 self._plain_streak = 0
