@@ -149,12 +149,15 @@ def test_probes_back_off_to_probe_max():
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps[0] == 2 * spec_control.PROBE_EVERY and gaps[-1] == spec_control.PROBE_MAX
     assert len(probes) < 12
-    # the back-off is per batch size: the same drafter is probed again soon when one row is left (s16: a C=1
-    # run after C=8 runs never drafted while the back-off was the engine's)
+    # the back-off is a sequence's: a new request is probed at once, and again PROBE_EVERY steps after a
+    # rejection (s16: with the engine's back-off, a well drafted request after poorly drafted ones never drafted)
     _measured(c, 1, 1, 0.0070)
     _measured(c, 1, 2, 0.0072)
-    decisions = [c.drafts(1, rows[:1]) for _ in range(spec_control.PROBE_EVERY)]
-    assert decisions.count(1) == 1
+    assert c.drafts(1, ["new"]) == 1
+    c.round("new", 1, 0)  # an unlucky first draft
+    decisions = [c.drafts(1, ["new"]) for _ in range(spec_control.PROBE_EVERY)]
+    assert decisions.count(1) == 1 and decisions[-1] == 1
+    assert c.drafts(8, rows) == 0  # the old ones' back-off stays theirs
 
 
 def test_a_one_off_slow_step_does_not_price_a_width_out():

@@ -28,8 +28,8 @@ sum_s (1 + p_s + ... + p_s^k) / T(B, k + 1), where k > 0 must beat k = 0 by MIN_
 noisy; a drafter that is seldom right should not win on noise). While k = 0 wins, a step still drafts
 one token now and then (a probe), so the estimates follow a drafter whose acceptance comes back: the
 first PROBE_EVERY plain steps after drafting paid, then twice as many plain steps after each probe
-that did not bring drafting back, up to PROBE_MAX (a back-off per batch size: a drafter not worth its
-verify at 8 rows may well be at 1), and never sooner than keeps the probes' extra time
+that did not bring drafting back, up to PROBE_MAX (a back-off per sequence, the batch probed at its
+shortest: the drafter failing some requests says little about the next), and never sooner than keeps the probes' extra time
 under PROBE_BUDGET of the plain steps' (a probe is a verify step: at 8 rows of the 27B NVFP4 shape a
 width-2 step costs ~1.6 plain ones, so probing every 16 steps alone cost ~4 %). Output never depends
 on it: drafts only decide how many tokens a step may commit.
@@ -58,6 +58,7 @@ BORROW = 1  # batch sizes apart an unmeasured width may borrow a measured ratio 
 class _Acceptance:
     accepted: float = PRIOR[0]
     rejected: float = PRIOR[1]
+    probe_every: int = PROBE_EVERY  # a sequence's probe back-off
 
     @property
     def p(self) -> float:
@@ -73,7 +74,6 @@ class DraftController:
         self._engine = _Acceptance()  # every sequence's rounds: a fresh sequence's prior
         self._probed: set[str] = set()  # sequences without rounds of their own probed at their first step
         self._plain_streak = 0  # plain steps since the last probe or drafting step
-        self._probe_every: dict[int, int] = {}  # batch size -> its back-off (PROBE_EVERY until a probe there failed)
 
     # ---- what the engine reports -----------------------------------------------------------------
     def step_time(self, batch: int, width: int, seconds: float) -> None:
@@ -95,14 +95,18 @@ class DraftController:
     def round(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verified row: `accepted` of its `drafted` drafts stood (a shorter run ends in a rejection)."""
         rejected = 1.0 if accepted < drafted else 0.0
-        a = self._seqs.get(request_id)
-        if a is None:
-            a = self._seqs[request_id] = self._fresh()
+        a = self._seq(request_id)
         a.accepted = DECAY * a.accepted + accepted
         a.rejected = DECAY * a.rejected + rejected
         e = self._engine
         e.accepted = ENGINE_DECAY * e.accepted + accepted
         e.rejected = ENGINE_DECAY * e.rejected + rejected
+
+    def _seq(self, request_id: str) -> _Acceptance:
+        a = self._seqs.get(request_id)
+        if a is None:
+            a = self._seqs[request_id] = self._fresh()
+        return a
 
     def _fresh(self) -> _Acceptance:
         """A new sequence's counts: the engine's recent acceptance, weighted as FRESH_WEIGHT rounds."""
@@ -140,12 +144,13 @@ class DraftController:
         got = [(abs(b - batch), b, t) for (b, w), t in self._times.items() if w == width]
         return None if not got else min(got)[1:]
 
-    def _probe_gap(self, batch: int) -> int:
-        """Plain steps before the next probe: the back-off's, and at least as many as keep a probe's extra
-        time (a width-2 step over a plain one) within PROBE_BUDGET of theirs."""
+    def _probe_gap(self, batch: int, request_ids: list[str]) -> int:
+        """Plain steps before the next probe: the shortest back-off of the batch's sequences, and at least as many
+        as keep a probe's extra time (a width-2 step over a plain one) within PROBE_BUDGET of theirs."""
         plain, probe = self.cost(batch, 1), self.cost(batch, 2)
         extra = max(probe / plain - 1, 0.0) if plain and probe else 0.0
-        return min(max(self._probe_every.get(batch, PROBE_EVERY), math.ceil(extra / PROBE_BUDGET)), PROBE_MAX)
+        every = min(self._seqs[r].probe_every if r in self._seqs else PROBE_EVERY for r in request_ids)
+        return min(max(every, math.ceil(extra / PROBE_BUDGET)), PROBE_MAX)
 
     def drafts(self, batch: int, request_ids: list[str]) -> int:
         """The draft count for a decode step of `batch` rows whose drafting rows are `request_ids`."""
@@ -170,11 +175,15 @@ class DraftController:
                 self._plain_streak = 0
                 return 1
             self._plain_streak += 1
-            if self._plain_streak >= self._probe_gap(batch):  # a probe; unless it brings drafting back, the next waits 2x
-                self._plain_streak = 0
-                self._probe_every[batch] = min(2 * self._probe_every.get(batch, PROBE_EVERY), PROBE_MAX)
+            if self._plain_streak >= self._probe_gap(batch, request_ids):  # a probe; unless it brings drafting
+                self._plain_streak = 0  # back, each of its sequences' next waits twice as long
+                for r in request_ids:
+                    a = self._seq(r)
+                    a.probe_every = min(2 * a.probe_every, PROBE_MAX)
                 return 1
             return 0
         self._plain_streak = 0
-        self._probe_every.pop(batch, None)
+        for r in request_ids:
+            if r in self._seqs:
+                self._seqs[r].probe_every = PROBE_EVERY
         return best_k
