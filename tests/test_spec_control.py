@@ -210,3 +210,28 @@ def test_engine_drafts_when_drafts_stand_and_stops_when_they_do_not(tiny_qwen_pa
     else:
         assert counters.spec_fallback_steps > 2 * counters.spec_rounds
     assert_no_leak(engine)
+
+
+def test_a_well_drafted_request_drafts_after_poorly_drafted_ones(tiny_qwen_path):
+    """s16 on the H200: after requests whose drafts were all wrong, a request whose drafts all stand never
+    drafted: it started from the engine's low acceptance and the probes had backed off to hundreds of steps.
+    A new request is now probed at its first step, its own rounds take over, and the back-off is its own."""
+    base = _baseline(tiny_qwen_path, max_tokens=40)
+    oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=1.0, vocab=900, seed=3)
+    settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, draft_tokens=3,
+                              adaptive_drafts=True)
+    engine = load_engine(tiny_qwen_path, settings, proposer=oracle, device=torch.device("cpu"))
+    try:
+        run_all(engine, _requests(40))  # every draft wrong: the engine learns to decode plainly
+        assert engine.drafts_control.acceptance("a new request") < 0.2
+        oracle.corrupt = 0.0
+        c = engine.counters
+        before = (c.spec_rounds, c.spec_accepted_tokens, c.spec_fallback_steps)
+        spec = run_all(engine, _requests(40)[:1])
+        rounds, accepted, plain = (now - was for now, was in zip(
+            (c.spec_rounds, c.spec_accepted_tokens, c.spec_fallback_steps), before))
+    finally:
+        engine.shutdown()
+    assert token_ids(spec[0]) == token_ids(base[0])
+    assert rounds > plain and accepted > 2 * rounds  # it drafts most steps, and ~3 drafts stand a round
+    assert_no_leak(engine)
