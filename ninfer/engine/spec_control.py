@@ -29,10 +29,10 @@ noisy; a drafter that is seldom right should not win on noise). While k = 0 wins
 one token now and then (a probe), so the estimates follow a drafter whose acceptance comes back: the
 first PROBE_EVERY plain steps after drafting paid, then twice as many plain steps after each probe
 that did not bring drafting back, up to PROBE_MAX (a back-off per sequence, the batch probed at its
-shortest: the drafter failing some requests says little about the next), and never sooner than keeps the probes' extra time
-under PROBE_BUDGET of the plain steps' (a probe is a verify step: at 8 rows of the 27B NVFP4 shape a
-width-2 step costs ~1.6 plain ones, so probing every 16 steps alone cost ~4 %). Output never depends
-on it: drafts only decide how many tokens a step may commit.
+shortest: the drafter failing some requests says little about the next), and never sooner than keeps
+the probes' extra time under PROBE_BUDGET of the plain steps' (a probe is a verify step: at 8 rows of
+the 27B NVFP4 shape a width-2 step costs ~1.6 plain ones, so probing every 16 steps alone cost ~4 %).
+Output never depends on it: drafts only decide how many tokens a step may commit.
 """
 
 from __future__ import annotations
