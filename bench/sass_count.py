@@ -8,7 +8,7 @@ quoted in ninfer/kernels/triton_nvfp4.py.
 
   python bench/sass_count.py                     # the NVFP4 GEMVs at their table tiles
   python bench/sass_count.py hfma:8,128,2 hfma:4,256,4,2 fma:4,128,4   # [kind:block_n,block_w,warps(,x rows)]
-  python bench/sass_count.py mma:2,8 mma:1,8,4    # the tensor-core GEMV [mma:16-row tiles,warps(,8-token tiles)]
+  python bench/sass_count.py mma:1,8 mma:1,8,4,2  # the tensor-core GEMV [mma:16-row tiles,warps(,8-token tiles,depth,unroll)]
   SASS_TOP=40 python bench/sass_count.py ...      # more of the loop's opcodes
 Prints one JSON line per kernel: registers, loop instructions, instructions per weight, top opcodes.
 """
@@ -87,18 +87,23 @@ def nvfp4(kind: str, block_n: int, block_w: int, num_warps: int, x_rows: int = 1
             "instructions_per_weight": round(out["loop_instructions"] / weights_per_thread, 2)}
 
 
-def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1) -> dict:
-    """The tensor-core GEMV (triton_nvfp4_mma) at K = 5120, its loop unrolled twice as launched, for
-    `token_tiles` tiles of 8 rows of x (verification's wide launches)."""
+def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unroll: int = 0) -> dict:
+    """The tensor-core GEMV (triton_nvfp4_mma) at K = 5120 for `token_tiles` tiles of 8 rows of x,
+    `depth` steps of weights ahead and its K loop unrolled `unroll` times (0: as gemv_mma launches)."""
     from ninfer.kernels import triton_nvfp4_mma as t
 
-    sig = {"X32": "*i32", "W32": "*i32", "S32": "*i32", "RS": "*fp32", "Y": "*bf16", "M": "i32", "N": "i32",
+    sig = {"X32": "*i32", "W32": "*i32", "S8": "*u8", "RS": "*fp32", "Y": "*bf16", "M": "i32", "N": "i32",
            "stride_x32": "i32", "stride_ym": "i32", "KW": "constexpr", "TILES": "constexpr", "WARPS": "constexpr",
-           "EVEN_N": "constexpr", "XT": "constexpr", "USE_PDL": "constexpr"}
-    const = {"KW": 640, "TILES": tiles, "WARPS": warps, "EVEN_N": True, "XT": token_tiles, "USE_PDL": False}
+           "EVEN_N": "constexpr", "XT": "constexpr", "DEPTH": "constexpr", "UNROLL": "constexpr",
+           "USE_PDL": "constexpr"}
+    depth = depth or t.default_depth(token_tiles)
+    unroll = unroll or depth
+    const = {"KW": 640, "TILES": tiles, "WARPS": warps, "EVEN_N": True, "XT": token_tiles,
+             "DEPTH": depth, "UNROLL": unroll, "USE_PDL": False}
     out = loop_profile(t._gemv_mma_kernel, sig, const, warps)
-    weights_per_thread = 16 * tiles * t.K_STEP / 32 * 2  # per step a lane holds 1/32 of 16 rows x 64 codes per tile
-    return {"kernel": "nvfp4_mma", "tiles": tiles, "num_warps": warps, "token_tiles": token_tiles, **out,
+    weights_per_thread = 16 * tiles * t.K_STEP / 32 * unroll  # a step: 1/32 of 16 rows x 64 codes per tile
+    return {"kernel": "nvfp4_mma", "tiles": tiles, "num_warps": warps, "token_tiles": token_tiles,
+            "depth": const["DEPTH"], "unroll": unroll, **out,
             "instructions_per_weight": round(out["loop_instructions"] / weights_per_thread, 2)}
 
 

@@ -160,8 +160,11 @@ HFMA_CONFIGS = [dict(kind="hfma", BLOCK_N=bn, BLOCK_W=64 * w, num_warps=w)
 RAGGED = {"ragged": (200, 5184)}
 
 
-# The register-fed tensor-core GEMV (triton_nvfp4_mma): 16-row tiles per program, warps splitting K
-MMA_CONFIGS = [dict(kind="mma", TILES=tiles, WARPS=w) for tiles, w in ((1, 4), (2, 4), (4, 4), (2, 2), (4, 2), (2, 8))]
+# The register-fed tensor-core GEMV (triton_nvfp4_mma): 16-row tiles per program, warps splitting K, steps of
+# weights loaded ahead (default: by token tiles), the K loop's unroll (default: the depth)
+MMA_CONFIGS = [dict(kind="mma", TILES=1, WARPS=8), dict(kind="mma", TILES=2, WARPS=8), dict(kind="mma", TILES=1, WARPS=4),
+               dict(kind="mma", TILES=2, WARPS=4), dict(kind="mma", TILES=1, WARPS=8, DEPTH=8, UNROLL=2),
+               dict(kind="mma", TILES=1, WARPS=8, DEPTH=1, UNROLL=2)]
 
 # L2 prefetch distances (steps ahead) on the tiles the config table uses, at the decode batch sizes
 PREFETCH_CONFIGS = [dict(kind="hfma", BLOCK_N=bn, BLOCK_W=64 * w, num_warps=w, PREFETCH=p)
@@ -169,7 +172,7 @@ PREFETCH_CONFIGS = [dict(kind="hfma", BLOCK_N=bn, BLOCK_W=64 * w, num_warps=w, P
 
 
 # Wide launches of the tensor-core GEMV (speculative verification: 8 sequences x up to 4 positions)
-MMA_WIDE_CONFIGS = [dict(kind="mma", TILES=tiles, WARPS=8) for tiles in (1, 2)]  # 2: what decode and verify launch
+MMA_WIDE_CONFIGS = [dict(kind="mma", TILES=tiles, WARPS=8) for tiles in (1, 2)]  # 1: what decode and verify launch
 
 
 def check_mma_wide(device="cuda", *, shapes: dict | None = None, ms=(16, 24, 32)) -> dict:
@@ -184,9 +187,25 @@ def check_mma_wide(device="cuda", *, shapes: dict | None = None, ms=(16, 24, 32)
             x = _problem(1, k, m, device, torch.bfloat16, seed=m)[1]
             for cfg in MMA_WIDE_CONFIGS:
                 wide = triton_nvfp4.nvfp4_gemv(x, *q, config=cfg)
-                tiles = [triton_nvfp4.nvfp4_gemv(x[r0:r0 + 8], *q, config=dict(cfg, TILES=2))
+                tiles = [triton_nvfp4.nvfp4_gemv(x[r0:r0 + 8], *q, config=dict(cfg, TILES=1))
                          for r0 in range(0, m, 8)]
                 out[f"{name}_m{m}_t{cfg['TILES']}"] = torch.equal(wide, torch.cat(tiles))
+    return out
+
+
+def check_mma_rows(device="cuda", *, shapes: dict | None = None, ms=(1, 5, 8, 17, 32), cfg: dict | None = None) -> dict:
+    """The tensor-core GEMV computes a row alike at every M: each M's rows against the first M rows of a
+    32-row launch, bit for bit ({"shape_mM": true when equal})."""
+    from ninfer.kernels import triton_nvfp4
+
+    cfg = cfg or MMA_CONFIGS[0]
+    out = {}
+    for name, (n, k) in (shapes or SHAPES_27B).items():
+        q, _ = _problem(n, k, 1, device, torch.bfloat16)
+        x = _problem(1, k, 32, device, torch.bfloat16, seed=7)[1]
+        full = triton_nvfp4.nvfp4_gemv(x, *q, config=cfg)
+        for m in ms:
+            out[f"{name}_m{m}"] = torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *q, config=cfg), full[:m])
     return out
 
 
@@ -278,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-prefetch", action="store_true",
                         help="only time the GEMV tiles with L2 prefetch distances 0, 2, 4 at M = 1, 2")
     parser.add_argument("--sweep-mma", action="store_true",
-                        help="only time the tensor-core GEMV tiles against the packed-fp16 ones at M = 1..8")
+                        help="only the tensor-core GEMV: checks, its tiles at M = 1..32 and the table's kernels at M = 1..8")
     parser.add_argument("--sweep-mma-wide", action="store_true",
                         help="only the tensor-core GEMV at 8..32 rows (verification): bitwise check and times")
     parser.add_argument("--out", help="write the JSON here too")
@@ -290,9 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         result["sweep_hfma_m1"] = sweep_gemv_configs("cuda", ms=(1,), configs=[
             dict(kind="hfma", BLOCK_N=8, BLOCK_W=128, num_warps=2)])
     elif args.sweep_mma:
-        result["check_mma"] = check_nvfp4("cuda", torch.bfloat16, ms=(1, 3, 8), configs=MMA_CONFIGS)
-        result["sweep_mma"] = sweep_gemv_configs("cuda", ms=(1, 2, 4, 8), configs=MMA_CONFIGS + [
-            dict(kind="hfma", BLOCK_N=8, BLOCK_W=128, num_warps=2)])
+        result["check_mma"] = check_nvfp4("cuda", torch.bfloat16, ms=(1, 3, 8, 17, 32), configs=MMA_CONFIGS[:1])
+        result["check_mma_rows"] = check_mma_rows("cuda")
+        result["sweep_table"] = sweep_gemv_configs("cuda", ms=(1, 2, 3, 4, 8), configs=[None])
+        result["sweep_mma"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 32), configs=MMA_CONFIGS)
     elif args.sweep_prefetch:
         result["sweep_prefetch"] = sweep_gemv_configs("cuda", ms=(1, 2), configs=PREFETCH_CONFIGS)
     elif args.decode:

@@ -203,13 +203,14 @@ def test_triton_kernels_match_the_reference(n, k):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("n,k,tiles,warps", [(40, 512, 1, 2), (64, 256, 2, 1), (24, 256, 1, 4)])
+@pytest.mark.parametrize("n,k,tiles,warps", [(40, 1024, 1, 2), (64, 256, 2, 1), (24, 256, 1, 4)])
 def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
     """The register-fed tensor-core GEMV (triton_nvfp4_mma) under the interpreter, its mma.sync and
-    byte gathers run by ptx_emulator with the PTX lane layout: every M from 1 to 8, ragged N (40, 24:
+    decode run by ptx_emulator with the PTX lane layout: every M from 1 to 8, ragged N (40, 24:
     rows past N read the last row and are not stored), tiny (E4M3 subnormal) and zero block scales,
-    several warps summing their K steps. Each row of x is computed on its own, so the first rows
-    of a larger M equal a smaller M's bit for bit."""
+    several warps summing their K steps, a K loop longer than the steps loaded ahead (K = 1024 over
+    2 warps: 8 steps). Each row of x is computed on its own, so the first rows of a larger M equal a
+    smaller M's bit for bit, and how far ahead weights are loaded changes no bit."""
     from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
 
     gen = torch.Generator().manual_seed(n + k)
@@ -227,6 +228,8 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
     assert (full.float() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item()
     for m in range(1, 8):
         assert torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *q, config=cfg), full[:m]), m
+    for ahead in (dict(DEPTH=1, UNROLL=1), dict(DEPTH=3, UNROLL=2)):
+        assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | ahead), full), ahead
     # Up to four tiles of 8 tokens share a launch (speculative verification): every token equals its
     # one-tile launch bit for bit, whatever the tile it lands in, the last tile ragged
     wide = torch.cat([x, torch.randn(19, k, generator=gen).to(torch.bfloat16)])
@@ -255,7 +258,7 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
 
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    specs = ["hfma:8,128,2", "hfma:8,128,2,4", "mma:2,8", "mma:2,8,2", "mma:2,8,3", "mma:2,8,4"]
+    specs = ["hfma:8,128,2", "hfma:8,128,2,4", "mma:1,8", "mma:1,8,2", "mma:1,8,3", "mma:1,8,4", "mma:1,4"]
     run = subprocess.run([sys.executable, str(root / "bench" / "sass_count.py"), *specs], capture_output=True,
                          text=True, env=env, cwd=root, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -274,7 +277,7 @@ def test_mma_start_up_check(monkeypatch):
 
     assert triton_nvfp4_mma.check_against_reference(torch.device("cpu")) is None
     monkeypatch.setattr(triton_nvfp4, "MMA_ENABLED", True)
-    assert triton_nvfp4.use_mma(torch.device("cpu")) == "tensor cores from 5 rows"
+    assert triton_nvfp4.use_mma(torch.device("cpu")) == "tensor cores from 3 rows"
     assert triton_nvfp4._gemv_config(8, 5120, 5120)["kind"] == "mma"
     monkeypatch.setattr(triton_nvfp4_mma, "check_against_reference", lambda device: "max error 1 over the bound 0.1")
     status = triton_nvfp4.use_mma(torch.device("cpu"))
@@ -309,9 +312,10 @@ def test_rows_like_computes_each_row_as_its_decode_row():
 def test_gemv_table_takes_tensor_cores_where_the_packed_fp16_gemv_needs_two_passes():
     from ninfer.kernels import triton_nvfp4 as t
 
-    assert t.MMA_MIN_M == t.HFMA_ROWS_PER_PASS + 1
+    assert t.MMA_MIN_M == 3  # the H200 sweep: packed fp16 wins at 1 and 2 rows, tensor cores from 3
     assert all(t._gemv_config(m, 5120, 5120)["kind"] == "hfma" for m in range(1, t.MMA_MIN_M))
-    assert all(t._gemv_config(m, 34816, 5120) == dict(kind="mma", TILES=2, WARPS=8) for m in range(t.MMA_MIN_M, 9))
+    assert all(t._gemv_config(m, 34816, 5120) == dict(kind="mma", TILES=1, WARPS=8) for m in range(t.MMA_MIN_M, 9))
+    assert t._gemv_config(5, 40, 528)["kind"] == "hfma"  # and where K is not whole 256-code steps
     assert t._gemv_config(8, 512, 768)["WARPS"] == 4  # K = 768: whole steps of 4 warps, not of 8
     assert t._gemv_config(8, 40, 528)["kind"] == "hfma"  # K not whole steps of every warp
     assert t._gemv_config(9, 5120, 5120)["kind"] == "dot"

@@ -4,14 +4,14 @@ scale), for Hopper, which has no FP4 tensor cores: weights are decoded in regist
 
 Regimes (chosen by M, which a CUDA graph fixes, so every launch depends on shapes only; no host
 syncs, no data-dependent allocation):
-- M <= 4 (decode of up to four streams): `_gemv_hfma_kernel`, CUDA cores with packed fp16
+- M <= 2 (decode of one or two streams; up to 4 where the mma GEMV cannot run): `_gemv_hfma_kernel`, CUDA cores with packed fp16
   arithmetic (inline PTX; bf16 x), below. Each program owns 4-16 weight rows and walks all of K,
   one 16-weight scale block per thread and row per step, decoded once for up to four rows of x.
   Elsewhere (fp32 x, or no GPU and no interpreter) one row runs `_gemv_fma_kernel`, which decodes
   to fp32, and more rows the tensor-core kernel. Under Triton's CPU interpreter the PTX runs
   through ninfer.kernels.ptx_emulator.
-- 5 <= M <= 8 with K a multiple of 256: ninfer.kernels.triton_nvfp4_mma, tensor cores fed from
-  registers (one decode for all rows); otherwise the packed-fp16 GEMV in two passes.
+- 3 <= M <= 8 with K a multiple of 256: ninfer.kernels.triton_nvfp4_mma, tensor cores fed from
+  registers (one decode for all rows); otherwise the packed-fp16 GEMV (two passes above 4 rows).
 - 8 < M <= 16: `_gemv_dot_kernel`, tensor cores through shared memory: the decoded, scaled tile
   (exact in bf16) @ x^T.
 - M > 16 (prefill, compute-bound): `_dequant_kernel` writes the weight in x.dtype to a scratch
@@ -35,7 +35,7 @@ wide shapes (1.9 TB/s on the 5120 x 6144 o_proj), 1.9-2.7x faster than bf16 F.li
 it is 1.8-2.3x faster, at M = 4 1.1-1.5x, at M = 8 (two passes) 0.6-0.75x. The loop is bound by
 instruction issue more than by HBM: ~2.6 SASS instructions per weight for one row of x, ~3.5 for
 two, ~5.3 for four (bench/sass_count.py; the earlier one-word-per-thread version took 4.9, and the
-fp32-decode GEMV ~6.3). The tensor-core kernel runs at 0.4-0.9 TB/s. A packed-decode tensor-core
+fp32-decode GEMV ~6.3). The shared-memory tensor-core kernel (dot) runs at 0.4-0.9 TB/s. A packed-decode tensor-core
 variant was tried and ran slower still: its decoded tiles reach the tensor cores through shared
 memory 16 bits at a time.
 
@@ -65,12 +65,13 @@ HFMA_MAX_M = 8
 # Rows of x per packed-fp16 pass: where the mma GEMV cannot run (K not whole 256-code steps), M = 5..8
 # takes two passes over the weight (rows 0-3, then the rest), which still beats the dot kernel.
 HFMA_ROWS_PER_PASS = 4
-# From this many rows of x the register-fed tensor-core GEMV (triton_nvfp4_mma) runs instead, where
-# the packed-fp16 GEMV would take two passes: on the H200 the five 27B GEMVs at M = 8 take 234 us
-# against 344, at M = 4 206 against 174, at M = 1 176 against 103 (bench/results/2026-11-30-h200-s8).
-# Two 16-row tiles per program; 8 warps splitting K where K is whole steps of 8 warps (512), else 4.
-MMA_MIN_M = 5
-MMA_TILES = 2
+# From this many rows of x the register-fed tensor-core GEMV (triton_nvfp4_mma) runs instead: on the
+# H200 the five 27B GEMVs at M = 3 take 126 us against 140, at M = 4 124 against 173, at M = 8 136
+# (the packed-fp16 GEMV's two passes: 344); at M = 2 105 stays packed fp16 (mma 118-125), M = 1 90
+# (bench/results/2026-12-04-h200-s17). One 16-row tile a program; 8 warps splitting K where K is whole
+# steps of 8 warps (512), else 4.
+MMA_MIN_M = 3
+MMA_TILES = 1
 # Rows of x per mma launch in speculative verification (triton_nvfp4_mma.MAX_ROWS)
 MMA_MAX_ROWS = 32
 # Off when NINFER_NVFP4_MMA=0 or when its start-up check failed (use_mma below; the runner calls it).
@@ -633,7 +634,7 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
         from ninfer.kernels.triton_nvfp4_mma import gemv_mma
 
         gemv_mma(_x_words(x), words.contiguous(), sbytes.contiguous(), row_scale, y, m, n, k, tiles=cfg["TILES"],
-                 warps=cfg["WARPS"], launch=pdl_launch(x.device))
+                 warps=cfg["WARPS"], depth=cfg.get("DEPTH"), unroll=cfg.get("UNROLL"), launch=pdl_launch(x.device))
         return y
     if kind == "mma":  # fp32 / fp16 x, or no GPU and no interpreter: the packed-fp16 GEMV's fallbacks
         cfg = _hfma_config(m, n, k)
@@ -716,7 +717,7 @@ def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
                 from ninfer.kernels.triton_nvfp4_mma import gemv_mma
 
                 gemv_mma(x32[r0:], words, sbytes, row_scale, y[r0:], rows, n, k, tiles=cfg["TILES"],
-                         warps=cfg["WARPS"], launch=pdl_launch(x.device))
+                         warps=cfg["WARPS"], launch=pdl_launch(x.device))  # its default depth for the rows
             else:
                 nvfp4_gemv(x[r0:r0 + rows], packed, scale, row_scale, out=y[r0:r0 + rows], config=cfg)
     return y
