@@ -117,6 +117,33 @@ class StepLog:
         return {"steps": len(rounds), **{k: round(v, 3) for k, v in out.items()}}
 
 
+class DraftLog:
+    """With --adaptive: how many drafts the controller chose at each batch size (k: steps), and its step-time
+    table (ms by "batch x width") and engine-wide acceptance when a run ends: why a run drafted or not."""
+
+    def __init__(self, engine):
+        control = engine.drafts_control
+        self.enabled = control is not None
+        self.control, self.hist = control, {}
+        if control is None:
+            return
+        original = control.drafts
+
+        def drafts(batch, request_ids):
+            k = original(batch, request_ids)
+            key = f"B{batch}_k{k}"
+            self.hist[key] = self.hist.get(key, 0) + 1
+            return k
+
+        control.drafts = drafts
+
+    def take(self) -> dict:
+        out = {"chosen": dict(sorted(self.hist.items())), "engine_p": round(self.control._engine.p, 3),
+               "times_ms": {f"{b}x{w}": round(t * 1e3, 2) for (b, w), t in sorted(self.control._times.items())}}
+        self.hist = {}
+        return out
+
+
 def step_ms(before: dict, after: dict, steps: int) -> dict:
     """The engine thread's wall time per decode step, by host phase and blocking device wait (HostWork):
     every step's time (prefill steps too) over the decode steps (StepLog.round_ms: decode-only steps)."""
@@ -205,6 +232,7 @@ def main() -> None:
             return OracleAfterMTP(MTPProposer(head, draft_head(trunk, args.draft_head)), oracle)
     engine = engine_from_preset(args.shape, settings, device=device, weights=args.weights, proposer=proposer)
     steplog = StepLog(engine)
+    choices = DraftLog(engine)
     greedy = SamplingParams(temperature=0.0, presence_penalty=0.0, frequency_penalty=0.0)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(args.prompt_len)] for _ in range(lanes)]
@@ -295,6 +323,8 @@ def main() -> None:
         counts = {k: getattr(engine.counters, k) - v for k, v in before.items()}
         counts["step_ms"] = step_ms(work_before, engine.work.snapshot(), counts["decode_steps"])
         counts["round_ms"] = steplog.round_ms(log_before)
+        if choices.enabled:
+            counts["control"] = choices.take()
         return outs, rate, counts
 
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,

@@ -159,10 +159,66 @@ def test_probes_back_off_to_probe_max():
     _measured(c, 1, 1, 0.0070)
     _measured(c, 1, 2, 0.0072)
     assert c.drafts(1, ["new"]) == 1
-    c.round("new", 1, 0)  # an unlucky first draft
+    c.round("new", 1, 0)  # an unlucky first draft: probed again at once (FRESH_PROBES = 2)
+    assert c.drafts(1, ["new"]) == 1
+    c.round("new", 1, 0)  # and again: now the back-off, PROBE_EVERY steps
     decisions = [c.drafts(1, ["new"]) for _ in range(spec_control.PROBE_EVERY)]
     assert decisions.count(1) == 1 and decisions[-1] == 1
     assert c.drafts(8, rows) == 0  # the old ones' back-off stays theirs
+
+
+def test_a_fresh_sequence_whose_first_draft_falls_is_probed_once_more():
+    """s18 on the H200, C=1, acceptance 3.5 after a poorly drafted run: the one probe at the first step fell (a
+    drafter right 91 % of the time misses 9 % of first drafts), the back-off then kept the request plain for
+    ~60 steps, and it ran at 0.93x plain. A second probe follows a fallen first one; a probe that stands needs
+    no second, and a sequence that drafted on its merits is not probed as fresh."""
+    def after_poor_rounds() -> DraftController:
+        c = DraftController(3)
+        for width, ms in ((1, 7.0), (2, 9.5), (3, 11.2), (4, 13.7)):
+            _measured(c, 1, width, ms / 1000)
+        for _ in range(10):  # the engine's recent rounds were poor
+            c.round("old", 3, 0)
+        c.forget("old")
+        return c
+
+    c = after_poor_rounds()
+    assert c.drafts(1, ["a"]) == 1
+    assert c.drafts(1, ["a"]) == 0  # no answer yet: no second probe
+    c.round("a", 1, 0)
+    assert c.drafts(1, ["a"]) == 1  # the second probe
+    c.round("a", 1, 1)  # it stood: p ~ 0.44, not yet worth 3 drafts, but the next probe comes within ~18 steps
+    chosen = []
+    for _ in range(2 * spec_control.PROBE_EVERY):
+        chosen.append(c.drafts(1, ["a"]))
+        if chosen[-1]:
+            c.round("a", chosen[-1], chosen[-1])
+    assert 3 in chosen and chosen[chosen.index(3):] == [3] * (len(chosen) - chosen.index(3))
+    c = after_poor_rounds()
+    assert c.drafts(1, ["b"]) == 1
+    c.round("b", 1, 1)  # the first probe stood
+    c.round("b", 3, 0)
+    c.round("b", 3, 0)  # then drafts fell: the periodic back-off, not a fresh probe
+    assert c.drafts(1, ["b"]) == 0
+
+
+def test_a_probes_time_is_kept_apart_from_the_drafting_widths():
+    """After plain steps a probe pays the drafter's catch-up (s18, C=1: ~16 ms where a width-2 step while
+    drafting takes ~10): it spaces the probes (PROBE_BUDGET) but does not price one-draft steps."""
+    c = DraftController(3)
+    _measured(c, 1, 1, 0.007)
+    for _ in range(12):
+        c.round("s", 1, 0)
+    decisions = []
+    for _ in range(120):
+        k = c.drafts(1, ["s"])
+        decisions.append(k)
+        c.step_time(1, k + 1, 0.016 if k else 0.007)
+    assert (1, 2) not in c._times  # the probes' 16 ms went to the probe price only
+    first = decisions.index(1)
+    later = decisions.index(1, first + 1) - first
+    assert first + 1 == spec_control.PROBE_EVERY  # the first probe priced at the unmeasured estimate
+    assert later == math.ceil((0.016 / 0.007 - 1) / spec_control.PROBE_BUDGET)  # then at its own 16 ms
+    assert c.cost(1, 2) == pytest.approx(0.007 * (1 + spec_control.UNMEASURED_COST))  # one-draft steps: still tried
 
 
 def test_a_one_off_slow_step_does_not_price_a_width_out():

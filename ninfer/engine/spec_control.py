@@ -21,7 +21,10 @@ on) keeps:
   first rounds drafting on an optimistic guess (on the H200 at C=8 a k=3 round costs ~2.6 plain steps).
   Acceptance differs by request (code, prose), so a sequence the engine's estimate keeps from drafting
   is probed at its first decode step (one width-2 step for a whole arriving cohort), and its own rounds
-  take over from there (s16: after a run of poorly drafted requests, a well drafted one never drafted).
+  take over from there (s16: after a run of poorly drafted requests, a well drafted one never drafted);
+  when that first draft falls, it is probed once more at the next step (FRESH_PROBES): one unlucky draft
+  would otherwise keep a drafter that is right 90 % of the time out for the whole back-off (s18 on the
+  H200 at C=1: 2 rounds in 128 tokens at acceptance 3.5, 0.93x plain).
 
 Each step it takes the k in 0..K that maximises the batch's expected committed tokens per second,
 sum_s (1 + p_s + ... + p_s^k) / T(B, k + 1), where k > 0 must beat k = 0 by MIN_GAIN (step times are
@@ -32,6 +35,9 @@ that did not bring drafting back, up to PROBE_MAX (a back-off per sequence, the 
 shortest: the drafter failing some requests says little about the next), and never sooner than keeps
 the probes' extra time under PROBE_BUDGET of the plain steps' (a probe is a verify step: at 8 rows of
 the 27B NVFP4 shape a width-2 step costs ~1.6 plain ones, so probing every 16 steps alone cost ~4 %).
+A probe's step time is kept apart from the drafting widths' (per batch size): after plain steps it also
+pays the drafter's catch-up over the rows it skipped (s18, C=1: ~16 ms against ~10 for a width-2 step
+while drafting), which would otherwise price one-draft steps out.
 Output never depends on it: drafts only decide how many tokens a step may commit.
 """
 
@@ -51,6 +57,7 @@ PROBE_MAX = 512  # the most plain steps between two probes
 OUTLIER = 2.0  # a step-time sample is capped at this multiple of the shape's expected cost
 MIN_GAIN = 1.1  # drafts only where they promise this much more throughput than plain steps
 PROBE_BUDGET = 0.02  # the most a probe's extra time may add to the plain steps before the next probe
+FRESH_PROBES = 2  # probes of a new sequence at its first steps, while each one's draft fell
 BORROW = 1  # batch sizes apart an unmeasured width may borrow a measured ratio from (kernels change with M)
 
 
@@ -59,6 +66,8 @@ class _Acceptance:
     accepted: float = PRIOR[0]
     rejected: float = PRIOR[1]
     probe_every: int = PROBE_EVERY  # a sequence's probe back-off
+    rounds: int = 0  # its own verified rows
+    fell: bool = False  # whether the last one ended in a rejection
 
     @property
     def p(self) -> float:
@@ -72,8 +81,10 @@ class DraftController:
         self._warm: set[tuple[int, int]] = set()  # shapes whose first step has run
         self._seqs: dict[str, _Acceptance] = {}
         self._engine = _Acceptance()  # every sequence's rounds: a fresh sequence's prior
-        self._probed: set[str] = set()  # sequences without rounds of their own probed at their first step
+        self._probed: dict[str, int] = {}  # fresh probes sent to a sequence (FRESH_PROBES)
         self._plain_streak = 0  # plain steps since the last probe or drafting step
+        self._probe_times: dict[int, float] = {}  # batch -> seconds of a probe step (kept apart: docstring)
+        self._probing = False  # the last decision was a probe: its step's time is a probe's
 
     # ---- what the engine reports -----------------------------------------------------------------
     def step_time(self, batch: int, width: int, seconds: float) -> None:
@@ -81,6 +92,11 @@ class DraftController:
         counted (a CUDA graph captured or kernels compiled on first use), and later samples count as at most
         OUTLIER times the estimate (a pause): a width priced out by a one-off would not be chosen, so never
         measured again."""
+        probing, self._probing = self._probing, False
+        if probing and width == 2:
+            old = self._probe_times.get(batch)
+            self._probe_times[batch] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
+            return
         key = (batch, width)
         old = self._times.get(key)
         expected = old if old is not None else self.cost(batch, width)
@@ -96,6 +112,8 @@ class DraftController:
         """A verified row: `accepted` of its `drafted` drafts stood (a shorter run ends in a rejection)."""
         rejected = 1.0 if accepted < drafted else 0.0
         a = self._seq(request_id)
+        a.rounds += 1
+        a.fell = accepted < drafted
         if accepted == drafted:  # every draft stood: whatever backed its probes off, probe it again soon
             a.probe_every = PROBE_EVERY
         a.accepted = DECAY * a.accepted + accepted
@@ -117,7 +135,7 @@ class DraftController:
 
     def forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
-        self._probed.discard(request_id)
+        self._probed.pop(request_id, None)
 
     # ---- the decision --------------------------------------------------------------------------------
     def acceptance(self, request_id: str) -> float:
@@ -149,13 +167,28 @@ class DraftController:
     def _probe_gap(self, batch: int, request_ids: list[str]) -> int:
         """Plain steps before the next probe: the shortest back-off of the batch's sequences, and at least as many
         as keep a probe's extra time (a width-2 step over a plain one) within PROBE_BUDGET of theirs."""
-        plain, probe = self.cost(batch, 1), self.cost(batch, 2)
+        plain, probe = self.cost(batch, 1), self._probe_times.get(batch) or self.cost(batch, 2)
         extra = max(probe / plain - 1, 0.0) if plain and probe else 0.0
         every = min(self._seqs[r].probe_every if r in self._seqs else PROBE_EVERY for r in request_ids)
         return min(max(every, math.ceil(extra / PROBE_BUDGET)), PROBE_MAX)
 
     def drafts(self, batch: int, request_ids: list[str]) -> int:
         """The draft count for a decode step of `batch` rows whose drafting rows are `request_ids`."""
+        k = self._decide(batch, request_ids)
+        self._probing = self._probing_now
+        return k
+
+    def _fresh_probe_due(self, request_id: str) -> bool:
+        """A new sequence's probe: none sent and no rounds of its own yet, or only probes so far (fewer than
+        FRESH_PROBES), each answered, and the last one's draft fell."""
+        sent = self._probed.get(request_id, 0)
+        a = self._seqs.get(request_id)
+        if sent == 0:
+            return a is None
+        return sent < FRESH_PROBES and a is not None and a.rounds == sent and a.fell
+
+    def _decide(self, batch: int, request_ids: list[str]) -> int:
+        self._probing_now = False
         if not request_ids or self.max_drafts == 0:
             return 0
         ps = [self.acceptance(r) for r in request_ids]
@@ -171,10 +204,12 @@ class DraftController:
             if best_rate is None or rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
-            unseen = [r for r in request_ids if r not in self._seqs and r not in self._probed]
+            unseen = [r for r in request_ids if self._fresh_probe_due(r)]
             if unseen:  # their first probe, at once: their own acceptance decides from their first rounds on
-                self._probed.update(unseen)
+                for r in unseen:
+                    self._probed[r] = self._probed.get(r, 0) + 1
                 self._plain_streak = 0
+                self._probing_now = True
                 return 1
             self._plain_streak += 1
             if self._plain_streak >= self._probe_gap(batch, request_ids):  # a probe; unless it brings drafting
@@ -182,6 +217,7 @@ class DraftController:
                 for r in request_ids:
                     a = self._seq(r)
                     a.probe_every = min(2 * a.probe_every, PROBE_MAX)
+                self._probing_now = True
                 return 1
             return 0
         self._plain_streak = 0
