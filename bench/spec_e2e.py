@@ -139,7 +139,8 @@ class DraftLog:
 
     def take(self) -> dict:
         out = {"chosen": dict(sorted(self.hist.items())), "engine_p": round(self.control._engine.p, 3),
-               "times_ms": {f"{b}x{w}": round(t * 1e3, 2) for (b, w), t in sorted(self.control._times.items())}}
+               "times_ms": {f"{b}x{w}": round(t * 1e3, 2) for (b, w), t in sorted(self.control._times.items())},
+               "probe_ms": {f"{b}": round(t * 1e3, 2) for b, t in sorted(self.control._probe_times.items())}}
         self.hist = {}
         return out
 

@@ -78,7 +78,7 @@ class DraftController:
     def __init__(self, max_drafts: int):
         self.max_drafts = max_drafts
         self._times: dict[tuple[int, int], float] = {}  # (batch, width) -> seconds per step
-        self._warm: set[tuple[int, int]] = set()  # shapes whose first step has run
+        self._warm: set[tuple[int, int, bool]] = set()  # shapes (and probes) whose first step has run
         self._seqs: dict[str, _Acceptance] = {}
         self._engine = _Acceptance()  # every sequence's rounds: a fresh sequence's prior
         self._probed: dict[str, int] = {}  # fresh probes sent to a sequence (FRESH_PROBES)
@@ -91,22 +91,24 @@ class DraftController:
         """A decode step's wall time. A shape's first step that takes over OUTLIER times its estimate is not
         counted (a CUDA graph captured or kernels compiled on first use), and later samples count as at most
         OUTLIER times the estimate (a pause): a width priced out by a one-off would not be chosen, so never
-        measured again."""
+        measured again. A probe's step goes to the probe price of its batch size alike (docstring)."""
         probing, self._probing = self._probing, False
         if probing and width == 2:
-            old = self._probe_times.get(batch)
-            self._probe_times[batch] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
-            return
-        key = (batch, width)
-        old = self._times.get(key)
-        expected = old if old is not None else self.cost(batch, width)
+            table, key = self._probe_times, batch
+            old = table.get(key)
+            expected = old if old is not None else self.cost(batch, 2)
+        else:
+            table, key = self._times, (batch, width)
+            old = table.get(key)
+            expected = old if old is not None else self.cost(batch, width)
+        warm_key = (batch, width, probing and width == 2)
         if expected is not None and seconds > OUTLIER * expected:
-            if key not in self._warm:
-                self._warm.add(key)
+            if warm_key not in self._warm:
+                self._warm.add(warm_key)
                 return
             seconds = OUTLIER * expected
-        self._warm.add(key)
-        self._times[key] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
+        self._warm.add(warm_key)
+        table[key] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
 
     def round(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verified row: `accepted` of its `drafted` drafts stood (a shorter run ends in a rejection)."""
@@ -179,38 +181,51 @@ class DraftController:
         return k
 
     def _fresh_probe_due(self, request_id: str) -> bool:
-        """A new sequence's probe: none sent and no rounds of its own yet, or only probes so far (fewer than
-        FRESH_PROBES), each answered, and the last one's draft fell."""
+        """A new sequence's probe: none sent and no rounds of its own yet, or fewer than FRESH_PROBES rounds, each
+        probe sent answered, and the last round's draft fell (whether a probe or drafted on the engine's estimate)."""
         sent = self._probed.get(request_id, 0)
         a = self._seqs.get(request_id)
-        if sent == 0:
-            return a is None
-        return sent < FRESH_PROBES and a is not None and a.rounds == sent and a.fell
+        if a is None or a.rounds == 0:
+            return sent == 0
+        return sent < FRESH_PROBES and sent <= a.rounds < FRESH_PROBES and a.fell
 
-    def _decide(self, batch: int, request_ids: list[str]) -> int:
-        self._probing_now = False
-        if not request_ids or self.max_drafts == 0:
-            return 0
-        ps = [self.acceptance(r) for r in request_ids]
+    def _best(self, batch: int, ps: list[float]) -> int | None:
+        """The k maximising expected committed tokens per second for drafting rows of acceptance ps (None
+        while no plain step of this batch size was measured)."""
         best_k, best_rate = 0, None
         for k in range(self.max_drafts + 1):
             cost = self.cost(batch, k + 1)
             if cost is None:  # no plain step of this size measured yet: take one, then compare with it
-                return 0
+                return None
             tokens = sum(sum(p ** j for j in range(k + 1)) for p in ps) + (batch - len(ps))
             rate = tokens / cost
             if k > 0:  # drafting must beat plain decoding by MIN_GAIN: timing noise alone decides below it
                 rate /= MIN_GAIN
             if best_rate is None or rate > best_rate:
                 best_k, best_rate = k, rate
+        return best_k
+
+    def _decide(self, batch: int, request_ids: list[str]) -> int:
+        self._probing_now = False
+        if not request_ids or self.max_drafts == 0:
+            return 0
+        best_k = self._best(batch, [self.acceptance(r) for r in request_ids])
+        if best_k is None:
+            return 0
         if best_k == 0:
             unseen = [r for r in request_ids if self._fresh_probe_due(r)]
             if unseen:  # their first probe, at once: their own acceptance decides from their first rounds on
                 for r in unseen:
                     self._probed[r] = self._probed.get(r, 0) + 1
                 self._plain_streak = 0
-                self._probing_now = True
-                return 1
+                # as many drafts as would pay if they were right as often as PRIOR says (one at least): where
+                # that is all of them, a probe that stands commits a full round (s18, C=1: one width-2 probe
+                # that stood left p at ~0.44, short of the ~0.6 that 3 drafts need, for the whole back-off)
+                hopeful = PRIOR[0] / sum(PRIOR)
+                k = self._best(batch, [max(self.acceptance(r), hopeful) if r in unseen else self.acceptance(r)
+                                       for r in request_ids]) or 1
+                self._probing_now = k == 1
+                return k
             self._plain_streak += 1
             if self._plain_streak >= self._probe_gap(batch, request_ids):  # a probe; unless it brings drafting
                 self._plain_streak = 0  # back, each of its sequences' next waits twice as long
