@@ -315,3 +315,18 @@ def test_a_well_drafted_request_drafts_after_poorly_drafted_ones(tiny_qwen_path)
     assert token_ids(spec[0]) == token_ids(base[0])
     assert rounds > plain and accepted >= rounds  # it drafts most steps (1-3 a round, by CPU step times), and they stand
     assert_no_leak(engine)
+
+
+def test_a_probe_beside_known_rows_takes_one_draft():
+    """Every verify row is as wide as the batch's widest, so a hopeful probe for one arrival would make the whole
+    batch verify 3 drafts (s18, C=8 at acceptance 1.5: arrivals a step apart re-probed the filling batch at k = 3,
+    0.91x plain). Only a batch of fresh rows alone is probed hopefully."""
+    c = DraftController(3)
+    for width, ms in ((1, 10.0), (2, 16.0), (3, 20.0), (4, 24.0)):
+        _measured(c, 4, width, ms / 1000)
+    known = ["k0", "k1", "k2"]
+    for r in known:
+        c.round(r, 1, 0)
+        c.round(r, 1, 0)  # FRESH_PROBES rounds of their own: no longer fresh
+    assert c.drafts(4, known + ["new"]) == 1
+    assert c.drafts(4, ["n0", "n1", "n2", "n3"]) == 3  # a cohort: as many as pay at PRIOR's acceptance

@@ -218,12 +218,16 @@ class DraftController:
                 for r in unseen:
                     self._probed[r] = self._probed.get(r, 0) + 1
                 self._plain_streak = 0
-                # as many drafts as would pay if they were right as often as PRIOR says (one at least): where
-                # that is all of them, a probe that stands commits a full round (s18, C=1: one width-2 probe
-                # that stood left p at ~0.44, short of the ~0.6 that 3 drafts need, for the whole back-off)
+                # a probe of the whole batch (a cohort, a single stream): as many drafts as would pay were they
+                # right as often as PRIOR says, so a probe that stands commits a full round (s18, C=1: a
+                # width-2 probe that stood left p at ~0.44, short of the ~0.6 that 3 drafts need, for the
+                # whole back-off). Beside rows known already, one draft: every verify row is as wide as the
+                # widest, and while a batch fills, arrivals one step apart each re-probed the batch at k = 3
+                # (s18, C=8 at acceptance 1.5: 0.91x)
                 hopeful = PRIOR[0] / sum(PRIOR)
-                k = self._best(batch, [max(self.acceptance(r), hopeful) if r in unseen else self.acceptance(r)
-                                       for r in request_ids]) or 1
+                k = 1
+                if len(unseen) == len(request_ids):
+                    k = self._best(batch, [max(self.acceptance(r), hopeful) for r in request_ids]) or 1
                 self._probing_now = k == 1
                 return k
             self._plain_streak += 1
