@@ -20,11 +20,11 @@ on) keeps:
   FRESH_WEIGHT rounds: with a drafter that is seldom right, every new request would otherwise spend its
   first rounds drafting on an optimistic guess (on the H200 at C=8 a k=3 round costs ~2.6 plain steps).
   Acceptance differs by request (code, prose), so a sequence the engine's estimate keeps from drafting
-  is probed at its first decode step (one width-2 step for a whole arriving cohort), and its own rounds
+  is probed at its first decode step (one step for a whole arriving cohort), and its own rounds
   take over from there (s16: after a run of poorly drafted requests, a well drafted one never drafted);
   when that first draft falls, it is probed once more at the next step (FRESH_PROBES): one unlucky draft
   would otherwise keep a drafter that is right 90 % of the time out for the whole back-off (s18 on the
-  H200 at C=1: 2 rounds in 128 tokens at acceptance 3.5, 0.93x plain).
+  H200 at C=1: 2 rounds in 128 tokens at acceptance 3.5, 0.95x plain).
 
 Each step it takes the k in 0..K that maximises the batch's expected committed tokens per second,
 sum_s (1 + p_s + ... + p_s^k) / T(B, k + 1), where k > 0 must beat k = 0 by MIN_GAIN (step times are
@@ -84,7 +84,7 @@ class DraftController:
         self._probed: dict[str, int] = {}  # fresh probes sent to a sequence (FRESH_PROBES)
         self._plain_streak = 0  # plain steps since the last probe or drafting step
         self._probe_times: dict[int, float] = {}  # batch -> seconds of a probe step (kept apart: docstring)
-        self._probing = False  # the last decision was a probe: its step's time is a probe's
+        self._probing = False  # the last decision was a one-draft probe: its step's time is a probe's
 
     # ---- what the engine reports -----------------------------------------------------------------
     def step_time(self, batch: int, width: int, seconds: float) -> None:
@@ -92,16 +92,11 @@ class DraftController:
         counted (a CUDA graph captured or kernels compiled on first use), and later samples count as at most
         OUTLIER times the estimate (a pause): a width priced out by a one-off would not be chosen, so never
         measured again. A probe's step goes to the probe price of its batch size alike (docstring)."""
-        probing, self._probing = self._probing, False
-        if probing and width == 2:
-            table, key = self._probe_times, batch
-            old = table.get(key)
-            expected = old if old is not None else self.cost(batch, 2)
-        else:
-            table, key = self._times, (batch, width)
-            old = table.get(key)
-            expected = old if old is not None else self.cost(batch, width)
-        warm_key = (batch, width, probing and width == 2)
+        probe, self._probing = self._probing and width == 2, False
+        table, key = (self._probe_times, batch) if probe else (self._times, (batch, width))
+        old = table.get(key)
+        expected = old if old is not None else self.cost(batch, width)
+        warm_key = (batch, width, probe)
         if expected is not None and seconds > OUTLIER * expected:
             if warm_key not in self._warm:
                 self._warm.add(warm_key)
@@ -168,7 +163,8 @@ class DraftController:
 
     def _probe_gap(self, batch: int, request_ids: list[str]) -> int:
         """Plain steps before the next probe: the shortest back-off of the batch's sequences, and at least as many
-        as keep a probe's extra time (a width-2 step over a plain one) within PROBE_BUDGET of theirs."""
+        as keep a probe's extra time (its own price, else a width-2 step's, over a plain step) within PROBE_BUDGET
+        of theirs."""
         plain, probe = self.cost(batch, 1), self._probe_times.get(batch) or self.cost(batch, 2)
         extra = max(probe / plain - 1, 0.0) if plain and probe else 0.0
         every = min(self._seqs[r].probe_every if r in self._seqs else PROBE_EVERY for r in request_ids)
@@ -176,8 +172,7 @@ class DraftController:
 
     def drafts(self, batch: int, request_ids: list[str]) -> int:
         """The draft count for a decode step of `batch` rows whose drafting rows are `request_ids`."""
-        k = self._decide(batch, request_ids)
-        self._probing = self._probing_now
+        k, self._probing = self._decide(batch, request_ids)
         return k
 
     def _fresh_probe_due(self, request_id: str) -> bool:
@@ -205,13 +200,13 @@ class DraftController:
                 best_k, best_rate = k, rate
         return best_k
 
-    def _decide(self, batch: int, request_ids: list[str]) -> int:
-        self._probing_now = False
+    def _decide(self, batch: int, request_ids: list[str]) -> tuple[int, bool]:
+        """(draft count, whether it is a one-draft probe)."""
         if not request_ids or self.max_drafts == 0:
-            return 0
+            return 0, False
         best_k = self._best(batch, [self.acceptance(r) for r in request_ids])
         if best_k is None:
-            return 0
+            return 0, False
         if best_k == 0:
             unseen = [r for r in request_ids if self._fresh_probe_due(r)]
             if unseen:  # their first probe, at once: their own acceptance decides from their first rounds on
@@ -228,19 +223,17 @@ class DraftController:
                 k = 1
                 if len(unseen) == len(request_ids):
                     k = self._best(batch, [max(self.acceptance(r), hopeful) for r in request_ids]) or 1
-                self._probing_now = k == 1
-                return k
+                return k, k == 1
             self._plain_streak += 1
             if self._plain_streak >= self._probe_gap(batch, request_ids):  # a probe; unless it brings drafting
                 self._plain_streak = 0  # back, each of its sequences' next waits twice as long
                 for r in request_ids:
                     a = self._seq(r)
                     a.probe_every = min(2 * a.probe_every, PROBE_MAX)
-                self._probing_now = True
-                return 1
-            return 0
+                return 1, True
+            return 0, False
         self._plain_streak = 0
         for r in request_ids:
             if r in self._seqs:
                 self._seqs[r].probe_every = PROBE_EVERY
-        return best_k
+        return best_k, False
