@@ -8,7 +8,7 @@ quoted in ninfer/kernels/triton_nvfp4.py.
 
   python bench/sass_count.py                     # the NVFP4 GEMVs at their table tiles
   python bench/sass_count.py hfma:8,128,2 hfma:4,256,4,2 fma:4,128,4   # [kind:block_n,block_w,warps(,x rows)]
-  python bench/sass_count.py mma:1,8 mma:1,8,4,2  # the tensor-core GEMV [mma:16-row tiles,warps(,8-token tiles,depth,unroll)]
+  python bench/sass_count.py mma:1,8 mma:1,8,4,2  # the tensor-core GEMV [mma:16-row tiles,warps(,8-token tiles,depth,unroll,prefetch,stages)]
   SASS_TOP=40 python bench/sass_count.py ...      # more of the loop's opcodes
 Prints one JSON line per kernel: registers, loop instructions, instructions per weight, top opcodes.
 """
@@ -35,13 +35,13 @@ CUOBJDUMP = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobj
 _ADDR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
-def loop_profile(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
+def loop_profile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1) -> dict:
     # as the JIT specialises a launch at the 27B shapes: every pointer 16-byte aligned and every
     # integer argument a multiple of 16 (what lets Triton vectorise loads)
     names = list(signature)
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items() if v != "constexpr"}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -87,23 +87,26 @@ def nvfp4(kind: str, block_n: int, block_w: int, num_warps: int, x_rows: int = 1
             "instructions_per_weight": round(out["loop_instructions"] / weights_per_thread, 2)}
 
 
-def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unroll: int = 0) -> dict:
-    """The tensor-core GEMV (triton_nvfp4_mma) at K = 5120 for `token_tiles` tiles of 8 rows of x,
-    `depth` steps of weights ahead and its K loop unrolled `unroll` times (0: as gemv_mma launches)."""
+def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unroll: int = 0, prefetch: int = 0,
+              stages: int = 0) -> dict:
+    """The tensor-core GEMV (triton_nvfp4_mma) at K = 17408 (27B MLP down; shorter rows leave so few steps that
+    the loop is unrolled whole) for `token_tiles` tiles of 8 rows of x, `depth` steps of weights ahead, its K
+    loop unrolled `unroll` times (0: as gemv_mma launches) and an L2 prefetch `prefetch` steps past them, or
+    `stages` steps staged through shared memory instead."""
     from ninfer.kernels import triton_nvfp4_mma as t
 
     sig = {"X32": "*i32", "W32": "*i32", "S8": "*u8", "RS": "*fp32", "Y": "*bf16", "M": "i32", "N": "i32",
            "stride_x32": "i32", "stride_ym": "i32", "KW": "constexpr", "TILES": "constexpr", "WARPS": "constexpr",
            "EVEN_N": "constexpr", "XT": "constexpr", "DEPTH": "constexpr", "UNROLL": "constexpr",
-           "USE_PDL": "constexpr"}
+           "USE_PDL": "constexpr", "PREFETCH": "constexpr", "STAGES": "constexpr"}
     depth = depth or t.default_depth(token_tiles)
-    unroll = unroll or depth
-    const = {"KW": 640, "TILES": tiles, "WARPS": warps, "EVEN_N": True, "XT": token_tiles,
-             "DEPTH": depth, "UNROLL": unroll, "USE_PDL": False}
-    out = loop_profile(t._gemv_mma_kernel, sig, const, warps)
+    unroll = unroll or (1 if stages else depth)
+    const = {"KW": 2176, "TILES": tiles, "WARPS": warps, "EVEN_N": True, "XT": token_tiles,
+             "DEPTH": depth, "UNROLL": unroll, "USE_PDL": False, "PREFETCH": prefetch, "STAGES": stages}
+    out = loop_profile(t._gemv_mma_kernel, sig, const, warps, num_stages=max(stages, 1))
     weights_per_thread = 16 * tiles * t.K_STEP / 32 * unroll  # a step: 1/32 of 16 rows x 64 codes per tile
     return {"kernel": "nvfp4_mma", "tiles": tiles, "num_warps": warps, "token_tiles": token_tiles,
-            "depth": const["DEPTH"], "unroll": unroll, **out,
+            "depth": const["DEPTH"], "unroll": unroll, "prefetch": prefetch, "stages": stages, **out,
             "instructions_per_weight": round(out["loop_instructions"] / weights_per_thread, 2)}
 
 

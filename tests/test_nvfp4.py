@@ -228,7 +228,7 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
     assert (full.float() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item()
     for m in range(1, 8):
         assert torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *q, config=cfg), full[:m]), m
-    for ahead in (dict(DEPTH=1, UNROLL=1), dict(DEPTH=3, UNROLL=2)):
+    for ahead in (dict(DEPTH=1, UNROLL=1), dict(DEPTH=3, UNROLL=2), dict(STAGES=3)):
         assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | ahead), full), ahead
     # Up to four tiles of 8 tokens share a launch (speculative verification): every token equals its
     # one-tile launch bit for bit, whatever the tile it lands in, the last tile ragged

@@ -20,9 +20,11 @@ on) keeps:
   FRESH_WEIGHT rounds: with a drafter that is seldom right, every new request would otherwise spend its
   first rounds drafting on an optimistic guess (on the H200 at C=8 a k=3 round costs ~2.6 plain steps).
   Acceptance differs by request (code, prose), so a sequence the engine's estimate keeps from drafting
-  is probed at its first decode step (one step for a whole arriving cohort), and its own rounds
-  take over from there (s16: after a run of poorly drafted requests, a well drafted one never drafted);
-  when that first draft falls, it is probed once more at the next step (FRESH_PROBES): one unlucky draft
+  is probed early, and its own rounds take over from there (s16: after a run of poorly drafted requests,
+  a well drafted one never drafted): a batch of fresh rows alone (a single stream, an arriving cohort)
+  at its first decode step; a fresh row beside known ones as soon as PROBE_BUDGET allows, without
+  waiting out the known rows' back-off (the whole batch pays a probe: at C=8 probing each arrival at
+  once cost ~5 %). When that first draft falls, it is probed once more (FRESH_PROBES): one unlucky draft
   would otherwise keep a drafter that is right 90 % of the time out for the whole back-off (s18 on the
   H200 at C=1: 2 rounds in 128 tokens at acceptance 3.5, 0.95x plain).
 
@@ -161,13 +163,14 @@ class DraftController:
         got = [(abs(b - batch), b, t) for (b, w), t in self._times.items() if w == width]
         return None if not got else min(got)[1:]
 
-    def _probe_gap(self, batch: int, request_ids: list[str]) -> int:
-        """Plain steps before the next probe: the shortest back-off of the batch's sequences, and at least as many
-        as keep a probe's extra time (its own price, else a width-2 step's, over a plain step) within PROBE_BUDGET
-        of theirs."""
+    def _probe_gap(self, batch: int, request_ids: list[str], fresh: bool = False) -> int:
+        """Plain steps before the next probe: the shortest back-off of the batch's sequences (none while a fresh one
+        waits for its probe), and at least as many as keep a probe's extra time (its own price, else a width-2
+        step's, over a plain step) within PROBE_BUDGET of theirs."""
         plain, probe = self.cost(batch, 1), self._probe_times.get(batch) or self.cost(batch, 2)
         extra = max(probe / plain - 1, 0.0) if plain and probe else 0.0
-        every = min(self._seqs[r].probe_every if r in self._seqs else PROBE_EVERY for r in request_ids)
+        every = 0 if fresh else min(self._seqs[r].probe_every if r in self._seqs else PROBE_EVERY
+                                    for r in request_ids)
         return min(max(every, math.ceil(extra / PROBE_BUDGET)), PROBE_MAX)
 
     def drafts(self, batch: int, request_ids: list[str]) -> int:
@@ -183,6 +186,11 @@ class DraftController:
         if a is None or a.rounds == 0:
             return sent == 0
         return sent < FRESH_PROBES and sent <= a.rounds < FRESH_PROBES and a.fell
+
+    def _sent_fresh(self, request_ids: list[str]) -> None:
+        self._plain_streak = 0
+        for r in request_ids:
+            self._probed[r] = self._probed.get(r, 0) + 1
 
     def _best(self, batch: int, ps: list[float]) -> int | None:
         """The k maximising expected committed tokens per second for drafting rows of acceptance ps (None
@@ -209,27 +217,25 @@ class DraftController:
             return 0, False
         if best_k == 0:
             unseen = [r for r in request_ids if self._fresh_probe_due(r)]
-            if unseen:  # their first probe, at once: their own acceptance decides from their first rounds on
-                for r in unseen:
-                    self._probed[r] = self._probed.get(r, 0) + 1
-                self._plain_streak = 0
-                # a probe of the whole batch (a cohort, a single stream): as many drafts as would pay were they
-                # right as often as PRIOR says, so a probe that stands commits a full round (s18, C=1: a
-                # width-2 probe that stood left p at ~0.44, short of the ~0.6 that 3 drafts need, for the
-                # whole back-off). Beside rows known already, one draft: every verify row is as wide as the
-                # widest, and while a batch fills, arrivals one step apart each re-probed the batch at k = 3
-                # (s18, C=8 at acceptance 1.5: 0.91x)
+            if unseen and len(unseen) == len(request_ids):  # a batch of fresh rows alone: probed at once
+                self._sent_fresh(unseen)
+                # as many drafts as would pay were they right as often as PRIOR says, so a probe that stands
+                # commits a full round (s18, C=1: a width-2 probe that stood left p at ~0.44, short of the ~0.6
+                # that 3 drafts need, for the whole back-off)
                 hopeful = PRIOR[0] / sum(PRIOR)
-                k = 1
-                if len(unseen) == len(request_ids):
-                    k = self._best(batch, [max(self.acceptance(r), hopeful) for r in request_ids]) or 1
+                k = self._best(batch, [max(self.acceptance(r), hopeful) for r in request_ids]) or 1
                 return k, k == 1
             self._plain_streak += 1
-            if self._plain_streak >= self._probe_gap(batch, request_ids):  # a probe; unless it brings drafting
-                self._plain_streak = 0  # back, each of its sequences' next waits twice as long
+            # beside known rows a fresh one waits only for the probe budget, not a back-off: every verify row is
+            # as wide as the widest, so the whole batch pays each probe (s18, C=8 at acceptance 1.5: arrivals a
+            # step apart each probed the filling batch at once, 0.91-0.95x plain)
+            if self._plain_streak >= self._probe_gap(batch, request_ids, fresh=bool(unseen)):
+                self._plain_streak = 0  # unless the probe brings drafting back, each known row's next waits twice as long
+                self._sent_fresh(unseen)
                 for r in request_ids:
-                    a = self._seq(r)
-                    a.probe_every = min(2 * a.probe_every, PROBE_MAX)
+                    if r not in unseen:
+                        a = self._seq(r)
+                        a.probe_every = min(2 * a.probe_every, PROBE_MAX)
                 return 1, True
             return 0, False
         self._plain_streak = 0

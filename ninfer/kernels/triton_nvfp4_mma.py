@@ -25,6 +25,14 @@ share a launch, and rows past M are zeros that change no other column, so a row 
 bit alike at every M (what speculative verification needs of decode). Warps interleave their steps
 along K and are summed at the end in a fixed order (no atomics).
 
+Bytes in flight, two alternatives to the register queue, not yet timed (s19 had no device; the table
+keeps the queue): the queue costs registers (98 at one token tile, depth 4, on sm_90: two 8-warp
+programs an SM, ~37 KB in flight, against ~139 KB for the packed-fp16 GEMV, which streams 3.4 TB/s on
+the MLP gate+up where this kernel streams 2.4). `stages` lets Triton's software pipeline stage the
+loads through shared memory with cp.async (45 registers at 3 stages, 64 unrolled twice; 4.3-5.1 SASS
+instructions a weight against 3.5, bench/sass_count.py); `prefetch` adds L2 prefetches (126 registers).
+Neither changes a bit of the result.
+
 Lane layout: a 1-D tensor of 32 * num_warps elements is one element per thread, element i in lane
 i % 32 of warp i // 32 (Triton's default blocked layout); under the CPU interpreter
 ninfer.kernels.ptx_emulator runs the PTX with that mapping.
@@ -37,7 +45,8 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.pdl import pdl_release, pdl_wait
-from ninfer.kernels.triton_nvfp4 import _F16_UNSCALE, _x_pairs, decode_word_ptx
+from ninfer.kernels.triton_compat import interpreting
+from ninfer.kernels.triton_nvfp4 import _F16_UNSCALE, _prefetch_l2, _x_pairs, decode_word_ptx
 
 K_STEP = 64  # codes of every row one warp takes per step: 4 scale blocks, one a lane
 MAX_ROWS = 32  # rows of x a launch takes: four tiles of 8 tokens share each decoded block
@@ -96,6 +105,28 @@ def _load_w(wrows, srows, blk):
 
 
 @triton.jit
+def _load_w_staged(wrows, srows, blk, t):
+    """As _load_w, each scale byte read as its aligned 32-bit word (the four lanes t of a row group share it; a
+    load of a whole word is what cp.async can stage) and shifted down to byte t."""
+    ws = ()
+    for j in tl.static_range(len(wrows)):
+        wa, wb = tl.split(tl.load(wrows[j][:, None] + (2 * blk)[:, None] + tl.arange(0, 2)[None, :]))
+        word = tl.load((srows[j] + (blk - t)).to(tl.pointer_type(tl.int32), bitcast=True))
+        ws = ws + (wa, wb, word >> (8 * t))
+    return ws
+
+
+@triton.jit
+def _prefetch_w(wrows, srows, blk, KB: tl.constexpr):
+    """Start fetching block `blk` ([L], clamped to the row) of every weight row into L2: bytes in flight
+    that hold no register."""
+    b = tl.minimum(blk, KB - 1)
+    for j in tl.static_range(len(wrows)):
+        _prefetch_l2(wrows[j] + 2 * b)
+        _prefetch_l2(srows[j] + b)
+
+
+@triton.jit
 def _load4(ptr, ok):
     """16 bytes per lane ([L] int32 pointers, masked by ok) -> four [L] int32 words, in order."""
     v = tl.load(ptr[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0)
@@ -151,11 +182,15 @@ def _gemv_mma_kernel(
     X32, W32, S8, RS, Y,
     M, N, stride_x32, stride_ym,
     KW: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr, XT: tl.constexpr,
-    DEPTH: tl.constexpr, UNROLL: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    DEPTH: tl.constexpr, UNROLL: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0,
 ):
     """One program per 16 * TILES weight rows and all of K, its WARPS warps interleaving steps of 4
     blocks; M <= 8 XT rows of x (X32: bf16 pairs as int32). W32: rows of KW words; S8: rows of KW / 2
-    scale bytes. DEPTH (<= the steps a warp takes) steps of weights are loaded ahead, x one step."""
+    scale bytes. DEPTH (<= the steps a warp takes) steps of weights are loaded ahead, x one step; PREFETCH > 0:
+    the weights PREFETCH steps past those are prefetched into L2. STAGES > 0: instead of that register queue,
+    Triton's software pipeline stages STAGES steps of loads through shared memory (cp.async), so the bytes in
+    flight hold no registers."""
     pdl_release(USE_PDL)
     LANES: tl.constexpr = 32 * WARPS
     KB: tl.constexpr = KW // 2
@@ -184,23 +219,35 @@ def _gemv_mma_kernel(
     accs = ()
     for _i in tl.static_range(4 * TILES * XT):
         accs = accs + (tl.zeros([LANES], dtype=tl.float32),)
-    queue = ()
-    for s in tl.static_range(DEPTH):  # the first steps' weights before waiting on the kernel before
-        queue = queue + _load_w(wrows, srows, blk + s * SB)
-    pdl_wait(USE_PDL)
-    xw = _load_x(xrows, xoks, blk)
-    for s in tl.range(0, STEPS - DEPTH, loop_unroll_factor=UNROLL):  # load step s + DEPTH's weights, s + 1's x; compute step s
-        nxt = _load_w(wrows, srows, blk + (s + DEPTH) * SB)
-        xw_next = _load_x(xrows, xoks, blk + (s + 1) * SB)
-        accs = _step(accs, _part(queue, 0, NW), xw, TILES, XT)
-        queue = _part(queue, NW, NW * (DEPTH - 1)) + nxt
-        xw = xw_next
-    for s in tl.static_range(DEPTH):  # the last DEPTH steps, loaded already
-        if s + 1 < DEPTH:
-            xw_next = _load_x(xrows, xoks, blk + (STEPS - DEPTH + s + 1) * SB)
-        accs = _step(accs, _part(queue, NW * s, NW), xw, TILES, XT)
-        if s + 1 < DEPTH:
+    if STAGES > 0:
+        pdl_wait(USE_PDL)
+        t = lane % 4
+        for s in tl.range(0, STEPS, num_stages=STAGES, loop_unroll_factor=UNROLL):
+            ws = _load_w_staged(wrows, srows, blk + s * SB, t)
+            xw = _load_x(xrows, xoks, blk + s * SB)
+            accs = _step(accs, ws, xw, TILES, XT)
+    else:
+        queue = ()
+        for s in tl.static_range(DEPTH):  # the first steps' weights before waiting on the kernel before
+            queue = queue + _load_w(wrows, srows, blk + s * SB)
+        for s in tl.static_range(PREFETCH):
+            _prefetch_w(wrows, srows, blk + (DEPTH + s) * SB, KB)
+        pdl_wait(USE_PDL)
+        xw = _load_x(xrows, xoks, blk)
+        for s in tl.range(0, STEPS - DEPTH, loop_unroll_factor=UNROLL):  # load step s + DEPTH's weights, s + 1's x; compute step s
+            if PREFETCH > 0:
+                _prefetch_w(wrows, srows, blk + (s + DEPTH + PREFETCH) * SB, KB)
+            nxt = _load_w(wrows, srows, blk + (s + DEPTH) * SB)
+            xw_next = _load_x(xrows, xoks, blk + (s + 1) * SB)
+            accs = _step(accs, _part(queue, 0, NW), xw, TILES, XT)
+            queue = _part(queue, NW, NW * (DEPTH - 1)) + nxt
             xw = xw_next
+        for s in tl.static_range(DEPTH):  # the last DEPTH steps, loaded already
+            if s + 1 < DEPTH:
+                xw_next = _load_x(xrows, xoks, blk + (STEPS - DEPTH + s + 1) * SB)
+            accs = _step(accs, _part(queue, NW * s, NW), xw, TILES, XT)
+            if s + 1 < DEPTH:
+                xw = xw_next
     # sum the warps' steps; lane l = 4 g + t holds rows g, g + 8 and tokens 2t, 2t + 1 of each tile
     rl = tl.arange(0, 32)
     rg = rl // 4
@@ -228,21 +275,25 @@ def default_depth(xt: int) -> int:
 
 
 def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles: int, warps: int,
-              launch: dict, depth: int | None = None, unroll: int | None = None) -> None:
+              launch: dict, depth: int | None = None, unroll: int | None = None, prefetch: int = 0,
+              stages: int = 0) -> None:
     """y[:m] = x @ W^T: x32 the bf16 rows of x as int32 pairs, words / sbytes W's codes and scale bytes
     (contiguous rows), launch: the PDL launch options (ninfer.kernels.pdl). Neither `tiles` (16-row
-    tiles a program), `depth` nor `unroll` (the K loop's) changes a result."""
+    tiles a program), `depth`, `unroll` (the K loop's), `prefetch` (L2 prefetch distance in steps; none
+    under the interpreter, which has no L2) nor `stages` (shared-memory staging instead of the register
+    queue) changes a result."""
     if not mma_fits(m, k, warps):
         raise ValueError(f"the mma GEMV takes 1..{MAX_ROWS} rows of x and K a multiple of {K_STEP * warps}; "
                          f"got M={m}, K={k}")
     xt = triton.cdiv(m, 8)
     steps = k // K_STEP // warps
     depth = max(1, min(depth or default_depth(xt), steps))
-    unroll = unroll or depth  # the queue of loaded steps then rotates by renaming registers, not moving them
+    unroll = unroll or (1 if stages else depth)  # the queue of loaded steps then rotates by renaming registers, not moving them
     grid = (triton.cdiv(n, 16 * tiles),)
     _gemv_mma_kernel[grid](x32, words, sbytes.view(torch.uint8), row_scale, y, m, n, x32.stride(0), y.stride(0),
                             KW=k // 8, TILES=tiles, WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, DEPTH=depth,
-                            UNROLL=unroll, num_warps=warps, **launch)
+                            UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, num_warps=warps,
+                            num_stages=max(stages, 1), **launch)
 
 
 def check_against_reference(device: torch.device) -> str | None:
