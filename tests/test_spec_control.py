@@ -38,24 +38,35 @@ def test_plain_steps_until_one_is_measured_then_unmeasured_widths_are_tried():
 def test_an_unmeasured_width_borrows_its_ratio_from_a_neighbouring_batch_size():
     """At 8 rows of the 27B NVFP4 shape a width-2 step costs ~1.6 plain ones (s15), not the +10 % assumed for a
     width never measured. As a run's batch shrinks (8, 7, 6, ...) each size would pay a losing verify step to
-    learn that, so a width measured BORROW batch sizes away prices it by its ratio there; farther off the
-    kernels differ (s16: a width-4 step costs ~2.4 plain ones at 8 rows, ~1.8 at 1), so it is tried."""
+    learn that, so a width measured BORROW batch sizes away prices it by its ratio there. Farther off the
+    kernels differ (s16: a width-4 step costs ~2.4 plain ones at 8 rows, ~1.8 at 1), so the cheapest ratio
+    measured anywhere prices it: tried where drafts could pay at that price, not on a guess (s18, C=8 at
+    acceptance 1.5: with +10 % a token assumed, the filling batch verified 2-4 tokens a row at sizes 3-7)."""
     c = DraftController(3)
     for width, ratio in ((1, 1.0), (2, 1.6), (3, 2.1), (4, 2.6)):
         _measured(c, 8, width, 0.0155 * ratio)
     _measured(c, 7, 1, 0.0150)
     _measured(c, 1, 1, 0.0070)
     assert c.cost(7, 2) == pytest.approx(0.0150 * 1.6)  # 8 rows' ratio
-    assert c.cost(1, 2) == pytest.approx(0.0070 * (1 + spec_control.UNMEASURED_COST))  # too far to borrow
+    assert c.cost(1, 2) == pytest.approx(0.0070 * 1.6)  # too far to borrow from one size: the cheapest ratio
+    _measured(c, 2, 1, 0.0080)
+    _measured(c, 2, 2, 0.0080 * 1.3)
+    assert c.cost(6, 2) == pytest.approx(0.0150 * 1.3)  # the nearest plain step (7 rows'), the cheapest ratio (2's)
+    assert c.cost(6, 2) < c.cost(7, 2)
     rows = [f"s{i}" for i in range(7)]
     for r in rows:
         c.round(r, 1, 0)
         c.round(r, 1, 1)
     assert 0.3 < c.acceptance("s0") < 0.8
     assert c.drafts(7, rows) == 0  # ~1.5-1.9 tokens a row for 1.6-2.6x the time does not pay
-    assert c.drafts(1, rows[:1]) > 0  # at +10 % a token it would: tried once at 1 row
-
-
+    for r in rows:
+        for _ in range(6):
+            c.round(r, 1, 1)
+    assert c.acceptance("s0") > 0.9
+    assert c.drafts(4, rows[:4]) > 0  # where they would pay at the cheapest measured price, drafts are tried
+    fresh = DraftController(3)
+    _measured(fresh, 1, 1, 0.0070)
+    assert fresh.cost(1, 3) == pytest.approx(0.0070 * (1 + 2 * spec_control.UNMEASURED_COST))  # measured nowhere
 def test_probes_keep_their_extra_time_within_budget():
     """A probe is a width-2 verify step; where it costs 1.6 plain steps (8 rows, s15), probing after 16 plain
     steps adds ~4 % to them: the first probe waits until its extra time is PROBE_BUDGET of theirs."""

@@ -11,8 +11,11 @@ on) keeps:
   until a plain step (w = 1) is measured the engine decodes plainly, a batch size without one borrows the
   nearest measured one's; a width not measured at B costs T(B, 1) times its measured ratio to the plain
   step at a batch size BORROW away where both ran (as a run's batch shrinks, each size would otherwise pay
-  a losing verify step to learn it; farther off the kernels differ: at 8 rows of the 27B NVFP4 shape a
-  width-4 step costs ~2.4 plain ones, at 1 row ~1.8), else T(B, 1) * (1 + UNMEASURED_COST * (w - 1)),
+  a losing verify step to learn it); farther off the kernels differ (at 8 rows of the 27B NVFP4 shape a
+  width-4 step costs ~2.4 plain ones, at 1 row ~1.8), so the cheapest ratio measured at any batch size
+  prices it, which lets it be tried where drafts could pay at that price, not wherever a guess says so
+  (s18, C=8 at acceptance 1.5: with +10 % a token assumed, the filling batch tried widths 2-4 at sizes
+  3-7, each a losing step); a width measured nowhere costs T(B, 1) * (1 + UNMEASURED_COST * (w - 1)),
   so it gets tried;
 - per sequence, the chance p that a draft stands given that the drafts before it stood: accepted drafts
   over accepted drafts plus rejections, both decayed each round. A fresh sequence starts from the
@@ -152,11 +155,14 @@ class DraftController:
             return None
         if width == 1:
             return plain[1]
-        both = [b for b, w in self._times if w == width and (b, 1) in self._times and abs(b - batch) <= BORROW]
+        both = [b for b, w in self._times if w == width and (b, 1) in self._times]
         if not both:
             return plain[1] * (1 + UNMEASURED_COST * (width - 1))
-        near = min(both, key=lambda b: (abs(b - batch), b))
-        return plain[1] * self._times[(near, width)] / self._times[(near, 1)]
+        ratio = {b: self._times[(b, width)] / self._times[(b, 1)] for b in both}
+        near = [b for b in both if abs(b - batch) <= BORROW]
+        if near:
+            return plain[1] * ratio[min(near, key=lambda b: (abs(b - batch), b))]
+        return plain[1] * min(ratio.values())  # farther off: the cheapest ratio measured anywhere
 
     def _nearest(self, batch: int, width: int) -> tuple[int, float] | None:
         """(batch size, seconds) of the measured step of this width nearest in batch size."""
