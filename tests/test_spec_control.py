@@ -359,3 +359,24 @@ def test_a_fresh_row_beside_known_ones_waits_for_the_probe_budget_and_takes_one_
         c.round(r, 1, 0)
     assert all(c.drafts(4, known + ["new"]) == 0 for _ in range(round(gap)))  # now the back-off: the known rows' doubled
     assert c.drafts(4, ["n0", "n1", "n2", "n3"]) == 3  # a cohort: as many as pay at PRIOR's acceptance, at once
+
+
+def test_replayed_against_recorded_h200_step_times(capsys):
+    """bench/spec_control_replay.py with the step times one H200 engine recorded (s18): at C=1 and acceptance
+    3.5 drafting pays (the device measured 1.73-1.92x) and at C=8 and acceptance 1.5 the controller stays within
+    a few percent of plain decoding (issue 21: never slower than no speculation at C=8)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "bench"))
+    import spec_control_replay
+
+    log = root / "bench/results/2026-12-04-h200-s18/e2e_c1_c8_c1_call5.log"
+    for c, length in ((1, 3.5), (8, 1.5)):
+        assert spec_control_replay.main(["--log", str(log), "--concurrency", str(c), "--acceptance", str(length),
+                                         "--warm", "30", "--seeds", "8"]) == 0
+    one, eight = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert one["ratio_mean"] > 1.5
+    assert eight["ratio_mean"] > 0.94
