@@ -9,7 +9,8 @@
 #                                              # profile_nvfp4_lm_head: its lm_head in NVFP4 too)
 # Single stages: fused gemv nvfp4 kv kv_fp4 moe (NVFP4_ARGS=--sweep adds the NVFP4 GEMV config sweep), decode27
 # (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), decode27_nvfp4 (NVFP4 only), pytest_nvfp4,
-# pytest_nvfp4_kernels, pytest_pdl, pytest_pieces, pytest_mma, sweep_mma (the tensor-core NVFP4 GEMV), sweep_mma_wide (its 8..32-row verify launches), spec_c8
+# pytest_nvfp4_kernels, pytest_pdl, pytest_pieces, pytest_mma, sweep_mma (the tensor-core NVFP4 GEMV), sweep_mma_wide (its 8..32-row verify launches),
+# sweep_mma_staging (it with cp.async staging / L2 prefetch), verify_mma (verify vs plain, decode on tensor cores), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
 # sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
@@ -89,6 +90,21 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     sweep_mma_wide)  # the tensor-core NVFP4 GEMV at 8..32 rows (verification): bitwise against 8-row launches, times
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-wide --out $out/mma_wide.json \
         > $out/mma_wide.log 2>&1 ;;
+    sweep_mma_staging)  # the tensor-core GEMV with shared-memory staging / L2 prefetch: Triton's cache warmed by 8
+      # processes at once (each compiles and checks a slice of the configs), then bitwise checks and times in one
+      for i in 0 1 2 3 4 5 6 7; do
+        timeout $(( $(left) - 60 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-staging --part $i/8 \
+          > $out/mma_staging_warm$i.log 2>&1 &
+      done
+      wait
+      timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-staging --out $out/mma_staging.json \
+        > $out/mma_staging.log 2>&1 ;;
+    verify_mma)  # exact verify against a plain step, the table's GEMVs then decode on tensor cores from one row
+      # (NINFER_NVFP4_MMA_MIN_M=1; MMA_KNOBS, e.g. "NINFER_NVFP4_MMA_STAGES=5", from the caller)
+      timeout $(( $(left) / 2 )) python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 --concurrency 1 4 \
+        --drafts 1 3 > $out/spec_verify_table.log 2>&1
+      env NINFER_NVFP4_MMA_MIN_M=1 ${MMA_KNOBS:-} timeout $(( $(left) - 10 )) python3 bench/spec_verify.py \
+        --shape qwen3.6-27b --weights nvfp4 --concurrency 1 4 --drafts 1 3 > $out/spec_verify_mma.log 2>&1 ;;
     spec_c8)  # 27B NVFP4 MTP speculation at real C = 8 with controlled acceptance (--settle), adaptive then k = 3
       for mode in --adaptive ""; do
         timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \

@@ -175,6 +175,40 @@ PREFETCH_CONFIGS = [dict(kind="hfma", BLOCK_N=bn, BLOCK_W=64 * w, num_warps=w, P
 MMA_WIDE_CONFIGS = [dict(kind="mma", TILES=tiles, WARPS=8) for tiles in (1, 2)]  # 1: what decode and verify launch
 
 
+# Bytes in flight without registers (s20): Triton's software pipeline staging the weights through shared memory
+# (cp.async, STAGES steps ahead) or L2 prefetches beside the register queue; the first entry is the table's launch.
+MMA_STAGING_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8)]
+                       + [dict(kind="mma", TILES=t, WARPS=w, STAGES=s, UNROLL=u)
+                          for t, w, s, u in ((1, 8, 3, 1), (1, 8, 5, 1), (1, 8, 8, 1), (1, 8, 5, 2), (1, 4, 5, 1),
+                                             (2, 8, 3, 1), (2, 8, 5, 1), (2, 8, 8, 1), (2, 8, 4, 2), (2, 4, 5, 1),
+                                             (2, 4, 8, 1))]
+                       + [dict(kind="mma", TILES=1, WARPS=8, PREFETCH=p) for p in (2, 4)]
+                       + [dict(kind="mma", TILES=1, WARPS=4), dict(kind="mma", TILES=1, WARPS=8, DEPTH=6, UNROLL=2)])
+
+
+def check_mma_staging(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8), configs=None) -> dict:
+    """Each staging / prefetch config against the plain mma launch of its warps (TILES 1, no staging), bit for
+    bit (neither may change a result): {"shape_mM_config": true when equal}; a config the compiler refuses maps
+    to its error."""
+    from ninfer.kernels import triton_nvfp4
+
+    configs = configs or MMA_STAGING_CONFIGS
+    out = {}
+    for name, (n, k) in (shapes or SHAPES_27B).items():
+        q, _ = _problem(n, k, 1, device, torch.bfloat16)
+        for m in ms:
+            x = _problem(1, k, m, device, torch.bfloat16, seed=m)[1]
+            base = {w: triton_nvfp4.nvfp4_gemv(x, *q, config=dict(kind="mma", TILES=1, WARPS=w))
+                    for w in {cfg["WARPS"] for cfg in configs}}
+            for cfg in configs[1:]:
+                try:
+                    same = torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg), base[cfg["WARPS"]])
+                except Exception as exc:  # registers, shared memory
+                    same = f"{type(exc).__name__}: {str(exc)[:200]}"
+                out[f"{name}_m{m}_{_short(cfg)}"] = same
+    return out
+
+
 def check_mma_wide(device="cuda", *, shapes: dict | None = None, ms=(16, 24, 32)) -> dict:
     """Every token of a launch of up to 32 rows against the 8-row launch of its tile, bit for bit, at
     each shape and MMA_WIDE_CONFIGS tile: {"shape_mM_tiles": true when equal}."""
@@ -300,10 +334,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the tensor-core GEMV: checks, its tiles at M = 1..32 and the table's kernels at M = 1..8")
     parser.add_argument("--sweep-mma-wide", action="store_true",
                         help="only the tensor-core GEMV at 8..32 rows (verification): bitwise check and times")
+    parser.add_argument("--sweep-mma-staging", action="store_true",
+                        help="only the tensor-core GEMV with shared-memory staging / L2 prefetch: bitwise against the "
+                             "table's launch, then times at M = 1, 2, 4, 8 beside the table's kernels")
+    parser.add_argument("--part", default=None, metavar="I/N",
+                        help="with --sweep-mma-staging: only compile and check the I-th of N slices of the configs "
+                             "(parallel warm-up of the Triton cache)")
     parser.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args(argv)
     result = {"device": torch.cuda.get_device_name()}
-    if args.sweep_mma_wide:
+    if args.sweep_mma_staging and args.part:
+        i, n = (int(v) for v in args.part.split("/"))
+        mine = MMA_STAGING_CONFIGS[:1] + MMA_STAGING_CONFIGS[1:][i::n]
+        result["check_mma_staging"] = check_mma_staging("cuda", configs=mine)
+    elif args.sweep_mma_staging:
+        result["check_mma_staging"] = check_mma_staging("cuda")
+        result["sweep_table"] = sweep_gemv_configs("cuda", ms=(1, 2, 4, 8), configs=[None])
+        result["sweep_mma_staging"] = sweep_gemv_configs("cuda", ms=(1, 2, 4, 8), configs=MMA_STAGING_CONFIGS)
+    elif args.sweep_mma_wide:
         result["check_mma_wide"] = check_mma_wide("cuda")
         result["sweep_mma_wide"] = sweep_gemv_configs("cuda", ms=(8, 16, 24, 32), configs=MMA_WIDE_CONFIGS)
         result["sweep_hfma_m1"] = sweep_gemv_configs("cuda", ms=(1,), configs=[

@@ -70,8 +70,11 @@ HFMA_ROWS_PER_PASS = 4
 # (the packed-fp16 GEMV's two passes: 344); at M = 2 105 stays packed fp16 (mma 118-125), M = 1 90
 # (bench/results/2026-12-04-h200-s17). One 16-row tile a program; 8 warps splitting K where K is whole
 # steps of 8 warps (512), else 4.
-MMA_MIN_M = 3
+MMA_MIN_M = int(os.environ.get("NINFER_NVFP4_MMA_MIN_M", "3"))  # a benchmark knob: 1 puts decode on tensor cores
 MMA_TILES = 1
+# Benchmark knobs for the mma launch (triton_nvfp4_mma.gemv_mma's `stages`, its warps where K allows): 0 = the table's
+MMA_STAGES = int(os.environ.get("NINFER_NVFP4_MMA_STAGES", "0"))
+MMA_WARPS = int(os.environ.get("NINFER_NVFP4_MMA_WARPS", "0"))
 # Rows of x per mma launch in speculative verification (triton_nvfp4_mma.MAX_ROWS)
 MMA_MAX_ROWS = 32
 # Off when NINFER_NVFP4_MMA=0 or when its start-up check failed (use_mma below; the runner calls it).
@@ -573,7 +576,8 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
     M = 1, 2). Few rows (N < 8192, e.g. 5120) want wide steps or prefetch to keep bytes in flight;
     prefetch pays only with long rows (K >= 4096), never at M >= 3."""
     if MMA_ENABLED and MMA_MIN_M <= m <= HFMA_MAX_M and k % 256 == 0:  # tensor cores: triton_nvfp4_mma
-        return dict(kind="mma", TILES=MMA_TILES, WARPS=8 if k % 512 == 0 else 4)
+        warps = MMA_WARPS if MMA_WARPS and k % (64 * MMA_WARPS) == 0 else (8 if k % 512 == 0 else 4)
+        return dict(kind="mma", TILES=MMA_TILES, WARPS=warps) | ({"STAGES": MMA_STAGES} if MMA_STAGES else {})
     return _hfma_config(m, n, k)
 
 
