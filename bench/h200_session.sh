@@ -100,10 +100,12 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-staging --out $out/mma_staging.json \
         > $out/mma_staging.log 2>&1 ;;
     verify_mma)  # exact verify against a plain step, the table's GEMVs then decode on tensor cores from one row
-      # (NINFER_NVFP4_MMA_MIN_M=1; MMA_KNOBS, e.g. "NINFER_NVFP4_MMA_STAGES=5", from the caller)
+      # (NINFER_NVFP4_MMA_MIN_M=1; the launch: MMA_LAUNCH from the caller, else sweep_mma_staging's best at M = 1 and 4)
       timeout $(( $(left) / 2 )) python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 --concurrency 1 4 \
         --drafts 1 3 > $out/spec_verify_table.log 2>&1
-      env NINFER_NVFP4_MMA_MIN_M=1 ${MMA_KNOBS:-} timeout $(( $(left) - 10 )) python3 bench/spec_verify.py \
+      knobs=${MMA_LAUNCH:-$(python3 -m bench.selfcheck_nvfp4 --best-mma $out/mma_staging.json 2>/dev/null)}
+      echo "decode on tensor cores from one row, launch ${knobs:-the table's}"
+      NINFER_NVFP4_MMA_MIN_M=1 NINFER_NVFP4_MMA_LAUNCH="$knobs" timeout $(( $(left) - 10 )) python3 bench/spec_verify.py \
         --shape qwen3.6-27b --weights nvfp4 --concurrency 1 4 --drafts 1 3 > $out/spec_verify_mma.log 2>&1 ;;
     spec_c8)  # 27B NVFP4 MTP speculation at real C = 8 with controlled acceptance (--settle), adaptive then k = 3
       for mode in --adaptive ""; do

@@ -11,6 +11,8 @@ down (5120 x 17408), o_proj / GDN out_proj (5120 x 6144).
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn.functional as F
 
@@ -183,7 +185,10 @@ MMA_STAGING_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8)]
                                              (2, 8, 3, 1), (2, 8, 5, 1), (2, 8, 8, 1), (2, 8, 4, 2), (2, 4, 5, 1),
                                              (2, 4, 8, 1))]
                        + [dict(kind="mma", TILES=1, WARPS=8, PREFETCH=p) for p in (2, 4)]
-                       + [dict(kind="mma", TILES=1, WARPS=4), dict(kind="mma", TILES=1, WARPS=8, DEPTH=6, UNROLL=2)])
+                       + [dict(kind="mma", TILES=1, WARPS=4), dict(kind="mma", TILES=1, WARPS=8, DEPTH=6, UNROLL=2)]
+                       # fewer warps a program: more programs resident (fewer registers each) and longer K loops
+                       + [dict(kind="mma", TILES=t, WARPS=w) for t, w in ((1, 2), (1, 1), (2, 2), (2, 1), (2, 4))]
+                       + [dict(kind="mma", TILES=1, WARPS=2, DEPTH=6, UNROLL=2)])
 
 
 def check_mma_staging(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8), configs=None) -> dict:
@@ -207,6 +212,22 @@ def check_mma_staging(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8)
                     same = f"{type(exc).__name__}: {str(exc)[:200]}"
                 out[f"{name}_m{m}_{_short(cfg)}"] = same
     return out
+
+
+def best_mma_launch(result: dict, ms=(1, 4)) -> dict:
+    """The launch keys (no "kind") of the config whose five GEMVs at `ms` sum to the least time, among those whose
+    every bitwise check in `result` (a --sweep-mma-staging output) held."""
+    failed = {key.split("_m")[-1].split("_", 1)[1] for key, ok in result["check_mma_staging"].items() if ok is not True}
+    totals = {}
+    for row in result["sweep_mma_staging"]:
+        if "us_total" in row and row["m"] in ms and _short(row["config"]) not in failed:
+            key = json.dumps({k: v for k, v in row["config"].items() if k != "kind"}, sort_keys=True)
+            totals[key] = totals.get(key, 0.0) + row["us_total"]
+    complete = {key: t for key, t in totals.items()
+                if sum(1 for r in result["sweep_mma_staging"] if "us_total" in r and r["m"] in ms
+                       and json.dumps({k: v for k, v in r["config"].items() if k != "kind"}, sort_keys=True) == key)
+                == len(ms)}
+    return json.loads(min(complete, key=complete.get))
 
 
 def check_mma_wide(device="cuda", *, shapes: dict | None = None, ms=(16, 24, 32)) -> dict:
@@ -322,7 +343,6 @@ def decode_tokens_per_s(preset: str = "qwen3.6-27b", weights: str = "nvfp4", new
 def main(argv: list[str] | None = None) -> int:
     """python -m bench.selfcheck_nvfp4 [--sweep] [--out FILE]: check, time, print JSON."""
     import argparse
-    import json
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time the candidate GEMV configs")
@@ -340,8 +360,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part", default=None, metavar="I/N",
                         help="with --sweep-mma-staging: only compile and check the I-th of N slices of the configs "
                              "(parallel warm-up of the Triton cache)")
+    parser.add_argument("--best-mma", metavar="JSON",
+                        help="print the launch keys of the fastest bitwise-checked config of a --sweep-mma-staging "
+                             "result (summed over M = 1 and 4) as JSON, and exit")
     parser.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args(argv)
+    if args.best_mma:
+        print(json.dumps(best_mma_launch(json.load(open(args.best_mma)))))
+        return 0
     result = {"device": torch.cuda.get_device_name()}
     if args.sweep_mma_staging and args.part:
         i, n = (int(v) for v in args.part.split("/"))

@@ -46,6 +46,7 @@ the chosen kernel depend on timing noise.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -72,9 +73,9 @@ HFMA_ROWS_PER_PASS = 4
 # steps of 8 warps (512), else 4.
 MMA_MIN_M = int(os.environ.get("NINFER_NVFP4_MMA_MIN_M", "3"))  # a benchmark knob: 1 puts decode on tensor cores
 MMA_TILES = 1
-# Benchmark knobs for the mma launch (triton_nvfp4_mma.gemv_mma's `stages`, its warps where K allows): 0 = the table's
-MMA_STAGES = int(os.environ.get("NINFER_NVFP4_MMA_STAGES", "0"))
-MMA_WARPS = int(os.environ.get("NINFER_NVFP4_MMA_WARPS", "0"))
+# A benchmark knob: JSON launch keys over the table's mma launch, e.g. {"TILES": 2, "WARPS": 2, "STAGES": 5}
+# (WARPS only where K is whole steps of them)
+MMA_LAUNCH = json.loads(os.environ.get("NINFER_NVFP4_MMA_LAUNCH") or "{}")
 # Rows of x per mma launch in speculative verification (triton_nvfp4_mma.MAX_ROWS)
 MMA_MAX_ROWS = 32
 # Off when NINFER_NVFP4_MMA=0 or when its start-up check failed (use_mma below; the runner calls it).
@@ -576,8 +577,8 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
     M = 1, 2). Few rows (N < 8192, e.g. 5120) want wide steps or prefetch to keep bytes in flight;
     prefetch pays only with long rows (K >= 4096), never at M >= 3."""
     if MMA_ENABLED and MMA_MIN_M <= m <= HFMA_MAX_M and k % 256 == 0:  # tensor cores: triton_nvfp4_mma
-        warps = MMA_WARPS if MMA_WARPS and k % (64 * MMA_WARPS) == 0 else (8 if k % 512 == 0 else 4)
-        return dict(kind="mma", TILES=MMA_TILES, WARPS=warps) | ({"STAGES": MMA_STAGES} if MMA_STAGES else {})
+        cfg = dict(kind="mma", TILES=MMA_TILES, WARPS=8 if k % 512 == 0 else 4) | MMA_LAUNCH
+        return cfg if k % (64 * cfg["WARPS"]) == 0 else cfg | {"WARPS": 4}
     return _hfma_config(m, n, k)
 
 
