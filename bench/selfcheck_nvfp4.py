@@ -188,7 +188,9 @@ MMA_STAGING_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8)]
                        + [dict(kind="mma", TILES=1, WARPS=4), dict(kind="mma", TILES=1, WARPS=8, DEPTH=6, UNROLL=2)]
                        # fewer warps a program: more programs resident (fewer registers each) and longer K loops
                        + [dict(kind="mma", TILES=t, WARPS=w) for t, w in ((1, 2), (1, 1), (2, 2), (2, 1), (2, 4))]
-                       + [dict(kind="mma", TILES=1, WARPS=2, DEPTH=6, UNROLL=2)])
+                       + [dict(kind="mma", TILES=1, WARPS=2, DEPTH=6, UNROLL=2)]
+                       # fewer registers (a shallower queue): 3-4 programs of 8 warps an SM, N = 5120 in one wave
+                       + [dict(kind="mma", TILES=1, WARPS=8, DEPTH=d, UNROLL=d) for d in (3, 2)])
 
 
 def check_mma_staging(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8), configs=None) -> dict:
