@@ -99,7 +99,7 @@ def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unro
            "stride_x32": "i32", "stride_ym": "i32", "KW": "constexpr", "TILES": "constexpr", "WARPS": "constexpr",
            "EVEN_N": "constexpr", "XT": "constexpr", "DEPTH": "constexpr", "UNROLL": "constexpr",
            "USE_PDL": "constexpr", "PREFETCH": "constexpr", "STAGES": "constexpr"}
-    depth = depth or t.default_depth(token_tiles)
+    depth = depth or t.default_depth(token_tiles, 17408)
     unroll = unroll or (1 if stages else depth)
     const = {"KW": 2176, "TILES": tiles, "WARPS": warps, "EVEN_N": True, "XT": token_tiles,
              "DEPTH": depth, "UNROLL": unroll, "USE_PDL": False, "PREFETCH": prefetch, "STAGES": stages}

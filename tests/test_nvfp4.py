@@ -258,7 +258,7 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
 
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    specs = ["hfma:8,128,2", "hfma:8,128,2,4", "mma:1,8", "mma:1,8,2", "mma:1,8,3", "mma:1,8,4", "mma:1,4"]
+    specs = ["hfma:8,128,2", "hfma:8,128,2,4", "mma:1,8", "mma:1,8,1,4", "mma:1,8,2", "mma:1,8,3", "mma:1,8,4", "mma:1,4"]
     run = subprocess.run([sys.executable, str(root / "bench" / "sass_count.py"), *specs], capture_output=True,
                          text=True, env=env, cwd=root, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -277,7 +277,15 @@ def test_mma_start_up_check(monkeypatch):
 
     assert triton_nvfp4_mma.check_against_reference(torch.device("cpu")) is None
     monkeypatch.setattr(triton_nvfp4, "MMA_ENABLED", True)
+    monkeypatch.setattr(triton_nvfp4, "MMA_MIN_M", triton_nvfp4.MMA_MIN_M)  # restored after the test
+    # an engine that verifies drafts decodes on tensor cores from one row, so its C=1 verify rows (k + 1 of
+    # them) take one mma launch and still round as its decode rows; an engine without drafts from three
+    assert triton_nvfp4.use_mma(torch.device("cpu"), speculative=True) == (
+        "tensor cores from 1 row (speculative decoding: verification rows round as decode rows)")
+    assert triton_nvfp4._gemv_config(1, 5120, 5120)["kind"] == "mma"
+    assert triton_nvfp4._decode_passes(1, 5120, 5120) == [(0, 1, dict(kind="mma", TILES=1, WARPS=8))]
     assert triton_nvfp4.use_mma(torch.device("cpu")) == "tensor cores from 3 rows"
+    assert triton_nvfp4._gemv_config(1, 5120, 5120)["kind"] == "hfma"
     assert triton_nvfp4._gemv_config(8, 5120, 5120)["kind"] == "mma"
     monkeypatch.setattr(triton_nvfp4_mma, "check_against_reference", lambda device: "max error 1 over the bound 0.1")
     status = triton_nvfp4.use_mma(torch.device("cpu"))
@@ -303,16 +311,23 @@ def _rows_like_matches_decode(device: str, n: int, k: int, cases) -> None:
 
 
 @needs_interpreter
-def test_rows_like_computes_each_row_as_its_decode_row():
+def test_rows_like_computes_each_row_as_its_decode_row(monkeypatch):
     """Under the interpreter: the row mapping and the passes (one packed-fp16 pass of up to 4 rows, the
-    mma GEMV's launches of up to 32: 6 sequences x 4 positions in one) for 1, 2, 5 and 6 sequences."""
+    mma GEMV's launches of up to 32: 6 sequences x 4 positions in one) for 1, 2, 5 and 6 sequences; then as a
+    speculative engine runs them, tensor cores from one row (1 and 2 sequences in one mma launch too)."""
+    from ninfer.kernels import triton_nvfp4
+
     _rows_like_matches_decode("cpu", 24, 256, [(1, 3), (2, 2), (5, 2), (6, 4)])
+    monkeypatch.setattr(triton_nvfp4, "MMA_MIN_M", triton_nvfp4.SPEC_MMA_MIN_M)
+    _rows_like_matches_decode("cpu", 24, 256, [(1, 4), (2, 3)])
 
 
-def test_gemv_table_takes_tensor_cores_where_the_packed_fp16_gemv_needs_two_passes():
+def test_gemv_table_takes_tensor_cores_where_the_packed_fp16_gemv_needs_two_passes(monkeypatch):
     from ninfer.kernels import triton_nvfp4 as t
 
-    assert t.MMA_MIN_M == 3  # the H200 sweep: packed fp16 wins at 1 and 2 rows, tensor cores from 3
+    assert t.PLAIN_MMA_MIN_M == 3  # the H200 sweep: packed fp16 wins at 1 and 2 rows, tensor cores from 3
+    assert t.SPEC_MMA_MIN_M == 1  # with drafts to verify: tensor cores from one row (use_mma)
+    monkeypatch.setattr(t, "MMA_MIN_M", t.PLAIN_MMA_MIN_M)  # as an engine without drafts sets it
     assert all(t._gemv_config(m, 5120, 5120)["kind"] == "hfma" for m in range(1, t.MMA_MIN_M))
     assert all(t._gemv_config(m, 34816, 5120) == dict(kind="mma", TILES=1, WARPS=8) for m in range(t.MMA_MIN_M, 9))
     assert t._gemv_config(5, 40, 528)["kind"] == "hfma"  # and where K is not whole 256-code steps

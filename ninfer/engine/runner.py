@@ -263,7 +263,7 @@ class ModelRunner:
             return None
         from ninfer.kernels.triton_nvfp4 import use_mma
 
-        return use_mma(self.device)
+        return use_mma(self.device, speculative=self.draft_tokens > 0)
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:

@@ -71,7 +71,15 @@ HFMA_ROWS_PER_PASS = 4
 # (the packed-fp16 GEMV's two passes: 344); at M = 2 105 stays packed fp16 (mma 118-125), M = 1 90
 # (bench/results/2026-12-04-h200-s17). One 16-row tile a program; 8 warps splitting K where K is whole
 # steps of 8 warps (512), else 4.
-MMA_MIN_M = int(os.environ.get("NINFER_NVFP4_MMA_MIN_M", "3"))  # a benchmark knob: 1 puts decode on tensor cores
+PLAIN_MMA_MIN_M = 3
+# With speculative decoding, tensor cores from one row: a verify row must round as its decode row does, so with
+# packed fp16 at M = 1, 2 a C=1 verify of k = 3 drafts ran 4 packed-fp16 rows (1.9x one row's time), now one
+# 4-row mma launch. On an H100 (s20, 27B NVFP4, MTP3 at C=1): a plain step 13 % slower (9.79 ms against 8.53),
+# a k = 3 round 12 % faster (13.0 against 14.8 ms): +12-15 % tok/s at acceptance lengths 2.9-3.7
+# (bench/results/2026-12-05-h100-s20). use_mma sets it per engine.
+SPEC_MMA_MIN_M = 1
+_MMA_MIN_M_ENV = os.environ.get("NINFER_NVFP4_MMA_MIN_M")  # a benchmark knob over both
+MMA_MIN_M = int(_MMA_MIN_M_ENV or PLAIN_MMA_MIN_M)
 MMA_TILES = 1
 # A benchmark knob: JSON launch keys over the table's mma launch, e.g. {"TILES": 2, "WARPS": 2, "STAGES": 5}
 # (WARPS only where K is whole steps of them)
@@ -582,11 +590,12 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
     return _hfma_config(m, n, k)
 
 
-def use_mma(device: torch.device) -> str:
-    """Decide once, before graphs are captured, whether the tensor-core GEMV serves on `device`:
-    its start-up check against the reference (triton_nvfp4_mma.check_against_reference). Returns
-    a status line for the log."""
-    global MMA_ENABLED
+def use_mma(device: torch.device, speculative: bool = False) -> str:
+    """Decide once per engine, before graphs are captured, whether the tensor-core GEMV serves on `device`
+    (its start-up check against the reference, triton_nvfp4_mma.check_against_reference) and from how many
+    rows: PLAIN_MMA_MIN_M, or SPEC_MMA_MIN_M for an engine that verifies drafts. Returns a status line for
+    the log."""
+    global MMA_ENABLED, MMA_MIN_M
     if not MMA_ENABLED:
         return "packed fp16 only (NINFER_NVFP4_MMA=0 or an earlier failed check)"
     from ninfer.kernels.triton_nvfp4_mma import check_against_reference
@@ -595,7 +604,9 @@ def use_mma(device: torch.device) -> str:
     if problem is not None:
         MMA_ENABLED = False
         return f"packed fp16 only (the tensor-core GEMV failed its check: {problem})"
-    return f"tensor cores from {MMA_MIN_M} rows"
+    MMA_MIN_M = int(_MMA_MIN_M_ENV or (SPEC_MMA_MIN_M if speculative else PLAIN_MMA_MIN_M))
+    rows = f"tensor cores from {MMA_MIN_M} row{'s' if MMA_MIN_M > 1 else ''}"
+    return rows + (" (speculative decoding: verification rows round as decode rows)" if speculative else "")
 
 
 def _hfma_config(m: int, n: int, k: int) -> dict:

@@ -268,9 +268,14 @@ def mma_fits(m: int, k: int, warps: int) -> bool:
     return 1 <= m <= MAX_ROWS and k % (K_STEP * warps) == 0
 
 
-def default_depth(xt: int) -> int:
+def default_depth(xt: int, k: int = 0) -> int:
     """Steps of weights loaded ahead by token tiles: fewer where the accumulators and x take the registers
-    (the H200 sweep: at one tile 4 beat 1, 6 and 8; at four tiles 2 beat 3 and 4)."""
+    (the H200 sweep: at one tile 4 beat 1, 6 and 8; at four tiles 2 beat 3 and 4). Long rows (K > 8192, the
+    27B MLP down projection, N = 5120) take 3 at one tile: 80 registers instead of 98 fit three 8-warp programs
+    an SM, so its 320 programs run in one wave, not 1.2 (s20 on an H100: 25.7-27.7 us against 29.9-35.0 at
+    M = 1..8, bench/results/2026-12-05-h100-s20)."""
+    if xt == 1 and k > 8192:
+        return 3
     return (4, 3, 2, 2)[xt - 1]
 
 
@@ -287,7 +292,7 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
                          f"got M={m}, K={k}")
     xt = triton.cdiv(m, 8)
     steps = k // K_STEP // warps
-    depth = max(1, min(depth or default_depth(xt), steps))
+    depth = max(1, min(depth or default_depth(xt, k), steps))
     unroll = unroll or (1 if stages else depth)  # the queue of loaded steps then rotates by renaming registers, not moving them
     grid = (triton.cdiv(n, 16 * tiles),)
     _gemv_mma_kernel[grid](x32, words, sbytes.view(torch.uint8), row_scale, y, m, n, x32.stride(0), y.stride(0),
