@@ -26,6 +26,9 @@ mkdir -p "$TRITON_CACHE_DIR"
 [ -f .tcpack/tcache.tgz ] && tar xzf .tcpack/tcache.tgz
 t0=$(date +%s)
 left() { echo $(( ${DEADLINE:-540} - ($(date +%s) - t0) )); }
+# the launch for verify_mma: MMA_LAUNCH, else the fastest checked one of a sweep_mma_staging result
+# (s20: a quote inside ${knobs:-...} in a case branch swallowed the next branches: verify_mma ran e2e_mma)
+best_mma() { if [ -n "${MMA_LAUNCH:-}" ]; then echo "$MMA_LAUNCH"; else python3 -m bench.selfcheck_nvfp4 --best-mma "$1" 2>/dev/null; fi; }
 stages=()  # "checks": every kernel against its reference, the five stages below
 for s in "$@"; do if [ "$s" = checks ]; then stages+=(fused gemv nvfp4 kv moe); else stages+=("$s"); fi; done
 for stage in "${stages[@]}"; do
@@ -84,7 +87,7 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
         --deadline $(( $(left) - 20 )) --hf-reserve 60 > $out/qwen35b_gpu_decode.log 2>&1 ;;
     pytest_mma)  # the tensor-core NVFP4 GEMV against the reference (every sweep tile), the NVFP4 kernel checks
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py \
-        -k "mma or kernels_on_cuda or greedy" > $out/pytest_mma.log 2>&1 ;;
+        -k "mma or kernels_on_cuda or greedy or rows_like" > $out/pytest_mma.log 2>&1 ;;
     sweep_mma)  # the tensor-core NVFP4 GEMV tiles against the packed-fp16 one at M = 1, 2, 4, 8 (27B shapes)
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma --out $out/nvfp4_mma.json \
         > $out/nvfp4_mma.log 2>&1 ;;
@@ -104,8 +107,8 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       # (NINFER_NVFP4_MMA_MIN_M=1; the launch: MMA_LAUNCH from the caller, else sweep_mma_staging's best at M = 1 and 4)
       timeout $(( $(left) / 2 )) python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 --concurrency 1 4 \
         --drafts 1 3 > $out/spec_verify_table.log 2>&1
-      knobs=${MMA_LAUNCH:-$(python3 -m bench.selfcheck_nvfp4 --best-mma $out/mma_staging.json 2>/dev/null)}
-      echo "decode on tensor cores from one row, launch ${knobs:-the table's}"
+      knobs=$(best_mma "$out/mma_staging.json")
+      echo "decode on tensor cores from one row, launch ${knobs:-as the table}"
       NINFER_NVFP4_MMA_MIN_M=1 NINFER_NVFP4_MMA_LAUNCH="$knobs" timeout $(( $(left) - 10 )) python3 bench/spec_verify.py \
         --shape qwen3.6-27b --weights nvfp4 --concurrency 1 4 --drafts 1 3 > $out/spec_verify_mma.log 2>&1 ;;
     e2e_mma)  # 27B NVFP4 MTP3 end to end at C=1 (fixed k=3, acceptance 2.5 / 3 / 3.5): the speculative engine's table
