@@ -331,7 +331,7 @@ def main() -> None:
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
          exact_verify=settings.exact_verify, with_mtp=args.with_mtp, draft_head=args.draft_head,
          adaptive=args.adaptive, reference=args.reference,
-         graph_status=engine.runner.graph_status)
+         graph_status=engine.runner.graph_status, nvfp4_gemv=engine.runner.nvfp4_status)
     summary = {}
     try:
         run(1)  # warm-up (first replays, allocator)

@@ -81,7 +81,7 @@ def main() -> None:
 
     summary = {}
     emit(kind="spec_verify_setup", shape=args.shape, weights=args.weights, device=str(device),
-         exact_verify=not args.fast_verify, graph_status=runner.graph_status)
+         exact_verify=not args.fast_verify, graph_status=runner.graph_status, nvfp4_gemv=runner.nvfp4_status)
     for c in args.concurrency:
         seqs = [SimpleNamespace(num_computed=args.context, pages=list(range(i * lane_pages, (i + 1) * lane_pages)),
                                 state_slot=i, lane=i, output_ids=[1], sampling=greedy, mrope=None) for i in range(c)]
