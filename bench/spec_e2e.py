@@ -215,6 +215,7 @@ def main() -> None:
     from ninfer.engine.mtp_proposer import MTPProposer
     from ninfer.engine.speculative import OracleProposer
     from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams, TokenEvent
+    from ninfer.server.startup import freeze_startup_objects
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     lanes = max(args.concurrency)
@@ -335,6 +336,7 @@ def main() -> None:
     summary = {}
     try:
         run(1)  # warm-up (first replays, allocator)
+        freeze_startup_objects()  # as the Engine replica does once ready (no full-collection pauses over start-up's)
         for c in args.concurrency:
             oracle.continuations = {}
             base, base_rate, base_counts = profiled(c, "plain") if args.profile or args.timeline else run(c)

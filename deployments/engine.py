@@ -12,7 +12,7 @@ from ninfer.engine.types import EngineRequest
 from ninfer.server.engine_client import engine_events
 from ninfer.server.metrics_board import BoardPublisher, replica_label
 from ninfer.server.request_log import ModelIdentity, RequestLog, server_start_fields
-from ninfer.server.startup import configure_logging, load_engine_for
+from ninfer.server.startup import configure_logging, freeze_startup_objects, load_engine_for
 from ninfer.server.stats import StatsReporter
 
 log = logging.getLogger("ninfer.server")
@@ -36,6 +36,9 @@ class EngineDeployment:
                                    replica=self.replica).start()
         app_name = serve.get_replica_context().app_name
         self.publisher = BoardPublisher(app_name, "engine", self.replica, self.snapshot).start()
+        # a full garbage collection over start-up's objects would pause the engine loop mid-step
+        log.info("engine replica %s: %d start-up objects frozen out of the garbage collector's scans", self.replica,
+                 freeze_startup_objects())
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[Any]:
         """ACCEPTED, then engine events; a cancelled handle call cancels the request (frees its pages)."""

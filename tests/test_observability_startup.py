@@ -131,3 +131,25 @@ def test_idle_intervals_are_omitted():
     assert throughput_line(idle, waiting, 5.0).startswith("throughput: prefill 0.0 tok/s")
     spilled = {**idle, "context_transfer_bytes": {"main_kv_d2h": 4096}}
     assert throughput_line(idle, spilled, 5.0) is not None  # context work without tokens is not idle
+
+
+def test_engine_replicas_freeze_start_up_objects_out_of_gc_scans():
+    """deployments/engine.py calls freeze_startup_objects once the engine is ready: what start-up left alive,
+    cycles included, moves to the collector's permanent generation, so a full collection while serving does not
+    scan it (a 52-67 ms pause over the tiny Qwen engine's ~217k objects on the dev machine, inside a step)."""
+    import gc
+
+    from ninfer.server.startup import freeze_startup_objects
+
+    class Node:
+        pass
+
+    alive = Node()
+    alive.self = alive  # a cycle that stays reachable
+    try:
+        frozen = freeze_startup_objects()
+        assert frozen == gc.get_freeze_count() > 0
+        assert not any(o is alive for o in gc.get_objects())  # no generation the collector scans holds it
+    finally:
+        gc.unfreeze()
+    assert any(o is alive for o in gc.get_objects())

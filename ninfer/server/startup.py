@@ -6,6 +6,7 @@ option this build cannot honour fails the same way in both, with the flag named.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -122,5 +123,17 @@ def load_engine_for(cfg: ServerConfig, *, device_index: int | None = None, threa
     return engine
 
 
+def freeze_startup_objects() -> int:
+    """After start-up: collect once, then move every object alive now (the model's modules and parameters, the
+    tokenizer's tables, the CUDA graphs' Python side) out of the cyclic collector's reach (gc.freeze, as vLLM
+    and SGLang do after start-up), so a full collection during serving scans only what serving allocates. On
+    the dev machine, an engine of the tiny Qwen preset leaves ~217k tracked objects, whose full collection took
+    52-67 ms, a pause inside one decode step; after the freeze it takes ~0 ms. For a serving process only:
+    frozen objects that later fall into unreachable cycles are never collected. Returns how many were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 __all__ = ["UnsupportedOptionError", "check_implemented", "configure_logging", "engine_settings",
-           "engine_cpu_threads", "load_engine_for", "unimplemented_options"]
+           "engine_cpu_threads", "freeze_startup_objects", "load_engine_for", "unimplemented_options"]
