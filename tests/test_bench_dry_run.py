@@ -102,3 +102,11 @@ def test_verify_exactness_dry_run_compares_every_batch():
     records = _records("verify_exactness.py")
     rows = [r for r in records if r["kind"] == "verify_exactness"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["same_argmax"] for r in rows)
+
+
+def test_gc_pause_dry_run_freezes_start_up_objects():
+    """bench/gc_pause.py: an engine's start-up objects are counted and frozen out of the collector's scans (the
+    Engine replica's freeze_startup_objects); the pause figures themselves are the benchmark's, not asserted."""
+    (record,) = _records("gc_pause.py")
+    assert record["kind"] == "gc_pause" and record["tracked_objects"] > 10_000
+    assert record["frozen"] >= record["tracked_objects"] * 0.9
