@@ -11,7 +11,9 @@ syncs, no data-dependent allocation):
   to fp32, and more rows the tensor-core kernel. Under Triton's CPU interpreter the PTX runs
   through ninfer.kernels.ptx_emulator.
 - 3 <= M <= 8 with K a multiple of 256: ninfer.kernels.triton_nvfp4_mma, tensor cores fed from
-  registers (one decode for all rows); otherwise the packed-fp16 GEMV (two passes above 4 rows).
+  registers (one decode for all rows); otherwise the packed-fp16 GEMV (two passes above 4 rows). In an
+  engine that verifies drafts, from M = 1 (use_mma: its verify rows must round as its decode rows, and
+  one mma launch takes a row's k + 1 positions where packed fp16 takes k + 1 rows' arithmetic).
 - 8 < M <= 16: `_gemv_dot_kernel`, tensor cores through shared memory: the decoded, scaled tile
   (exact in bf16) @ x^T.
 - M > 16 (prefill, compute-bound): `_dequant_kernel` writes the weight in x.dtype to a scratch
