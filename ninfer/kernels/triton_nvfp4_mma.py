@@ -25,13 +25,11 @@ share a launch, and rows past M are zeros that change no other column, so a row 
 bit alike at every M (what speculative verification needs of decode). Warps interleave their steps
 along K and are summed at the end in a fixed order (no atomics).
 
-Bytes in flight, two alternatives to the register queue, not yet timed (s19 had no device; the table
-keeps the queue): the queue costs registers (98 at one token tile, depth 4, on sm_90: two 8-warp
-programs an SM, ~37 KB in flight, against ~139 KB for the packed-fp16 GEMV, which streams 3.4 TB/s on
-the MLP gate+up where this kernel streams 2.4). `stages` lets Triton's software pipeline stage the
-loads through shared memory with cp.async (45 registers at 3 stages, 64 unrolled twice; 4.3-5.1 SASS
-instructions a weight against 3.5, bench/sass_count.py); `prefetch` adds L2 prefetches (126 registers).
-Neither changes a bit of the result.
+Bytes in flight without registers, timed in s20 on an H100 (bench/results/2026-12-05-h100-s20) and
+refuted; the options stay for sweeps. `stages` lets Triton's software pipeline stage the loads through
+shared memory with cp.async (45-64 registers, but 4.3-5.1 SASS instructions a weight against 3.5): 2.2-3.4x
+slower. `prefetch` adds L2 prefetches (126 registers): ~1.8x slower. Fewer warps a program (more programs
+resident) were slower at every M too. Neither option changes a bit of the result.
 
 Lane layout: a 1-D tensor of 32 * num_warps elements is one element per thread, element i in lane
 i % 32 of warp i // 32 (Triton's default blocked layout); under the CPU interpreter
