@@ -11,7 +11,7 @@
 # (27B decode only, NVFP4 and bf16, C = 1, 2, 3, 4, 8), decode27_nvfp4 (NVFP4 only), pytest_nvfp4,
 # pytest_nvfp4_kernels, pytest_pdl, pytest_pieces, pytest_mma, sweep_mma (the tensor-core NVFP4 GEMV), sweep_mma_wide (its 8..32-row verify launches),
 # sweep_mma_staging (it with cp.async staging / L2 prefetch), verify_mma (verify vs plain, decode on tensor cores),
-# e2e_mma (MTP3 end to end at C=1, the speculative table and the plain one), verify27, spec_c8
+# e2e_mma (MTP3 end to end at C=1, the speculative table and the plain one), verify27, gc27 (bench/gc_pause.py), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
 # sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
@@ -122,6 +122,9 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     verify27)  # exact verify against a plain step, 27B NVFP4 in a speculative engine (tensor cores from one row)
       timeout $(( $(left) - 10 )) python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 \
         --concurrency 1 2 4 8 --drafts 1 3 > $out/spec_verify.log 2>&1 ;;
+    gc27)  # a full garbage collection over a 27B NVFP4 engine process, before and after the start-up freeze
+      timeout $(( $(left) - 10 )) python3 bench/gc_pause.py --preset qwen3.6-27b --weights nvfp4 \
+        > $out/gc_pause_27b.jsonl 2>&1 ;;
     spec_c8)  # 27B NVFP4 MTP speculation at real C = 8 with controlled acceptance (--settle), adaptive then k = 3
       for mode in --adaptive ""; do
         timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
