@@ -95,13 +95,14 @@ def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unro
     `stages` steps staged through shared memory instead."""
     from ninfer.kernels import triton_nvfp4_mma as t
 
+    kw = 2176  # the kernel's KW: K = 17408 (27B MLP down) in words of 8 codes
     sig = {"X32": "*i32", "W32": "*i32", "S8": "*u8", "RS": "*fp32", "Y": "*bf16", "M": "i32", "N": "i32",
            "stride_x32": "i32", "stride_ym": "i32", "KW": "constexpr", "TILES": "constexpr", "WARPS": "constexpr",
            "EVEN_N": "constexpr", "XT": "constexpr", "DEPTH": "constexpr", "UNROLL": "constexpr",
            "USE_PDL": "constexpr", "PREFETCH": "constexpr", "STAGES": "constexpr"}
-    depth = depth or t.default_depth(token_tiles, 17408)
+    depth = depth or t.default_depth(token_tiles, 8 * kw)
     unroll = unroll or (1 if stages else depth)
-    const = {"KW": 2176, "TILES": tiles, "WARPS": warps, "EVEN_N": True, "XT": token_tiles,
+    const = {"KW": kw, "TILES": tiles, "WARPS": warps, "EVEN_N": True, "XT": token_tiles,
              "DEPTH": depth, "UNROLL": unroll, "USE_PDL": False, "PREFETCH": prefetch, "STAGES": stages}
     out = loop_profile(t._gemv_mma_kernel, sig, const, warps, num_stages=max(stages, 1))
     weights_per_thread = 16 * tiles * t.K_STEP / 32 * unroll  # a step: 1/32 of 16 rows x 64 codes per tile

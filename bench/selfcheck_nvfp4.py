@@ -217,19 +217,18 @@ def check_mma_staging(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8)
 
 
 def best_mma_launch(result: dict, ms=(1, 4)) -> dict:
-    """The launch keys (no "kind") of the config whose five GEMVs at `ms` sum to the least time, among those whose
-    every bitwise check in `result` (a --sweep-mma-staging output) held."""
-    failed = {key.split("_m")[-1].split("_", 1)[1] for key, ok in result["check_mma_staging"].items() if ok is not True}
-    totals = {}
+    """The launch keys (no "kind") of the config whose five GEMVs at `ms` sum to the least time, among those timed
+    at every M of `ms` whose every bitwise check in `result` (a --sweep-mma-staging output) held."""
+    failed = {key for key, ok in result["check_mma_staging"].items() if ok is not True}
+    totals: dict[str, list] = {}  # short name -> [config, summed us, Ms timed]
     for row in result["sweep_mma_staging"]:
-        if "us_total" in row and row["m"] in ms and _short(row["config"]) not in failed:
-            key = json.dumps({k: v for k, v in row["config"].items() if k != "kind"}, sort_keys=True)
-            totals[key] = totals.get(key, 0.0) + row["us_total"]
-    complete = {key: t for key, t in totals.items()
-                if sum(1 for r in result["sweep_mma_staging"] if "us_total" in r and r["m"] in ms
-                       and json.dumps({k: v for k, v in r["config"].items() if k != "kind"}, sort_keys=True) == key)
-                == len(ms)}
-    return json.loads(min(complete, key=complete.get))
+        short = _short(row["config"])
+        if "us_total" in row and row["m"] in ms and not any(key.endswith("_" + short) for key in failed):
+            entry = totals.setdefault(short, [row["config"], 0.0, 0])
+            entry[1] += row["us_total"]
+            entry[2] += 1
+    best = min((e for e in totals.values() if e[2] == len(ms)), key=lambda e: e[1])
+    return {k: v for k, v in best[0].items() if k != "kind"}
 
 
 def check_mma_wide(device="cuda", *, shapes: dict | None = None, ms=(16, 24, 32)) -> dict:
