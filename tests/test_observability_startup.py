@@ -136,7 +136,7 @@ def test_idle_intervals_are_omitted():
 def test_engine_replicas_freeze_start_up_objects_out_of_gc_scans():
     """deployments/engine.py calls freeze_startup_objects once the engine is ready: what start-up left alive,
     cycles included, moves to the collector's permanent generation, so a full collection while serving does not
-    scan it (a 52-67 ms pause over the tiny Qwen engine's ~217k objects on the dev machine, inside a step)."""
+    scan it (a 48-56 ms pause over the tiny Qwen engine's ~225k objects on the dev machine, inside a step)."""
     import gc
 
     from ninfer.server.startup import freeze_startup_objects
