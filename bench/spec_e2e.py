@@ -193,6 +193,8 @@ def main() -> None:
     p.add_argument("--draft-head", type=int, default=0, metavar="N",
                    help="with --with-mtp: the MTP head scores its drafts on a proposal head of the first N "
                         "tokens' lm_head rows (--lm-head-draft), not the whole lm_head")
+    p.add_argument("--nvfp4-mtp", action="store_true",
+                   help="with --with-mtp: the head's decoder-layer linears in NVFP4 (what drafting in 4-bit would save)")
     p.add_argument("--adaptive", action="store_true",
                    help="per step, only as many drafts as pay for their verification (EngineSettings.adaptive_drafts, "
                         "the server's default); without it every round drafts --drafts tokens")
@@ -233,7 +235,14 @@ def main() -> None:
     if args.with_mtp:  # a random MTP head drafts first (its full cost), then the oracle's drafts replace them
         def proposer(trunk):
             dtype = trunk.embed_tokens.weight.dtype
-            head = instantiate_mtp(trunk, device, dtype, kv_layer=trunk.cache_spec().num_attn_layers)
+            head = instantiate_mtp(trunk, device, dtype, kv_layer=trunk.cache_spec().num_attn_layers,
+                                   fuse=not args.nvfp4_mtp)
+            if args.nvfp4_mtp:
+                from ninfer.models import prepare_for_inference_
+                from ninfer.quant.nvfp4 import quantize_model_
+
+                quantize_model_(head)
+                prepare_for_inference_(head)
             return OracleAfterMTP(MTPProposer(head, draft_head(trunk, args.draft_head)), oracle)
     engine = engine_from_preset(args.shape, settings, device=device, weights=args.weights, proposer=proposer)
     steplog = StepLog(engine)
@@ -334,7 +343,7 @@ def main() -> None:
 
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
          exact_verify=settings.exact_verify, with_mtp=args.with_mtp, draft_head=args.draft_head,
-         adaptive=args.adaptive, reference=args.reference,
+         nvfp4_mtp=args.nvfp4_mtp, adaptive=args.adaptive, reference=args.reference,
          graph_status=engine.runner.graph_status, nvfp4_gemv=engine.runner.nvfp4_status)
     summary = {}
     try:
