@@ -42,7 +42,7 @@ def main() -> None:
     from ninfer.engine.engine import EngineSettings
     from ninfer.engine.loader import engine_from_preset
     from ninfer.engine.types import EngineRequest, SamplingParams
-    from ninfer.server.startup import freeze_startup_objects
+    from ninfer.server.gc_freeze import freeze_startup_objects
 
     engine = engine_from_preset(args.preset, EngineSettings(max_context=256, max_concurrency=2),
                                 weights=args.weights, device=torch.device("cpu") if args.dry_run else None)

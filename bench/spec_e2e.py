@@ -220,7 +220,7 @@ def main() -> None:
     from ninfer.engine.mtp_proposer import MTPProposer
     from ninfer.engine.speculative import OracleProposer
     from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams, TokenEvent
-    from ninfer.server.startup import freeze_startup_objects
+    from ninfer.server.gc_freeze import freeze_startup_objects
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     lanes = max(args.concurrency)

@@ -6,7 +6,6 @@ option this build cannot honour fails the same way in both, with the flag named.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -14,6 +13,7 @@ import time
 from ninfer.config import ServerConfig
 from ninfer.engine.engine import EngineSettings
 from ninfer.forward import KV_DTYPES
+from ninfer.server.gc_freeze import freeze_startup_objects
 from ninfer.server.oplog import configure_logging
 from ninfer.server.request_log import check_log_path
 
@@ -121,18 +121,6 @@ def load_engine_for(cfg: ServerConfig, *, device_index: int | None = None, threa
              cfg.page_size, cfg.kv_dtype, kv.kv_bytes / 2**20, snap["state_slots_capacity"],
              "off" if cfg.no_prefix_reuse else "on")
     return engine
-
-
-def freeze_startup_objects() -> int:
-    """After start-up: collect once, then move every object alive now (the model's modules and parameters, the
-    tokenizer's tables, the CUDA graphs' Python side) out of the cyclic collector's reach (gc.freeze, as vLLM
-    and SGLang do after start-up), so a full collection during serving scans only what serving allocates. On
-    the dev machine, an engine of the tiny Qwen preset leaves ~225k tracked objects, whose full collection took
-    48-56 ms (bench/gc_pause.py), a pause inside one decode step; after the freeze it takes ~0 ms. For a serving process only:
-    frozen objects that later fall into unreachable cycles are never collected. Returns how many were frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 __all__ = ["UnsupportedOptionError", "check_implemented", "configure_logging", "engine_settings",
