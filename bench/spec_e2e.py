@@ -73,9 +73,6 @@ class OracleAfterMTP:
         if self.oracle.continuations:  # the run without drafts pays nothing for the head
             self.mtp.observe(plan, output, committed)
 
-    def draft_ahead(self, plan):
-        self.mtp.draft_ahead(plan)
-
     def propose(self, works, budgets):
         if self.oracle.continuations:
             self.mtp.propose(works, budgets)

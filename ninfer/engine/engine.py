@@ -412,8 +412,6 @@ class Engine:
                 self.runner.count_tokens(list(lanes), list(ids))
             for seq, reason in finished:
                 self._finish(seq, reason)
-            if hasattr(self.proposer, "draft_ahead") and any(w.draft_ids for w in plan.decode):
-                self.proposer.draft_ahead(plan)  # the next round's drafts, on the GPU while the host schedules
         return True
 
     def _propose(self, plan: StepPlan) -> None:

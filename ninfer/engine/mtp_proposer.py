@@ -24,12 +24,6 @@ Per step, two halves (ninfer.models.mtp says what the head computes):
   width), replays graphs of their own the same way. The drafts stay on the device
   (speculative.stage_drafts): the verify forward reads them there and brings them back with its sampled
   tokens, so the round's only host sync is the verify's.
-- `draft_ahead` (the end of a drafting step, after its finishes): the chain of the next round for every
-  row that drafted and goes on, launched right behind the observe. The GPU then runs the head while the
-  host schedules the next step and prepares its verify, instead of idling through the chain's set-up in
-  `propose`, which takes these drafts when the sequence's frontier has not moved. Only rows whose pages
-  already hold the chain's positions (the chain writes head KV there) draft ahead; the rest chain in
-  `propose` as before.
 
 Drafts are greedy (the head's argmax). With the target sampling each verified row as it would
 without drafts and a draft standing only where it equals the target's token, the committed tokens
@@ -39,7 +33,6 @@ are the target's own: a point-mass proposal makes that the lossless rejection ru
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -64,16 +57,6 @@ class _Frontier:
     position: int
     hidden: torch.Tensor  # [H]
     draft: torch.Tensor  # [] int64
-
-
-@dataclass
-class _Ahead:
-    """The next round's drafts chained at the end of a step (`draft_ahead`): row i of table [B, k] belongs
-    to request ids[i], whose frontier was then at positions[i]."""
-
-    ids: list[str]
-    positions: list[int]
-    table: torch.Tensor
 
 
 @dataclass
@@ -106,9 +89,6 @@ class MTPProposer:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: tuple[DecodeInputs, torch.Tensor, torch.Tensor] | None = None  # base rows, hidden, draft
         self._verify_statics: dict[int, tuple[VerifyInputs, torch.Tensor, torch.Tensor]] = {}  # by verify width
-        self._ahead: _Ahead | None = None  # drafts chained at the end of the last drafting step
-        self.ahead_enabled = os.environ.get("NINFER_DRAFT_AHEAD", "1") != "0"  # 0: benchmarks' A/B
-        self.ahead_taken = 0  # rounds whose drafts came from draft_ahead (tests, benchmarks)
         self.graph_replays = 0
         self.observe_replays = 0
         self._graph_failed = False
@@ -261,72 +241,27 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(self, works: list[SeqWork], budgets: list[int]) -> None:
         self._observe([w.seq for w, b in zip(works, budgets) if b > 0 and speculates(w.seq)])  # the rows kept
-        ahead, self._ahead = self._ahead, None
         ready = [(w, b, self._frontier.get(w.seq.request_id)) for w, b in zip(works, budgets)]
         ready = [(w, b, f) for w, b, f in ready if f is not None and f.position == w.seq.num_computed - 1
                  and speculates(w.seq)]
         if not ready:
             return
+        runner = self.runner
         k = max(b for _, b, _ in ready)
         seqs = [w.seq for w, _, _ in ready]
         starts = [f.position for _, _, f in ready]
-        table = self._take_ahead(ahead, seqs, starts, k)
-        if table is None:
-            table = self._drafts(seqs, starts, [f for _, _, f in ready], k)
-        stage_drafts([w for w, _, _ in ready], [b for _, b, _ in ready], table)  # read back with the verify's
-
-    def _drafts(self, seqs: list[Sequence], starts: list[int], frontiers: list[_Frontier], k: int) -> torch.Tensor:
-        """The drafts [B, k] from each sequence's frontier: its first draft, then k - 1 head steps."""
-        runner = self.runner
-        first = torch.stack([f.draft for f in frontiers])
-        if k == 1:
-            return first[:, None]
-        hidden = torch.stack([f.hidden for f in frontiers])
+        first = torch.stack([f.draft for _, _, f in ready])
+        hidden = torch.stack([f.hidden for _, _, f in ready])
         positions = [s.positions(p, p + 1) for s, p in zip(seqs, starts)]
-        if k == runner.draft_tokens and self._graphable(seqs, positions):
-            return self._replay(seqs, starts, first, hidden, k - 1)
-        base = upload_batch(ForwardBatch.build([[0]] * len(seqs), starts, [s.pages for s in seqs],
-                                               runner.page_size, device="cpu", positions=positions), runner)
-        return torch.cat([first[:, None], self._chain(base, first, hidden, k - 1)], dim=1)
-
-    @torch.inference_mode()
-    def draft_ahead(self, plan: StepPlan) -> None:
-        """At the end of a step whose rows drafted: the next round's chain for those that go on, as wide as
-        this round's (module docstring). A row whose pages end before the chain's last position (its next
-        page is reserved by the next schedule) waits for `propose`; so does every row when one does not fit,
-        as the drafts of one verify come from one chain."""
-        self._ahead = None
-        if not self.ahead_enabled:
-            return
-        rows = [w for w in plan.decode if w.draft_ids and w.seq.status is Status.DECODE and speculates(w.seq)]
-        if not rows:
-            return
-        k = max(len(w.draft_ids) for w in rows)
-        page = self.runner.page_size
-        seqs, frontiers = [w.seq for w in rows], [self._frontier.get(w.seq.request_id) for w in rows]
-        if k < 2 or any(f is None or f.position != s.num_computed - 1 or f.position + k - 1 >= len(s.pages) * page
-                        for s, f in zip(seqs, frontiers)):
-            return
-        starts = [f.position for f in frontiers]
-        self._ahead = _Ahead([s.request_id for s in seqs], starts, self._drafts(seqs, starts, frontiers, k))
-
-    def _take_ahead(self, ahead: _Ahead | None, seqs: list[Sequence], starts: list[int],
-                    k: int) -> torch.Tensor | None:
-        """The drafts `draft_ahead` chained for these sequences ([B, k], their first k columns), when it chained
-        at least k for each of them from the frontier each still has; else None."""
-        if ahead is None or ahead.table.shape[1] < k:
-            return None
-        where = {rid: (i, p) for i, (rid, p) in enumerate(zip(ahead.ids, ahead.positions))}
-        rows = []
-        for seq, start in zip(seqs, starts):
-            row, position = where.get(seq.request_id, (None, None))
-            if position != start:
-                return None
-            rows.append(row)
-        self.ahead_taken += 1
-        if rows == list(range(ahead.table.shape[0])):
-            return ahead.table[:, :k]
-        return ahead.table[self.runner._tensor(rows, torch.long)][:, :k]
+        if k == 1:
+            table = first[:, None]
+        elif k == runner.draft_tokens and self._graphable(seqs, positions):
+            table = self._replay(seqs, starts, first, hidden, k - 1)
+        else:
+            base = upload_batch(ForwardBatch.build([[0]] * len(seqs), starts, [s.pages for s in seqs],
+                                                   runner.page_size, device="cpu", positions=positions), runner)
+            table = torch.cat([first[:, None], self._chain(base, first, hidden, k - 1)], dim=1)
+        stage_drafts([w for w, _, _ in ready], [b for _, b, _ in ready], table)  # read back with the verify's
 
     def _chain(self, base: ForwardBatch, draft: torch.Tensor, hidden: torch.Tensor, steps: int) -> torch.Tensor:
         """Drafts 2..steps+1 [B, steps]: each step one token per sequence, one position past `base`'s."""
