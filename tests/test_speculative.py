@@ -331,6 +331,35 @@ def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mt
         assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
 
 
+def test_mtp_graphs_are_captured_when_the_proposer_is_bound(tiny_qwen_mtp_path, monkeypatch):
+    """Every MTP head graph (the chain, the head over a plain step's rows, over each verify width's and over
+    WINDOW's) is captured at start-up, for every decode batch size, over placeholder rows while the cache is
+    empty; serving then captures nothing more (a first-use capture stalled the first requests of each batch
+    size), its drafts equal the head run from scratch and its output plain greedy's (the graph paths on the
+    CPU as in the tests above)."""
+    from ninfer.engine import mtp_proposer
+    from ninfer.engine.graphs import DecodeInputs
+    from ninfer.engine.runner import ModelRunner
+
+    captured = _fake_mtp_graphs(monkeypatch)
+    base = _baseline(tiny_qwen_mtp_path)
+    static = DecodeInputs(3, 256 // 16 + 2, CPU)  # batch sizes 1..3, the engine's page-table width
+    monkeypatch.setattr(ModelRunner, "decode_graph_inputs", property(lambda self: static))
+    settings = EngineSettings(max_context=256, max_concurrency=3, prefill_chunk=16, draft_tokens=3, spec="mtp")
+    engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
+    proposer = engine.proposer
+    widths = sorted({2, 3, 4, mtp_proposer.WINDOW})
+    expected = {key for b in (1, 2, 3) for key in
+                [("chain", b), ("observe", b)] + [("observe_verify", b, w) for w in widths]}
+    assert set(proposer._graphs) == expected and len(captured) == len(expected)
+    oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=5)
+    spec, counters, seen = _run_recording_drafts(engine, oracle)
+    assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
+    assert len(captured) == len(expected) and proposer.graph_replays > 0 and proposer.observe_replays > 0
+    for tokens, drafts, budget in seen:
+        assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
+
+
 @pytest.mark.parametrize("window, cap, graphs", [(None, None, False), (None, 2, False), (None, None, True),
                                                  (3, 2, True), (2, 3, True)])
 def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_path, monkeypatch, window, cap,
@@ -514,12 +543,14 @@ def test_drafters_in_the_cuda_engine_keep_greedy_output(variant, tiny_qwen_path,
     settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, spec=variant,
                               draft_tokens=3 if variant == "mtp" else 4)
     engine = load_engine(path, settings, device=cuda)
+    graphs = set(getattr(engine.proposer, "_graphs", ()))  # MTP: every head graph, captured at start-up
     oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=6)
     spec, counters, seen = _run_recording_drafts(engine, oracle)
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert counters.spec_rounds > 0 and seen and all(len(d) == b for _, d, b in seen)
     if variant == "mtp":
-        assert engine.proposer.graph_replays > 0
+        assert {("chain", 4), ("observe", 1), ("observe_verify", 4, 4)} <= graphs
+        assert engine.proposer.graph_replays > 0 and set(engine.proposer._graphs) == graphs
 
 
 # ---- sampled rows ------------------------------------------------------------------------------------------------

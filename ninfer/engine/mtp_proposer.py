@@ -17,11 +17,16 @@ Per step, two halves (ninfer.models.mtp says what the head computes):
   window (at C=8 on the H200, s15, per-sequence windows and their host work cost ~0.5 ms a 15.5 ms step).
 - `propose` (before the next verify forward): k-1 more head steps from there, one token each (the
   previous draft in, the previous output as hidden), the drafts left on the device. On CUDA, with
-  the runner's graphs on, the k-1 steps replay one CUDA graph per batch size (captured the first time
-  that batch size proposes k drafts, over its real inputs: the capture's warm-up writes only the head
-  KV slots the chain itself rewrites), instead of ~k * 40 eager kernel launches. `observe` over a plain
-  decode step (one row per sequence), and over a verify step's committed rows (padded to the verify's
-  width), replays graphs of their own the same way. The drafts stay on the device
+  the runner's graphs on, the k-1 steps replay one CUDA graph per batch size instead of ~k * 40 eager
+  kernel launches. `observe` over a plain decode step (one row per sequence), and over a verify step's
+  committed rows (padded to the verify's width, or to WINDOW), replays graphs of their own the same way.
+  Every one of these graphs is captured when the proposer is bound, while the cache is still empty
+  (placeholder rows write page 0's slots, as the runner's own captures do), all in one memory pool:
+  captured on first use instead, each new batch size stalled the first requests to reach it (a capture
+  costs a warm-up forward and the capture itself), and the graphs' memory came after the KV pool was
+  sized. A graph missing all the same (a batch size not seen at start-up) is captured on first use
+  over its real inputs, whose warm-up writes only the head KV slots the graph itself rewrites. The
+  drafts stay on the device
   (speculative.stage_drafts): the verify forward reads them there and brings them back with its sampled
   tokens, so the round's only host sync is the verify's.
 
@@ -92,12 +97,42 @@ class MTPProposer:
         self.graph_replays = 0
         self.observe_replays = 0
         self._graph_failed = False
+        self._pool = None  # the head graphs' shared memory pool (each replay's outputs are copied out at once)
 
     def cache_spec(self, trunk_spec: CacheSpec) -> CacheSpec:
         return self.head.cache_spec(trunk_spec)
 
     def bind(self, runner) -> None:
         self.runner = runner
+        if runner.decode_graph_inputs is not None:
+            self._capture_all()
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        """Capture every head graph a run can replay (module docstring), for batch sizes 1..the runner's
+        decode graphs': the chain of k-1 steps, the head over one row a sequence, and over verify-shaped
+        rows of every verify width and of WINDOW."""
+        runner = self.runner
+        like, k = runner.decode_graph_inputs, runner.draft_tokens
+        # shaped like the trunk's hidden states, which the graphs' static rows are copied from
+        dtype = runner.last_hidden.dtype if runner.last_hidden is not None else self.head.fc.weight.dtype
+        hidden = torch.zeros(1, self.head.config["hidden_size"], dtype=dtype, device=runner.device)
+        inputs, h0, d0 = self._statics(hidden)
+        inputs.placeholder()
+        widths = sorted(set(range(2, k + 2)) | {WINDOW})
+        for b in range(like.max_batch, 0, -1):
+            if k > 1 and self._graph(("chain", b), lambda b=b: self._chain(inputs.batch(b), d0[:b], h0[:b],
+                                                                            k - 1)) is None:
+                return
+            if self._head_graph(("observe", b), inputs, b, h0[:b], d0[:b]) is None:
+                return
+            for width in widths:
+                vin, vh, vd = self._verify_static(width, hidden)
+                vin.placeholder()
+                if self._head_graph(("observe_verify", b, width), vin, b, vh[: b * width], vd[: b * width]) is None:
+                    return
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
 
     def forget(self, seq: Sequence) -> None:
         self._frontier.pop(seq.request_id, None)
@@ -200,14 +235,7 @@ class MTPProposer:
         like = runner.decode_graph_inputs
         if width < 2 or any(len(t) > width for t in tokens) or b > like.max_batch:
             return None
-        static = self._verify_statics.get(width)
-        if static is None:
-            rows, dim, device = like.max_batch * width, hidden[0].shape[1], runner.device
-            static = self._verify_statics[width] = (
-                VerifyInputs(like.max_batch, width, like.width, device),
-                torch.zeros(rows, dim, dtype=hidden[0].dtype, device=device),
-                torch.zeros(rows, dtype=torch.long, device=device))
-        inputs, h0, d0 = static
+        inputs, h0, d0 = self._verify_static(width, hidden[0])
         inputs.load(verify_inputs(tokens, starts, [s.pages for s in seqs], runner.page_size, [0] * b,
                                   [[0] * (width - 1)] * b, width))
         grid = h0[: b * width].view(b, width, -1)
@@ -219,18 +247,35 @@ class MTPProposer:
         last = runner._tensor([i * width + len(t) - 1 for i, t in enumerate(tokens)], torch.long)
         return replayed[0][last], replayed[1][last]
 
-    def _head_replay(self, key: tuple, inputs, b: int, hidden: torch.Tensor,
-                     drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The head over static `inputs.batch(b)` and static `hidden` rows, its argmax into static `drafts`,
-        as the graph of `key` (captured on first use): the graph's outputs and drafts (rewritten by its
-        next replay), or None when the head cannot be captured."""
+    def _verify_static(self, width: int, like: torch.Tensor) -> tuple[VerifyInputs, torch.Tensor, torch.Tensor]:
+        """The verify-shaped graphs' static inputs of this width: rows, hidden rows (like `like`'s), draft ids."""
+        static = self._verify_statics.get(width)
+        if static is None:
+            runner = self.runner
+            graphs = runner.decode_graph_inputs
+            rows, device = graphs.max_batch * width, runner.device
+            static = self._verify_statics[width] = (
+                VerifyInputs(graphs.max_batch, width, graphs.width, device),
+                torch.zeros(rows, like.shape[-1], dtype=like.dtype, device=device),
+                torch.zeros(rows, dtype=torch.long, device=device))
+        return static
+
+    def _head_graph(self, key: tuple, inputs, b: int, hidden: torch.Tensor, drafts: torch.Tensor) -> tuple | None:
+        """The graph of `key` (captured now if it is not yet): the head over static `inputs.batch(b)` and static
+        `hidden` rows, its argmax into static `drafts`. None when the head cannot be captured."""
         def run() -> torch.Tensor:
             batch = inputs.batch(b)
             out = self.head(batch, self.runner.cache, batch.input_ids, hidden)
             drafts.copy_(self._argmax(out))
             return out
 
-        entry = self._graph(key, run)
+        return self._graph(key, run)
+
+    def _head_replay(self, key: tuple, inputs, b: int, hidden: torch.Tensor,
+                     drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`_head_graph`'s graph replayed: its outputs and drafts (rewritten by its next replay), or None when
+        the head cannot be captured."""
+        entry = self._head_graph(key, inputs, b, hidden, drafts)
         if entry is None:
             return None
         entry[0].replay()
@@ -290,12 +335,16 @@ class MTPProposer:
         return self._static
 
     def _graph(self, key: tuple, run) -> tuple | None:
-        """The graph captured for `key` (captured now over `run` on first use); None, and eager from now on,
-        when the head cannot be captured."""
+        """The graph captured for `key` (captured now over `run`, in the head graphs' pool, when it is not yet);
+        None, and eager from now on, when the head cannot be captured."""
+        if self._graph_failed:
+            return None
         entry = self._graphs.get(key)
         if entry is None:
             try:
-                entry = self._graphs[key] = capture(run, self.runner.device, warmups=1)
+                entry = self._graphs[key] = capture(run, self.runner.device, warmups=1, pool=self._pool)
+                if self._pool is None and hasattr(entry[0], "pool"):
+                    self._pool = entry[0].pool()
             except Exception as exc:
                 log.warning("MTP head: CUDA graph capture failed (%s: %s); drafting eagerly", type(exc).__name__, exc)
                 self._graph_failed = True
