@@ -22,11 +22,10 @@ Per step, two halves (ninfer.models.mtp says what the head computes):
   committed rows (padded to the verify's width, or to WINDOW), replays graphs of their own the same way.
   Every one of these graphs is captured when the proposer is bound, while the cache is still empty
   (placeholder rows write page 0's slots, as the runner's own captures do), all in one memory pool:
-  captured on first use instead, each new batch size stalled the first requests to reach it (a capture
-  costs a warm-up forward and the capture itself), and the graphs' memory came after the KV pool was
-  sized. A graph missing all the same (a batch size not seen at start-up) is captured on first use
-  over its real inputs, whose warm-up writes only the head KV slots the graph itself rewrites. The
-  drafts stay on the device
+  captured on first use instead, each new batch size stalled the first requests to reach it (a warm-up
+  forward and the capture), and a shortfall of memory for a graph showed mid-serving, not at start-up.
+  A graph not captured then (graphs switched on later, in tests) is captured on first use over its real
+  inputs, whose warm-up writes only the head KV slots the graph itself rewrites. The drafts stay on the device
   (speculative.stage_drafts): the verify forward reads them there and brings them back with its sampled
   tokens, so the round's only host sync is the verify's.
 
