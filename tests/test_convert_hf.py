@@ -305,3 +305,58 @@ def test_cli_reports_a_bad_file_clearly(tmp_path):
     assert proc.returncode != 0
     assert "bad.ninfer: not a .ninfer artifact" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_checkpoint_quantized_mtp_layer_stays_nvfp4(tmp_path):
+    """An NVFP4 checkpoint whose MTP decoder layer is quantized too (ModelOpt names): the artifact keeps that
+    layer's linears NVFP4 (manifest quantization.mtp_modules), so drafting reads a quarter of the bytes, and the
+    head drafts exactly as the same checkpoint dequantized (`--weights bf16`) does: the values are the checkpoint's."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from ninfer.quant.nvfp4 import NVFP4Linear, quantize_nvfp4
+
+    torch.manual_seed(2)
+    text_cfg = _small_qwen_config(moe=False)
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_cfg)).eval()
+    head_weights = _mtp_weights(text_cfg)
+    mtp = {}
+    for name, tensor in _checkpoint_mtp(head_weights).items():
+        module = name.removesuffix(".weight")
+        if name.startswith("mtp.layers.0.") and name.endswith("_proj.weight"):  # attention and MLP linears
+            q = quantize_nvfp4(tensor, global_scale=tensor.abs().max() / (6.0 * 448.0))
+            mtp[f"{module}.weight"], mtp[f"{module}.weight_scale"] = q.packed, q.scale
+            mtp[f"{module}.weight_scale_2"], mtp[f"{module}.input_scale"] = q.row_scale[0].reshape(()), torch.tensor(1.0)
+        else:
+            mtp[name] = tensor
+    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForCausalLM"],
+              "text_config": {**text_cfg, "model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1},
+              "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}}
+    _save_folder(tmp_path / "qwen-tiny", hf, config, mtp)
+    kept = convert_hf(tmp_path / "qwen-tiny", tmp_path / "kept.ninfer", dtype=torch.float32, progress=False)
+    plain = convert_hf(tmp_path / "qwen-tiny", tmp_path / "plain.ninfer", dtype=torch.float32, progress=False,
+                       weights="bf16")
+    quant = Artifact(kept).manifest.quantization
+    linears = [f"layers.0.self_attn.{p}_proj" for p in "qkvo"] + [f"layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
+    assert quant["weights"] == "nvfp4" and quant["modules"] == [] and sorted(quant["mtp_modules"]) == sorted(linears)
+    stored = Artifact(kept).load(["mtp"])["mtp"]
+    assert stored["layers.0.mlp.down_proj.weight_packed"].dtype == torch.uint8 and "fc.weight" in stored
+    assert "mtp_modules" not in Artifact(plain).manifest.quantization
+    heads = []
+    for path in (kept, plain):
+        art = Artifact(path)
+        trunk = load_model(art, torch.device("cpu"), torch.float32)
+        heads.append((trunk, load_mtp_head(art, trunk, torch.device("cpu"), torch.float32)))
+    (trunk, nvfp4_head), (_, plain_head) = heads
+    assert isinstance(nvfp4_head.layers[0].mlp.down_proj, NVFP4Linear)
+    assert not isinstance(plain_head.layers[0].mlp.down_proj, NVFP4Linear)
+    with torch.no_grad():
+        cache = ModelCache(trunk.cache_spec(), num_pages=8, page_size=8, num_state_slots=1, dtype=torch.float32)
+        tokens = [1, 200, 33, 4, 150, 9]
+        hidden = trunk(ForwardBatch.build([tokens], [0], [list(range(8))], 8), cache)
+        drafts = []
+        for head in (nvfp4_head, plain_head):
+            head_cache = ModelCache(head.cache_spec(), num_pages=8, page_size=8, num_state_slots=1,
+                                    dtype=torch.float32)
+            step0 = ForwardBatch.build([tokens[1:] + [5]], [0], [list(range(8))], 8)
+            drafts.append(head.propose(step0, head_cache, step0.input_ids, hidden, 3))
+    assert torch.equal(drafts[0], drafts[1])

@@ -35,14 +35,16 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _nvfp4_modules(artifact: Artifact) -> list[str]:
+def _nvfp4_modules(artifact: Artifact, key: str = "modules") -> list[str]:
+    """The NVFP4 modules the manifest lists under `key` (ninfer.quant.nvfp4.manifest_entry): the text
+    component's, or "mtp_modules", the MTP head's."""
     quant = artifact.manifest.quantization or {}
     kind = quant.get("weights")
     if kind in (None, "bf16"):
         return []
     if kind != "nvfp4":
         raise ValueError(f"{artifact.path}: weight format {kind!r} is not supported (bf16, nvfp4)")
-    return list(quant.get("modules", []))
+    return list(quant.get(key, []))
 
 
 def _cast_floating(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -146,6 +148,11 @@ def load_mtp_head(artifact: Artifact, trunk: nn.Module, device: torch.device, dt
                    for name in artifact.tensor_names if name.startswith("mtp.")}
     with torch.device("meta"):  # no buffers: the rotary tables are the trunk's
         head = MTPHead(config, kv_layer=kv_layer)
+    nvfp4_modules = _nvfp4_modules(artifact, "mtp_modules")  # kept as the checkpoint quantized them
+    if nvfp4_modules:
+        from ninfer.quant.nvfp4 import replace_with_nvfp4_
+
+        replace_with_nvfp4_(head, nvfp4_modules)
     head.load_state_dict(weights, strict=True, assign=True)
     return prepare_for_inference_(head.attach_(trunk)).eval()
 

@@ -200,9 +200,14 @@ def chain_batch(batch: ForwardBatch, page_size: int) -> ForwardBatch:
     )
 
 
-def check_mtp_weights(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    """Raise ValueError unless `tensors` are exactly the head's parameters at their shapes (the
-    converter calls it, so a partial or mis-shaped head fails at conversion, not at load)."""
+def check_mtp_weights(config: dict[str, Any], tensors: dict[str, torch.Tensor], nvfp4_modules=()) -> None:
+    """Raise ValueError unless `tensors` are exactly the head's parameters at their shapes, the linears
+    named in `nvfp4_modules` as NVFP4 tensors (the converter calls it, so a partial or mis-shaped head
+    fails at conversion, not at load)."""
     with torch.device("meta"):
         module = MTPHead(config)
+    if nvfp4_modules:
+        from ninfer.quant.nvfp4 import replace_with_nvfp4_
+
+        replace_with_nvfp4_(module, nvfp4_modules)
     check_component_weights(module, tensors, "MTP weights do not match the text config")

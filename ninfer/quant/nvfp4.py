@@ -321,10 +321,14 @@ def quantizable(name: str, out_features: int, in_features: int, skip: Iterable[s
     return not _matches(name, skip) and in_features % GROUP_SIZE == 0 and out_features > 0
 
 
-def manifest_entry(modules: Iterable[str]) -> dict:
-    """What an artifact's manifest records under `quantization` for NVFP4 weights (module names are
-    relative to the text component, e.g. "layers.0.mlp.down_proj")."""
-    return {"weights": "nvfp4", "group_size": GROUP_SIZE, "modules": sorted(modules, key=_natural_key)}
+def manifest_entry(modules: Iterable[str], mtp_modules: Iterable[str] = ()) -> dict:
+    """What an artifact's manifest records under `quantization` for NVFP4 weights: `modules`, relative to
+    the text component (e.g. "layers.0.mlp.down_proj"), and `mtp_modules` (where any), relative to the
+    MTP head's (e.g. "layers.0.self_attn.q_proj")."""
+    entry = {"weights": "nvfp4", "group_size": GROUP_SIZE, "modules": sorted(modules, key=_natural_key)}
+    if mtp_modules:
+        entry["mtp_modules"] = sorted(mtp_modules, key=_natural_key)
+    return entry
 
 
 def _natural_key(name: str) -> list:
