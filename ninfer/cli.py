@@ -48,7 +48,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         from ninfer.artifact.convert_hf import convert_hf
 
         convert_hf(args.input, out, dtype=args.dtype, name=args.name, progress=not args.quiet,
-                   keep_template=args.keep_template, weights=args.weights, nvfp4_lm_head=args.nvfp4_lm_head)
+                   keep_template=args.keep_template, weights=args.weights, nvfp4_lm_head=args.nvfp4_lm_head,
+                   nvfp4_mtp=args.nvfp4_mtp)
     elif args.source == "synthetic":
         from ninfer.artifact.presets import write_preset
 
@@ -138,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the checkpoint's own chat template instead of ninfer's maintained Qwen template")
     common(h)
     weights_option(h, checkpoint=True)
+    h.add_argument("--nvfp4-mtp", action="store_true",
+                   help="with --weights nvfp4: also quantize the MTP head's decoder layer (--spec mtp drafts read "
+                        "a quarter of its bytes; the drafts carry the 4-bit error, the output never does: every "
+                        "draft is verified). An NVFP4 checkpoint's quantized MTP layer stays NVFP4 without it")
 
     s = csub.add_parser("synthetic", help="random-weight artifact from a named preset")
     s.add_argument("--preset", required=True, choices=["tiny-llama", "tiny-qwen3.6", "tiny-qwen3.6-moe"])
@@ -184,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "nvfp4_lm_head", False) and args.weights != "nvfp4":
         parser.error(f"convert {args.source}: --nvfp4-lm-head needs --weights nvfp4 (got --weights {args.weights})")
+    if getattr(args, "nvfp4_mtp", False) and args.weights != "nvfp4":
+        parser.error(f"convert {args.source}: --nvfp4-mtp needs --weights nvfp4 (got --weights {args.weights})")
     commands = {"convert": _cmd_convert, "convert-drafter": _cmd_convert_drafter,
                 "convert-draft-head": _cmd_convert_draft_head, "info": _cmd_info,
                 "serve": _cmd_serve}

@@ -135,12 +135,18 @@ def _nvfp4_target(module: str, lm_head: bool = False) -> bool:
     return re.match(r"^layers\.\d+\.", module) is not None and ".mlp.experts." not in module
 
 
+def _quantized_here(component: str, weights: str, nvfp4_mtp: bool) -> bool:
+    """Whether conversion quantizes this component's bf16 decoder linears: the text's with weights="nvfp4",
+    the MTP head's too with nvfp4_mtp."""
+    return weights == "nvfp4" and (component == "text" or (component == "mtp" and nvfp4_mtp))
+
+
 def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: str, dtype: torch.dtype,
-                   lm_head: bool = False) -> tuple[dict[str, torch.Tensor], list[str], set[str]]:
+                   lm_head: bool = False, nvfp4_mtp: bool = False) -> tuple[dict[str, torch.Tensor], list[str], set[str]]:
     """Checkpoint NVFP4 modules -> ninfer's NVFP4 tensors (or dequantized weights), and with
-    weights="nvfp4" the quantizable bf16 linears quantized (lm_head too with lm_head=True). Returns
-    the tensors, the NVFP4 modules and the routed experts ("layers.N.mlp.experts") that arrived as
-    NVFP4 and were dequantized."""
+    weights="nvfp4" the quantizable bf16 linears quantized (lm_head too with lm_head=True; the MTP head's
+    only with nvfp4_mtp). Returns the tensors, the NVFP4 modules and the routed experts
+    ("layers.N.mlp.experts") that arrived as NVFP4 and were dequantized."""
     from ninfer.quant.nvfp4 import (
         GROUP_SIZE,
         dequantize_nvfp4,
@@ -181,12 +187,12 @@ def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: st
             out[f"{module}.weight"] = dequantize_nvfp4(packed, scale, row_scale, dtype)
             if ".mlp.experts." in module:  # keep it bf16 (see _quantize_experts)
                 dequantized_experts.add(module.split(".mlp.experts.")[0] + ".mlp.experts")
-    if weights == "nvfp4" and component == "text":
+    if _quantized_here(component, weights, nvfp4_mtp):
         for name, tensor in list(out.items()):
             module = name[: -len(".weight")]
             if (name.endswith(".weight") and tensor.dim() == 2 and tensor.is_floating_point()
                     and ".mlp.experts." not in module  # per-expert: fused first, then _quantize_experts
-                    and quantizable(module, tensor.shape[0], tensor.shape[1], lm_head=lm_head)):
+                    and quantizable(module, tensor.shape[0], tensor.shape[1], lm_head=lm_head and component == "text")):
                 q = quantize_nvfp4(out.pop(name))
                 out[f"{module}.weight_packed"], out[f"{module}.weight_scale"] = q.packed, q.scale
                 out[f"{module}.weight_row_scale"] = q.row_scale
@@ -196,7 +202,7 @@ def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: st
 
 def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                name: str | None = None, progress: bool = True, keep_template: bool = False,
-               weights: str = "auto", nvfp4_lm_head: bool = False) -> Path:
+               weights: str = "auto", nvfp4_lm_head: bool = False, nvfp4_mtp: bool = False) -> Path:
     """Convert a checkpoint folder. Qwen3.5/3.6 artifacts get ninfer's maintained chat template
     (mid-conversation system/developer turns) unless keep_template asks for the checkpoint's own.
 
@@ -205,11 +211,15 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
     bf16 linears (ninfer.quant.nvfp4.quantizable decides which).
     nvfp4_lm_head (with weights="nvfp4" only): the untied lm_head is NVFP4 too (quantized, or kept
     as the checkpoint's NVFP4); a tied head is the embedding table and stays in `dtype`.
+    nvfp4_mtp (with weights="nvfp4" only): the MTP head's decoder layer is quantized too (a checkpoint's
+    quantized MTP layer stays NVFP4 whenever weights is not "bf16").
     """
     if weights not in ("auto", "bf16", "nvfp4"):
         raise ValueError(f"weights must be auto, bf16 or nvfp4, not {weights!r}")
     if nvfp4_lm_head and weights != "nvfp4":
         raise ValueError("nvfp4_lm_head needs weights='nvfp4'")
+    if nvfp4_mtp and weights != "nvfp4":
+        raise ValueError("nvfp4_mtp needs weights='nvfp4'")
     from ninfer.quant.nvfp4 import manifest_entry, quantizable
 
     folder = Path(folder)
@@ -249,8 +259,8 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
         with safe_open(str(shard), framework="pt") as f:
             tensor = f.get_tensor(key)
         keep_precision = inner.endswith(("A_log", "dt_bias")) or inner.rpartition(".")[2] in _NVFP4_AUX or (
-            weights == "nvfp4" and component == "text" and tensor.dim() == 2 and inner.endswith(".weight")
-            and quantizable(inner[: -len(".weight")], *tensor.shape, lm_head=nvfp4_lm_head)
+            _quantized_here(component, weights, nvfp4_mtp) and tensor.dim() == 2 and inner.endswith(".weight")
+            and quantizable(inner[: -len(".weight")], *tensor.shape, lm_head=nvfp4_lm_head and component == "text")
         )  # kept at full precision: quantized from the checkpoint's values
         if tensor.is_floating_point() and tensor.element_size() >= 2 and not keep_precision:
             tensor = tensor.to(dtype)
@@ -266,9 +276,10 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
     tensors = {}
     nvfp4_modules, mtp_modules = [], []
     for component, group in by_component.items():
-        group, kept, dequantized_experts = _convert_nvfp4(group, component, weights, dtype, nvfp4_lm_head)
+        group, kept, dequantized_experts = _convert_nvfp4(group, component, weights, dtype, nvfp4_lm_head,
+                                                          nvfp4_mtp)
         group = _fuse_experts(group)
-        if weights == "nvfp4" and component == "text":
+        if _quantized_here(component, weights, nvfp4_mtp):
             group, experts = _quantize_experts(group, dequantized_experts)
             kept += experts
         if component == "text":
