@@ -341,7 +341,9 @@ def main() -> None:
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
          exact_verify=settings.exact_verify, with_mtp=args.with_mtp, draft_head=args.draft_head,
          nvfp4_mtp=args.nvfp4_mtp, adaptive=args.adaptive, reference=args.reference,
-         graph_status=engine.runner.graph_status, nvfp4_gemv=engine.runner.nvfp4_status)
+         graph_status=engine.runner.graph_status, nvfp4_gemv=engine.runner.nvfp4_status,
+         **({"mtp_graphs": len(engine.proposer.mtp._graphs), "mtp_capture_s": round(engine.proposer.mtp.capture_seconds, 3)}
+            if args.with_mtp else {}))
     summary = {}
     try:
         run(1)  # warm-up (first replays, allocator)

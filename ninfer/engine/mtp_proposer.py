@@ -37,6 +37,7 @@ are the target's own: a point-mass proposal makes that the lossless rejection ru
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,7 @@ class MTPProposer:
         self.observe_replays = 0
         self._graph_failed = False
         self._pool = None  # the head graphs' shared memory pool (each replay's outputs are copied out at once)
+        self.capture_seconds = 0.0  # start-up's captures (_capture_all)
 
     def cache_spec(self, trunk_spec: CacheSpec) -> CacheSpec:
         return self.head.cache_spec(trunk_spec)
@@ -111,7 +113,7 @@ class MTPProposer:
         """Capture every head graph a run can replay (module docstring), for batch sizes 1..the runner's
         decode graphs': the chain of k-1 steps, the head over one row a sequence, and over verify-shaped
         rows of every verify width and of WINDOW."""
-        runner = self.runner
+        runner, started = self.runner, time.perf_counter()
         like, k = runner.decode_graph_inputs, runner.draft_tokens
         # shaped like the trunk's hidden states, which the graphs' static rows are copied from
         dtype = runner.last_hidden.dtype if runner.last_hidden is not None else self.head.fc.weight.dtype
@@ -132,6 +134,8 @@ class MTPProposer:
                     return
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
+        self.capture_seconds = time.perf_counter() - started
+        log.info("MTP head: %d CUDA graphs captured in %.2f s", len(self._graphs), self.capture_seconds)
 
     def forget(self, seq: Sequence) -> None:
         self._frontier.pop(seq.request_id, None)
