@@ -362,21 +362,27 @@ def test_a_checkpoint_quantized_mtp_layer_stays_nvfp4(tmp_path):
     assert torch.equal(drafts[0], drafts[1])
 
 
-def test_nvfp4_mtp_quantizes_the_mtp_layer_of_a_bf16_checkpoint(tmp_path):
-    """`convert hf --weights nvfp4 --nvfp4-mtp`: the MTP decoder layer's linears are quantized as the trunk's
-    are (the same quantizer on the checkpoint's values); without --nvfp4-mtp the head stays unquantized, and
-    the flag without --weights nvfp4 is refused."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_nvfp4_mtp_quantizes_the_mtp_layer_of_a_bf16_checkpoint(tmp_path, moe):
+    """`convert hf --weights nvfp4 --nvfp4-mtp`: the MTP decoder layer's linears (and routed experts) are
+    quantized as the trunk's are (the same quantizer on the checkpoint's values); without --nvfp4-mtp the head
+    stays unquantized, and the flag without --weights nvfp4 is refused."""
     from ninfer.cli import main
-    from ninfer.quant.nvfp4 import NVFP4Linear, quantize_nvfp4
+    from ninfer.quant.nvfp4 import NVFP4Experts, NVFP4Linear, quantize_nvfp4
 
+    if moe:
+        from transformers import Qwen3_5MoeForCausalLM as HFModel
+        from transformers import Qwen3_5MoeTextConfig as HFConfig
+    else:
+        from transformers import Qwen3_5ForCausalLM as HFModel
+        from transformers import Qwen3_5TextConfig as HFConfig
     torch.manual_seed(3)
-    text_cfg = _small_qwen_config(moe=False)
-    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_cfg)).eval()
+    text_cfg = _small_qwen_config(moe)
+    hf = HFModel(HFConfig(**text_cfg)).eval()
     mtp = _checkpoint_mtp(_mtp_weights(text_cfg))
-    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForCausalLM"],
-              "text_config": {**text_cfg, "model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1}}
+    model_type = "qwen3_5_moe" if moe else "qwen3_5"
+    config = {"model_type": model_type, "architectures": ["Qwen3_5ForCausalLM"],
+              "text_config": {**text_cfg, "model_type": f"{model_type}_text", "mtp_num_hidden_layers": 1}}
     _save_folder(tmp_path / "qwen-tiny", hf, config, mtp)
     folder = str(tmp_path / "qwen-tiny")
     with pytest.raises(SystemExit):
@@ -388,13 +394,16 @@ def test_nvfp4_mtp_quantizes_the_mtp_layer_of_a_bf16_checkpoint(tmp_path):
                      "--quiet", *flag]) == 0
     assert "mtp_modules" not in Artifact(paths[False]).manifest.quantization
     quant = Artifact(paths[True]).manifest.quantization
-    assert "layers.0.mlp.down_proj" in quant["mtp_modules"] and "fc" not in quant["mtp_modules"]
+    linear = "layers.0.self_attn.o_proj"
+    assert linear in quant["mtp_modules"] and "fc" not in quant["mtp_modules"]
+    assert ("layers.0.mlp.experts" in quant["mtp_modules"]) == moe
     assert quant["modules"] == Artifact(paths[False]).manifest.quantization["modules"]
     stored = Artifact(paths[True]).load(["mtp"])["mtp"]
-    expected = quantize_nvfp4(mtp["mtp.layers.0.mlp.down_proj.weight"].float())
-    assert torch.equal(stored["layers.0.mlp.down_proj.weight_packed"], expected.packed)
+    expected = quantize_nvfp4(mtp[f"mtp.{linear}.weight"].float())
+    assert torch.equal(stored[f"{linear}.weight_packed"], expected.packed)
     art = Artifact(paths[True])
     trunk = load_model(art, torch.device("cpu"), torch.float32)
     head = load_mtp_head(art, trunk, torch.device("cpu"), torch.float32)
-    assert isinstance(head.layers[0].mlp.down_proj, NVFP4Linear)
+    assert isinstance(head.layers[0].self_attn.o_proj, NVFP4Linear)
+    assert isinstance(getattr(head.layers[0].mlp, "experts", None), NVFP4Experts) == moe
     _drafts_run(trunk, head)
