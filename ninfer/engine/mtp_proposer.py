@@ -106,7 +106,11 @@ class MTPProposer:
     def bind(self, runner) -> None:
         self.runner = runner
         if runner.decode_graph_inputs is not None:
-            self._capture_all()
+            try:
+                self._capture_all()
+            except Exception as exc:  # a capture's own failure turns graphs off (_graph); nothing else stops start-up
+                log.warning("MTP head: capturing graphs at start-up failed (%s: %s); capturing on first use",
+                            type(exc).__name__, exc)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
