@@ -12,7 +12,8 @@
 # pytest_nvfp4_kernels, pytest_pdl, pytest_pieces, pytest_mma, sweep_mma (the tensor-core NVFP4 GEMV), sweep_mma_wide (its 8..32-row verify launches),
 # sweep_mma_staging (it with cp.async staging / L2 prefetch), verify_mma (verify vs plain, decode on tensor cores),
 # e2e_mma (MTP3 end to end at C=1, the speculative table and the plain one), verify27, gc27 (bench/gc_pause.py),
-# pytest_spec (the speculative CUDA tests), mtp_s22 (s21: MTP graphs at start-up, the NVFP4 head, C=8 adaptive), spec_c8
+# pytest_spec (the speculative CUDA tests), mtp_s22 (s21: MTP graphs at start-up, the NVFP4 head, C=8 adaptive),
+# probe_profile (where the adaptive engine's probe steps go at C=8), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
 # sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
@@ -129,6 +130,11 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
         --draft-head 32768 --adaptive --concurrency 8 --acceptance 1.5 2.5 3.5 --settle 3 --max-tokens 128 \
         > $out/spec_c8_adaptive.log 2>&1 ;;
+    probe_profile)  # adaptive C=8 at acceptance 1.5 under the stack sampler and kernel profiler: what a probe step
+      # (32-43 ms on the H100 in s21, against 19 ms for a width-2 step) spends on the MTP head's catch-up
+      timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
+        --draft-head 32768 --adaptive --concurrency 8 --acceptance 1.5 --max-tokens 128 --profile 40 \
+        > $out/probe_profile_c8.log 2>&1 ;;
     pytest_spec)  # the speculative engine's CUDA tests: drafters keep greedy output (MTP graphs)
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_speculative.py \
         tests/test_mtp.py > $out/pytest_spec.log 2>&1 ;;
