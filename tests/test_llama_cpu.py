@@ -340,6 +340,41 @@ def test_plain_c_build_computes_what_the_vector_build_computes():
     torch.testing.assert_close(out, want, **attention_tolerance(64))
 
 
+@needs_native
+def test_long_contexts_decode_on_every_thread(monkeypatch):
+    """The served replica decodes on decode_threads (one core fewer) until the batch's longest context reaches
+    LONG_CONTEXT_TOKENS, then on torch's threads (every core); the step's result does not depend on its thread
+    count (matmul rows and attention chunks are each one thread's, merged in a fixed order)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(cpu_native, "decode_threads", 1)
+        assert cpu_native._threads(100) == 1 and cpu_native._threads(cpu_native.LONG_CONTEXT_TOKENS) == 2
+        monkeypatch.setattr(cpu_native, "decode_threads", None)
+        assert cpu_native._threads(10**6) == 2 and cpu_native._threads(0) == 2
+        model = tiny_model("int8")
+        prompts = [[(5 * i + 1) % 97 for i in range(30)], [(3 * i + 2) % 97 for i in range(9)]]
+        tables = [list(range(0, 11)), [40, 41, 43, 44]]
+        runs, seen, real_run = [], [], NativeLlamaDecode.run
+
+        def counted(self, *args):
+            out = real_run(self, *args)
+            seen.append(self.struct.threads)
+            return out
+
+        monkeypatch.setattr(NativeLlamaDecode, "run", counted)
+        monkeypatch.setattr(cpu_native, "decode_threads", 1)
+        for long_context in (10**9, 0):  # decode_threads (1) for every step, then every step on torch's (2)
+            monkeypatch.setattr(cpu_native, "LONG_CONTEXT_TOKENS", long_context)
+            seen.clear()
+            runs.append(greedy(model, prompts, tables, 6, True, torch.bfloat16))
+            assert seen and set(seen) == {1 if long_context else 2}
+        (tokens_1, states_1), (tokens_2, states_2) = runs
+        assert tokens_1 == tokens_2 and all(torch.equal(a, b) for a, b in zip(states_1, states_2))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_native_step_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("NINFER_CPU_NATIVE", "0")
     cpu_native.library.cache_clear()

@@ -123,10 +123,19 @@ def _qlinear(module) -> QLinear:
 # Threads of a native decode step (and its logits), where the process sets them apart from torch's (the
 # served Engine replica: ninfer.server.startup); None: torch's thread count.
 decode_threads: int | None = None
+# From this many context tokens (a decode batch's longest), a step takes torch's threads (the replica's every
+# core) all the same: attention over the context then outweighs what the router and Ray lose by sharing the
+# last core. Through HTTP on 2 cores (bench/results/2026-12-03-cpu-s14, quiet runs), one decode thread against
+# two: 81.8 / 73.1 / 55.9 / 40.2 against 62.2 / 60.6 / 58.0 / 46.0 tok/s at 128 / 1k / 3k / 6k tokens, even
+# near 2.7k.
+LONG_CONTEXT_TOKENS = 2560
 
 
-def _threads() -> int:
-    return decode_threads or torch.get_num_threads()
+def _threads(context: int = 0) -> int:
+    """A step's threads: decode_threads below LONG_CONTEXT_TOKENS of context, else torch's."""
+    if decode_threads and context < LONG_CONTEXT_TOKENS:
+        return decode_threads
+    return max(decode_threads or 0, torch.get_num_threads())
 
 
 class NativeLlamaDecode:
@@ -172,10 +181,10 @@ class NativeLlamaDecode:
         s = self.struct
         s.k_cache, s.v_cache = _ptr(cache.k), _ptr(cache.v)
         s.layer_stride = cache.k.stride(0)
-        s.threads = _threads()
         slots = batch.slot_mapping.contiguous()
         table = batch.page_table.to(torch.int32).contiguous()
         lens = batch.seq_lens.to(torch.int32).contiguous()
+        s.threads = _threads(int(lens.max()))
         out = torch.empty(b, self.hidden, dtype=torch.bfloat16)
         rc = self.lib.ninfer_llama_decode(ctypes.byref(s), b, _ptr(x), _ptr(cos), _ptr(sin), _ptr(slots),
                                           _ptr(table), table.stride(0), _ptr(lens), cache.page_size, _ptr(out))
