@@ -148,7 +148,7 @@ def load_mtp_head(artifact: Artifact, trunk: nn.Module, device: torch.device, dt
                    for name in artifact.tensor_names if name.startswith("mtp.")}
     with torch.device("meta"):  # no buffers: the rotary tables are the trunk's
         head = MTPHead(config, kv_layer=kv_layer)
-    nvfp4_modules = _nvfp4_modules(artifact, "mtp_modules")  # kept as the checkpoint quantized them
+    nvfp4_modules = _nvfp4_modules(artifact, "mtp_modules")  # a quantized checkpoint's, or --nvfp4-mtp's
     if nvfp4_modules:
         from ninfer.quant.nvfp4 import replace_with_nvfp4_
 
