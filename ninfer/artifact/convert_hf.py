@@ -144,8 +144,8 @@ def _quantized_here(component: str, weights: str, nvfp4_mtp: bool) -> bool:
 def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: str, dtype: torch.dtype,
                    lm_head: bool = False, nvfp4_mtp: bool = False) -> tuple[dict[str, torch.Tensor], list[str], set[str]]:
     """Checkpoint NVFP4 modules -> ninfer's NVFP4 tensors (or dequantized weights), and with
-    weights="nvfp4" the quantizable bf16 linears quantized (lm_head too with lm_head=True; the MTP head's
-    only with nvfp4_mtp). Returns the tensors, the NVFP4 modules and the routed experts
+    weights="nvfp4" the quantizable bf16 linears quantized (the text's lm_head too with lm_head=True; the MTP
+    head's only with nvfp4_mtp). Returns the tensors, the NVFP4 modules and the routed experts
     ("layers.N.mlp.experts") that arrived as NVFP4 and were dequantized."""
     from ninfer.quant.nvfp4 import (
         GROUP_SIZE,
@@ -179,7 +179,7 @@ def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: st
         row_scale = per_tensor.reshape(-1).expand(n).clone() if per_tensor.numel() == 1 else per_tensor.reshape(n)
         # the MTP head's layer too: its drafts then read a quarter of the bytes (on the H100 at C=1, s21,
         # -0.34 ms of a 12.5 ms k=3 round), from the checkpoint's own values (dequantizing changes none)
-        if weights != "bf16" and component in ("text", "mtp") and _nvfp4_target(module, lm_head and component == "text"):
+        if weights != "bf16" and component in ("text", "mtp") and _nvfp4_target(module, lm_head):
             out[f"{module}.weight_packed"], out[f"{module}.weight_scale"] = packed, scale
             out[f"{module}.weight_row_scale"] = row_scale
             kept.append(module)
@@ -192,7 +192,7 @@ def _convert_nvfp4(tensors: dict[str, torch.Tensor], component: str, weights: st
             module = name[: -len(".weight")]
             if (name.endswith(".weight") and tensor.dim() == 2 and tensor.is_floating_point()
                     and ".mlp.experts." not in module  # per-expert: fused first, then _quantize_experts
-                    and quantizable(module, tensor.shape[0], tensor.shape[1], lm_head=lm_head and component == "text")):
+                    and quantizable(module, tensor.shape[0], tensor.shape[1], lm_head=lm_head)):
                 q = quantize_nvfp4(out.pop(name))
                 out[f"{module}.weight_packed"], out[f"{module}.weight_scale"] = q.packed, q.scale
                 out[f"{module}.weight_row_scale"] = q.row_scale
@@ -276,8 +276,8 @@ def convert_hf(folder: str | Path, out_path: str | Path, *, dtype: torch.dtype =
     tensors = {}
     nvfp4_modules, mtp_modules = [], []
     for component, group in by_component.items():
-        group, kept, dequantized_experts = _convert_nvfp4(group, component, weights, dtype, nvfp4_lm_head,
-                                                          nvfp4_mtp)
+        group, kept, dequantized_experts = _convert_nvfp4(group, component, weights, dtype,
+                                                          nvfp4_lm_head and component == "text", nvfp4_mtp)
         group = _fuse_experts(group)
         if _quantized_here(component, weights, nvfp4_mtp):
             group, experts = _quantize_experts(group, dequantized_experts)

@@ -124,16 +124,15 @@ class MTPProposer:
         hidden = torch.zeros(1, self.head.config["hidden_size"], dtype=dtype, device=runner.device)
         inputs, h0, d0 = self._statics(hidden)
         inputs.placeholder()
-        widths = sorted(set(range(2, k + 2)) | {WINDOW})
+        verify = {width: self._verify_static(width, hidden) for width in sorted(set(range(2, k + 2)) | {WINDOW})}
+        for vin, _, _ in verify.values():
+            vin.placeholder()
         for b in range(like.max_batch, 0, -1):
-            if k > 1 and self._graph(("chain", b), lambda b=b: self._chain(inputs.batch(b), d0[:b], h0[:b],
-                                                                            k - 1)) is None:
+            if k > 1 and self._chain_graph(b, k - 1) is None:
                 return
             if self._head_graph(("observe", b), inputs, b, h0[:b], d0[:b]) is None:
                 return
-            for width in widths:
-                vin, vh, vd = self._verify_static(width, hidden)
-                vin.placeholder()
+            for width, (vin, vh, vd) in verify.items():
                 if self._head_graph(("observe_verify", b, width), vin, b, vh[: b * width], vd[: b * width]) is None:
                     return
         if runner.device.type == "cuda":
@@ -365,7 +364,7 @@ class MTPProposer:
         inputs.load(host_inputs([[0]] * b, starts, [s.pages for s in seqs], runner.page_size, [0] * b))
         h0[:b].copy_(hidden)
         d0[:b].copy_(first)
-        entry = self._graph(("chain", b), lambda: self._chain(inputs.batch(b), d0[:b], h0[:b], steps))
+        entry = self._chain_graph(b, steps)
         if entry is None:
             base = upload_batch(ForwardBatch.build([[0]] * b, starts, [s.pages for s in seqs], runner.page_size,
                                                    device="cpu"), runner)
@@ -373,6 +372,12 @@ class MTPProposer:
         entry[0].replay()
         self.graph_replays += 1
         return torch.cat([d0[:b, None], entry[1]], dim=1)
+
+    def _chain_graph(self, b: int, steps: int) -> tuple | None:
+        """The graph of the chain's `steps` head steps for b sequences (captured now if it is not yet), over the
+        static rows, hidden rows and first drafts (_statics); None when the head cannot be captured."""
+        inputs, h0, d0 = self._static
+        return self._graph(("chain", b), lambda: self._chain(inputs.batch(b), d0[:b], h0[:b], steps))
 
     def _observe_replay(self, seqs: list[Sequence], starts: list[int], tokens: list[list[int]],
                         hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
