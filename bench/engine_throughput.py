@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8"])
+    ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8", "int8", "nvfp4", "k8v4"],
+                    help="KV storage (the server's --kv-dtype)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up runs per concurrency (not reported)")
     args = ap.parse_args()
@@ -93,7 +95,7 @@ def main() -> None:
 
     for c in args.concurrency:
         settings = EngineSettings(max_context=args.prompt_len + args.max_tokens + 16, max_concurrency=c,
-                                  prefill_chunk=1024, eos_ids=set())
+                                  prefill_chunk=1024, eos_ids=set(), kv_dtype=args.kv_dtype)
         settings.kv_capacity = settings.max_context * c
         t_load = time.perf_counter()
         engine = (load_engine(args.artifact, settings, dtype=args.dtype) if args.artifact
@@ -114,6 +116,7 @@ def main() -> None:
             "model": args.artifact or args.preset,
             "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else platform.processor() or "cpu",
             "dtype": str(engine.runner.cache.k.dtype).removeprefix("torch."),
+            "kv_dtype": args.kv_dtype,
             "parameters": params,
             "load_s": load_s,
             "torch": torch.__version__,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ninfer.forward import ForwardBatch, ModelCache
+from ninfer.forward import KV_STORAGE, NVFP4_ROW, ForwardBatch, ModelCache
 from ninfer.kernels import attention, cpu_native
 from ninfer.kernels.attention import cpu_decode_rows, paged_attention_ref, sequence_slots
 from ninfer.kernels.cpu_native import NativeLlamaDecode
@@ -24,9 +24,9 @@ CONFIG = dict(  # SmolLM2-like (GQA 3:1, tied head), tiny
 )
 
 
-def tiny_model(dtype: str) -> LlamaForCausalLM:
+def tiny_model(dtype: str, **config) -> LlamaForCausalLM:
     """Random weights (norms too), projections merged as the loader does; int8: bf16 + int8 weight-only."""
-    model = LlamaForCausalLM(CONFIG).eval()
+    model = LlamaForCausalLM({**CONFIG, **config}).eval()
     model.init_random_(3)
     gen = torch.Generator().manual_seed(4)
     with torch.no_grad():
@@ -52,12 +52,12 @@ def layout(kind: str, pages: int) -> list[int]:
 
 
 def greedy(model: LlamaForCausalLM, prompts: list[list[int]], tables: list[list[int]], steps: int,
-           use_plan: bool, dtype: torch.dtype) -> tuple[list[list[int]], list[torch.Tensor]]:
+           use_plan: bool, dtype: torch.dtype, kv_dtype: str = "bf16") -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill each prompt, then `steps` greedy decode steps of all sequences as one batch; the tokens and
     each step's final hidden states."""
     if not use_plan:
         model.__dict__["_decode_plan"] = False  # what decode_plan() caches for "does not apply"
-    cache = ModelCache(model.cache_spec(), max(max(t) for t in tables) + 1, PAGE, 1, dtype=dtype)
+    cache = ModelCache(model.cache_spec(), max(max(t) for t in tables) + 1, PAGE, 1, dtype=dtype, kv_dtype=kv_dtype)
     lens = [0] * len(prompts)
     with torch.no_grad():
         batch = ForwardBatch.build(prompts, lens, tables, PAGE)
@@ -333,11 +333,102 @@ def test_plain_c_build_computes_what_the_vector_build_computes():
 
     q, k_cache, v_cache, batch = bf16_problem([300], [list(range(19))], 16, 9, 3, 64)
     want = cpu_native.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, 16, 0.125)
-    out = torch.empty(1, 9, 64)
-    table, lens, qf = batch.page_table.contiguous(), batch.seq_lens.to(torch.int32), q.float().contiguous()
-    assert plain.ninfer_decode_attention(1, 9, 3, 64, qf.data_ptr(), 0.125, k_cache.data_ptr(), v_cache.data_ptr(),
-                                         table.data_ptr(), table.stride(0), lens.data_ptr(), 16, out.data_ptr(), 2) == 0
+    out = cpu_native.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, 16, 0.125, lib=plain)
     torch.testing.assert_close(out, want, **attention_tolerance(64))
+    for storage in (torch.int8, NVFP4_ROW):  # the plain loops quantize and expand KV rows alike, bit for bit
+        rows = kv_rows_problem(64, 40)
+        values, scales = cpu_native.quantize_kv_rows(rows, storage, lib=plain)
+        assert torch.equal(values.view(torch.uint8), cpu_native.quantize_kv_rows(rows, storage)[0].view(torch.uint8))
+        assert torch.equal(cpu_native.dequantize_kv_rows(values, scales, 64, lib=plain),
+                           cpu_native.dequantize_kv_rows(values, scales, 64))
+
+
+def kv_rows_problem(d: int, n: int) -> torch.Tensor:
+    """[n, d] bf16 rows of K/V-like values: several magnitudes, an all-zero row, a row of one value, rows with values
+    at E2M1 / int8 rounding ties, tiny rows (E4M3 subnormal block scales)."""
+    gen = torch.Generator().manual_seed(d + n)
+    rows = torch.randn(n, d, generator=gen) * torch.logspace(-3, 2, n)[:, None]
+    rows[0] = 0.0
+    rows[1] = 0.75
+    rows[2, : d // 2] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * (d // 16))
+    rows[2, d // 2:] = -rows[2, : d // 2]
+    rows[3] = torch.arange(d) - d / 2  # int8 ties: k * amax / 127 for integers k
+    rows[4, 0] = 100.0  # one large value: every other block's scale far below it
+    rows[4, 1:] = rows[4, 1:] * 1e-4
+    return rows.to(torch.bfloat16)
+
+
+@needs_native
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("storage", [torch.int8, NVFP4_ROW], ids=["int8", "nvfp4"])
+def test_native_kv_write_is_the_torch_quantization(storage, d):
+    """A decode step's KV write in C stores the bytes and scales attention.quantize_kv stores for the same bf16
+    values, and its expansion for attention is dequantize_kv in bf16, bit for bit."""
+    rows = kv_rows_problem(d, 64)
+    want_values, want_scales = attention.quantize_kv(rows, storage)
+    values, scales = cpu_native.quantize_kv_rows(rows, storage)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(cpu_native.dequantize_kv_rows(values, scales, d),
+                       attention.dequantize_kv(values, scales, torch.bfloat16))
+
+
+def quantized_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_dtype: str):
+    """bf16 caches [S, Hkv, D] quantized as a kv_dtype cache stores them: (k, v, k_scale, v_scale)."""
+    k_storage, v_storage = KV_STORAGE[kv_dtype]
+    (k, ks), (v, vs) = attention.quantize_kv(k_cache, k_storage), attention.quantize_kv(v_cache, v_storage)
+    return k, v, ks, vs
+
+
+@needs_native
+@pytest.mark.parametrize("kv_dtype", ["int8", "nvfp4", "k8v4"])
+@pytest.mark.parametrize("hq,hkv,d,context", [(9, 3, 64, 1), (9, 3, 64, 300), (8, 2, 128, 129), (6, 2, 48, 40)])
+def test_native_attention_over_quantized_kv_is_attention_over_its_values(kv_dtype, hq, hkv, d, context):
+    """Over int8 / NVFP4 rows the C attention computes exactly what it computes over a bf16 cache holding the rows'
+    dequantized values (vector path at head_dim 64 / 128, the plain C path at 48), pages in several runs."""
+    pages = -(-context // 16)
+    q, k_cache, v_cache, batch = bf16_problem([context], [[p + p // 3 for p in range(pages)]], 16, hq, hkv, d)
+    k, v, ks, vs = quantized_caches(k_cache, v_cache, kv_dtype)
+    as_bf16 = [attention.dequantize_kv(x, s, torch.bfloat16) for x, s in ((k, ks), (v, vs))]
+    want = cpu_native.decode_attention(q, *as_bf16, batch.page_table, batch.seq_lens, 16, d ** -0.5)
+    got = cpu_native.decode_attention(q, k, v, batch.page_table, batch.seq_lens, 16, d ** -0.5, ks, vs)
+    assert torch.equal(got, want)
+
+
+@needs_native
+def test_native_attention_over_quantized_kv_batch_of_several_sequences():
+    contexts = [9, 700, 130]
+    tables = [[0], list(range(10, 10 + 44)), [300, 302, 303, 305, 307, 309, 311, 313, 315]]
+    q, k_cache, v_cache, batch = bf16_problem(contexts, tables, 16, 9, 3, 64)
+    k, v, ks, vs = quantized_caches(k_cache, v_cache, "k8v4")
+    as_bf16 = [attention.dequantize_kv(x, s, torch.bfloat16) for x, s in ((k, ks), (v, vs))]
+    want = cpu_native.decode_attention(q, *as_bf16, batch.page_table, batch.seq_lens, 16, 0.125)
+    assert torch.equal(cpu_native.decode_attention(q, k, v, batch.page_table, batch.seq_lens, 16, 0.125, ks, vs), want)
+
+
+@needs_native
+@pytest.mark.parametrize("kv_dtype", ["int8", "nvfp4", "k8v4"])
+def test_native_decode_step_with_quantized_kv_tracks_the_module_path(kv_dtype, monkeypatch):
+    """With a quantized cache the C step runs (it writes the rows quantize_kv writes), and its greedy tokens and
+    hidden states follow the module path's over the same kind of cache (head_dim 16: NVFP4 needs a multiple of 16);
+    an fp8 cache keeps to the module path."""
+    model = tiny_model("int8", head_dim=16)
+    calls, real_run = [], NativeLlamaDecode.run
+    monkeypatch.setattr(NativeLlamaDecode, "run", lambda self, *a: calls.append(1) or real_run(self, *a))
+    prompts = [[(5 * i + 1) % 97 for i in range(30)], [(3 * i + 2) % 97 for i in range(9)]]
+    tables = [list(range(0, 11)), [40, 41, 43, 44]]
+    # 5 steps: at the sixth the second sequence's two best logits lie within 0.03 (a tie either path may break)
+    got_tokens, got = greedy(model, prompts, tables, 5, True, torch.bfloat16, kv_dtype)
+    assert len(calls) == 5
+    want_tokens, want = greedy(model, prompts, tables, 5, False, torch.bfloat16, kv_dtype)
+    assert got_tokens == want_tokens
+    # the two paths' k and v differ in the last bits (fp32 inside C, bf16 after every torch op), so a few elements
+    # round to neighbouring 4-bit codes (a step is up to a third of a block's amax): bound the mean and the worst
+    for g, w in zip(got, want):
+        assert (g - w).abs().mean() < 0.05 and (g - w).abs().max() < 0.5, ((g - w).abs().mean(), (g - w).abs().max())
+    calls.clear()
+    greedy(model, prompts, tables, 2, True, torch.bfloat16, "fp8")
+    assert not calls
 
 
 @needs_native

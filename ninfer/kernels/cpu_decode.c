@@ -15,10 +15,19 @@ Attention: a job is (sequence, KV head, chunk of CHUNK context tokens); it score
 head's query heads, takes its softmax partials (max, sum, weighted V) and the partials merge by
 log-sum-exp. The context is read through the page table, in place.
 
+Quantized KV (`--kv-dtype int8 | nvfp4 | k8v4`, layouts in ninfer/forward.py): a step writes each new token's
+K and V rows quantized exactly as `ninfer.kernels.attention.quantize_kv` does (the same fp32 operations, so
+the same bytes from the same bf16 values), and a job first expands its chunk's rows into a per-thread bf16
+scratch (each value as `dequantize_kv` gives it in bf16), then runs the bf16 passes over that scratch. At
+long contexts attention is the step's larger stream of memory; 1-byte K and 4.5-bit V read 42 % of bf16's
+bytes at head_dim 64 (issue 23's decay).
+
 Built and loaded by ninfer/kernels/cpu_native.py (gcc -O3 -march=native -fopenmp). All pointers are to
 contiguous tensors owned by Python; bf16 values are uint16 bit patterns. */
 
+#include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,14 +57,32 @@ typedef struct {
     qlinear qkv, o, gate_up, down;
 } layer_t;
 
+/* KV storage of a cache tensor, per (slot, KV head) row: d bf16 values; d int8 values; or an NVFP4 row, d/2
+   bytes of E2M1 codes (element 2j in the low nibble) then d/16 E4M3 block scales. Quantized rows have an fp32
+   scale each. */
+enum { KV_BF16 = 0, KV_INT8 = 1, KV_NVFP4 = 2 };
+
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, threads;
     float eps, attn_scale;
     const layer_t *layer;
     const uint16_t *final_norm;
-    uint16_t *k_cache, *v_cache; /* [layers, slots, kv_heads, head_dim] bf16 */
-    int64_t layer_stride;        /* elements between two layers of a cache */
+    uint8_t *k_cache, *v_cache;   /* [layers, slots, kv_heads, row] */
+    float *k_scale, *v_scale;     /* [layers, slots, kv_heads]: quantized kinds only */
+    int64_t k_kind, v_kind;       /* KV_* */
+    int64_t k_layer_bytes, v_layer_bytes, scale_layer_stride; /* between two layers (scales: elements) */
 } model_t;
+
+/* one layer of one cache tensor, as attention reads it */
+typedef struct {
+    const uint8_t *rows;
+    const float *scale;
+    int64_t kind;
+} kv_layer;
+
+static inline int64_t kv_row_bytes(int64_t kind, int64_t d) {
+    return kind == KV_BF16 ? 2 * d : kind == KV_INT8 ? d : d / 2 + d / 16;
+}
 
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -154,6 +181,119 @@ static inline float exp_nonpos(float x) {
     float scale;
     memcpy(&scale, &bits, 4);
     return p * scale;
+}
+
+/* ---- quantized KV rows -------------------------------------------------------------------------------- */
+
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* an E4M3 (float8_e4m3fn) byte's value; every byte a quantized row holds is finite and non-negative */
+static inline float e4m3_value(uint8_t c) {
+    uint32_t e = (c >> 3) & 15, m = c & 7, bits = ((e + 120) << 23) | (m << 20); /* normal: fp32 fields */
+    float v;
+    memcpy(&v, &bits, 4);
+    v = e ? v : (float)m * 0x1p-9f; /* subnormal: m 2^-9 */
+    return c & 0x80 ? -v : v;
+}
+
+/* 0 <= x <= 448 rounded to the nearest E4M3 byte, ties to even (torch's fp32 -> float8_e4m3fn) */
+static uint8_t e4m3_rne(float x) {
+    if (x < 0x1p-6f) return (uint8_t)nearbyintf(x * 512.0f); /* subnormals: steps of 2^-9 (8: the first normal) */
+    int e;
+    float m = frexpf(x, &e);              /* x = m 2^e, m in [0.5, 1) */
+    int q = (int)nearbyintf(m * 16.0f - 8.0f); /* 3 mantissa bits, exact operands */
+    if (q == 8) q = 0, e++;
+    return (uint8_t)(((e - 1 + 7) << 3) | q);
+}
+
+/* the E2M1 code nearest v (a value over its block scale): ties to the even code, saturating at 6, no -0
+   (ninfer.quant.nvfp4._e2m1_codes) */
+static inline uint8_t e2m1_code(float v) {
+    float a = fabsf(v);
+    uint8_t c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+    return v < 0.0f && c ? c | 8 : c;
+}
+
+/* x (d values, bf16 already) -> one quantized row at dst and its scale: the fp32 operations of
+   ninfer.kernels.attention.quantize_kv, in its order */
+static void quantize_kv_row(const float *x, int64_t d, int64_t kind, uint8_t *dst, float *scale) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
+    float s = amax * (kind == KV_INT8 ? (float)(1.0 / 127.0) : (float)(1.0 / 2688.0));
+    s = s < FLT_MIN ? FLT_MIN : s;
+    float r = 1.0f / s;
+    *scale = s;
+    if (kind == KV_INT8) {
+        for (int64_t i = 0; i < d; i++) {
+            volatile float y = x[i] * r; /* rounded before the half is added: no fused multiply-add */
+            float v = fminf(fmaxf(y, -127.0f), 127.0f);
+            ((int8_t *)dst)[i] = (int8_t)truncf(v >= 0.0f ? v + 0.5f : v - 0.5f);
+        }
+        return;
+    }
+    float u[MAX_DIM];
+    for (int64_t i = 0; i < d; i++) u[i] = x[i] * r;
+    for (int64_t j = 0; j < d / 16; j++) {
+        const float *blk = u + 16 * j;
+        float bm = 0.0f;
+        for (int i = 0; i < 16; i++) bm = fmaxf(bm, fabsf(blk[i]));
+        uint8_t code = e4m3_rne(fminf(bm / 6.0f, 448.0f));
+        float b = e4m3_value(code);
+        dst[d / 2 + j] = code;
+        for (int i = 0; i < 16; i += 2) {
+            uint8_t lo = b > 0.0f ? e2m1_code(blk[i] / b) : 0, hi = b > 0.0f ? e2m1_code(blk[i + 1] / b) : 0;
+            dst[8 * j + i / 2] = (uint8_t)(lo | (hi << 4));
+        }
+    }
+}
+
+/* one quantized row (scale s) -> d bf16 values, each as dequantize_kv gives it in bf16: int8 value * s;
+   NVFP4: e2m1 * block scale (exact) * s; rounded once */
+static void dequantize_kv_row(const uint8_t *src, float s, int64_t d, int64_t kind, uint16_t *out) {
+    int64_t i = 0;
+    if (kind == KV_INT8) {
+#ifdef NINFER_BF16
+        const __m512 sv = _mm512_set1_ps(s);
+        for (; i + 16 <= d; i += 16) {
+            __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + i))));
+            _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(f, sv)));
+        }
+#endif
+        for (; i < d; i++) out[i] = f32_to_bf16((float)((const int8_t *)src)[i] * s);
+        return;
+    }
+    const uint8_t *scales = src + d / 2;
+#ifdef NINFER_BF16
+    const __m512 table = _mm512_loadu_ps(E2M1), sv = _mm512_set1_ps(s);
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    for (; i + 16 <= d; i += 16) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(src + i / 2));
+        __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, nibble), _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+        __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table);
+        v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(e4m3_value(scales[i / 16]))), sv);
+        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+#endif
+    for (; i < d; i++) {
+        uint8_t c = (src[i / 2] >> (4 * (i & 1))) & 15;
+        out[i] = f32_to_bf16(E2M1[c] * e4m3_value(scales[i / 16]) * s);
+    }
+}
+
+/* rows [n, d] (bf16 values as fp32) quantized into n rows of `kind` and their scales (tests) */
+int ninfer_quantize_kv(const float *x, int64_t n, int64_t d, int64_t kind, uint8_t *dst, float *scales) {
+    if (kind != KV_INT8 && kind != KV_NVFP4) return -1;
+    if (d > MAX_DIM || (kind == KV_NVFP4 && d % 16)) return -1;
+    for (int64_t r = 0; r < n; r++) quantize_kv_row(x + r * d, d, kind, dst + r * kv_row_bytes(kind, d), scales + r);
+    return 0;
+}
+
+/* n quantized rows -> [n, d] bf16 (tests) */
+int ninfer_dequantize_kv(const uint8_t *src, const float *scales, int64_t n, int64_t d, int64_t kind, uint16_t *out) {
+    if (kind != KV_INT8 && kind != KV_NVFP4) return -1;
+    for (int64_t r = 0; r < n; r++) dequantize_kv_row(src + r * kv_row_bytes(kind, d), scales[r], d, kind, out + r * d);
+    return 0;
 }
 
 /* ---- attention ------------------------------------------------------------------------------------------ */
@@ -314,19 +454,43 @@ static void touch_rows(const uint16_t *kc, const uint16_t *vc, const int64_t *ro
 /* Softmax partials of one job (a chunk of one sequence's context, all heads): for each query head m (max
    score), l (sum of exp), acc (sum of exp * v, d values) at part + head * (d + 2). q: [hq, d] fp32,
    scores times `scale`; query head h reads KV head h / (hq / hkv). */
-static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, int64_t d, const uint16_t *kc, const uint16_t *vc,
-                         const int32_t *pages, int64_t page_size, int64_t start, int64_t end, float *part) {
+static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, int64_t d, const kv_layer *kl,
+                         const kv_layer *vl, const int32_t *pages, int64_t page_size, int64_t start, int64_t end,
+                         float *part, uint16_t *scratch) {
     float scores[MAX_HEADS * CHUNK] __attribute__((aligned(64)));
-    int64_t rows[CHUNK]; /* element offset of each token's slot in the caches */
+    int64_t rows[CHUNK]; /* element offset of each token's K and V rows in kc / vc */
     int64_t len = end - start, g = hq / hkv;
+    const uint16_t *kc = (const uint16_t *)kl->rows, *vc = (const uint16_t *)vl->rows;
+    int quantized = kl->kind != KV_BF16 || vl->kind != KV_BF16;
+    int64_t page = start / page_size, offset = start % page_size; /* walked, not divided, per token */
     for (int64_t t = 0; t < len; t++) {
-        int64_t pos = start + t;
-        rows[t] = ((int64_t)pages[pos / page_size] * page_size + pos % page_size) * hkv * d;
+        rows[t] = ((int64_t)pages[page] * page_size + offset) * hkv * d;
+        if (++offset == page_size) offset = 0, page++;
+    }
+    if (quantized) { /* the chunk's rows expanded to bf16 in the thread's scratch, [len, hkv, d] each */
+        uint16_t *ks = scratch, *vs = scratch + CHUNK * hkv * d;
+        const kv_layer *src[2] = {kl, vl};
+        uint16_t *dst[2] = {ks, vs};
+        for (int64_t t = 0; t < len; t++) {
+            int64_t slot_head = rows[t] / d; /* (slot, first KV head) */
+            for (int c = 0; c < 2; c++) {
+                if (src[c]->kind == KV_BF16) {
+                    memcpy(dst[c] + t * hkv * d, (const uint16_t *)src[c]->rows + rows[t], (size_t)(hkv * d) * 2);
+                    continue;
+                }
+                int64_t rb = kv_row_bytes(src[c]->kind, d);
+                for (int64_t h = 0; h < hkv; h++)
+                    dequantize_kv_row(src[c]->rows + (slot_head + h) * rb, src[c]->scale[slot_head + h], d,
+                                      src[c]->kind, dst[c] + (t * hkv + h) * d);
+            }
+            rows[t] = t * hkv * d;
+        }
+        kc = ks, vc = vs;
     }
 #ifdef NINFER_BF16
     if (d % 32 == 0 && d <= 128 && hq <= VEC_HEADS) {
         uint16_t pb[VEC_HEADS * (CHUNK + 2)] __attribute__((aligned(64))); /* exp'd scores in bf16 */
-        touch_rows(kc, vc, rows, len, hkv * d);
+        if (!quantized) touch_rows(kc, vc, rows, len, hkv * d);
         for (int64_t kvh = 0; kvh < hkv; kvh++) { /* one KV head's query heads a pass: their sums in registers */
             const float *qg = q + kvh * g * d;
             float *sg = scores + kvh * g * CHUNK, *pg = part + kvh * g * (d + 2);
@@ -420,12 +584,21 @@ static void plan_jobs(int64_t b, const int32_t *seq_lens, attn_job *jobs, int64_
 typedef struct {
     int64_t b, hq, hkv, d, page_size, pt_stride, q_stride;
     float scale;
-    const uint16_t *kc, *vc;
+    kv_layer k, v;
     const int32_t *page_table;
     const attn_job *jobs;
     const int64_t *first;
-    float *part; /* [jobs, hq, d + 2] */
+    float *part;       /* [jobs, hq, d + 2] */
+    uint16_t *scratch; /* quantized KV: SCRATCH(hkv, d) bf16 values a thread */
 } attn_t;
+
+#define SCRATCH(hkv, d) (2 * CHUNK * (hkv) * (d))
+
+/* a step's attention scratch for `threads` threads (NULL: none needed, or no memory: check `needed`) */
+static uint16_t *alloc_scratch(int64_t k_kind, int64_t v_kind, int64_t hkv, int64_t d, int64_t threads, int *needed) {
+    *needed = k_kind != KV_BF16 || v_kind != KV_BF16;
+    return *needed ? malloc((size_t)(threads * SCRATCH(hkv, d)) * sizeof(uint16_t)) : NULL;
+}
 
 /* out [b, hq, d] = decode attention of q ([b] rows q_stride apart, [hq, d] each); called by
    every thread of a parallel region (two orphaned `omp for`: chunks, then merges) */
@@ -434,8 +607,9 @@ static void attention(const attn_t *a, const float *q, float *out) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t j = 0; j < a->first[a->b]; j++) {
         const attn_job *job = a->jobs + j;
-        attend_chunk(q + job->seq * a->q_stride, a->scale, a->hq, a->hkv, a->d, a->kc, a->vc,
-                     a->page_table + job->seq * a->pt_stride, a->page_size, job->start, job->end, a->part + j * per_job);
+        attend_chunk(q + job->seq * a->q_stride, a->scale, a->hq, a->hkv, a->d, &a->k, &a->v,
+                     a->page_table + job->seq * a->pt_stride, a->page_size, job->start, job->end, a->part + j * per_job,
+                     a->scratch ? a->scratch + omp_get_thread_num() * SCRATCH(a->hkv, a->d) : NULL);
     }
 #pragma omp for schedule(static)
     for (int64_t rh = 0; rh < a->b * a->hq; rh++) {
@@ -447,6 +621,21 @@ static void attention(const attn_t *a, const float *q, float *out) {
 
 /* ---- the step --------------------------------------------------------------------------------------------- */
 
+/* one new token's hkv rows (fp32) into a layer of a cache at `slot`: bf16, or quantized from the bf16 values */
+static void write_kv(const float *x, uint8_t *cache, float *scales, int64_t kind, int64_t slot, int64_t hkv, int64_t d) {
+    if (kind == KV_BF16) {
+        uint16_t *dst = (uint16_t *)cache + slot * hkv * d;
+        for (int64_t i = 0; i < hkv * d; i++) dst[i] = f32_to_bf16(x[i]);
+        return;
+    }
+    float xb[MAX_DIM];
+    int64_t rb = kv_row_bytes(kind, d);
+    for (int64_t hh = 0; hh < hkv; hh++) {
+        for (int64_t i = 0; i < d; i++) xb[i] = bf16_to_f32(f32_to_bf16(x[hh * d + i]));
+        quantize_kv_row(xb, d, kind, cache + (slot * hkv + hh) * rb, scales + slot * hkv + hh);
+    }
+}
+
 /* Returns 0, -1 when a shape is outside what the kernel supports (the caller keeps to torch), -2 without
    memory. */
 int ninfer_llama_decode(const model_t *md, int64_t b, const uint16_t *x_in, const float *cos, const float *sin,
@@ -455,6 +644,7 @@ int ninfer_llama_decode(const model_t *md, int64_t b, const uint16_t *x_in, cons
     int64_t h = md->hidden, hq = md->heads, hkv = md->kv_heads, d = md->head_dim, inter = md->inter;
     int64_t nqkv = (hq + 2 * hkv) * d;
     if (hq > MAX_HEADS || d > MAX_DIM || hq % hkv || d % 2) return -1;
+    if ((md->k_kind == KV_NVFP4 || md->v_kind == KV_NVFP4) && d % 16) return -1;
     int64_t kmax = h > inter ? h : inter;
     kmax = kmax > hq * d ? kmax : hq * d;
     int64_t njobs = count_jobs(b, seq_lens);
@@ -463,21 +653,26 @@ int ninfer_llama_decode(const model_t *md, int64_t b, const uint16_t *x_in, cons
     int16_t *xq = malloc((size_t)(b * pad32(kmax)) * sizeof(int16_t));
     attn_job *jobs = malloc((size_t)(njobs + 1) * sizeof(attn_job));
     int64_t *first = malloc((size_t)(b + 1) * sizeof(int64_t));
-    if (!mem || !xq || !jobs || !first) {
-        free(mem), free(xq), free(jobs), free(first);
+    int needed;
+    uint16_t *scratch = alloc_scratch(md->k_kind, md->v_kind, hkv, d, md->threads, &needed);
+    if (!mem || !xq || !jobs || !first || (needed && !scratch)) {
+        free(mem), free(xq), free(jobs), free(first), free(scratch);
         return -2;
     }
     float *resid = mem, *xn = resid + b * h, *tmp = xn + b * h, *qkv = tmp + b * h, *gu = qkv + b * nqkv;
     float *attn = gu + b * 2 * inter, *xs = attn + b * hq * d, *part = xs + b;
     plan_jobs(b, seq_lens, jobs, first);
-    attn_t at = {b, hq, hkv, d, page_size, pt_stride, nqkv, md->attn_scale, NULL, NULL, page_table, jobs, first, part};
+    attn_t at = {b, hq, hkv, d, page_size, pt_stride, nqkv, md->attn_scale, {NULL, NULL, md->k_kind},
+                 {NULL, NULL, md->v_kind}, page_table, jobs, first, part, scratch};
     for (int64_t i = 0; i < b * h; i++) resid[i] = bf16_to_f32(x_in[i]);
 
 #pragma omp parallel num_threads((int)md->threads) firstprivate(at)
     {
         for (int64_t l = 0; l < md->layers; l++) {
             const layer_t *L = md->layer + l;
-            uint16_t *kc = md->k_cache + l * md->layer_stride, *vc = md->v_cache + l * md->layer_stride;
+            uint8_t *kc = md->k_cache + l * md->k_layer_bytes, *vc = md->v_cache + l * md->v_layer_bytes;
+            float *ksc = md->k_scale ? md->k_scale + l * md->scale_layer_stride : NULL;
+            float *vsc = md->v_scale ? md->v_scale + l * md->scale_layer_stride : NULL;
 #pragma omp single
             {
                 for (int64_t r = 0; r < b; r++) rms_norm(resid + r * h, L->input_norm, h, md->eps, xn + r * h);
@@ -488,13 +683,10 @@ int ninfer_llama_decode(const model_t *md, int64_t b, const uint16_t *x_in, cons
             for (int64_t r = 0; r < b; r++) { /* RoPE on the q and k heads, k and v written */
                 float *row = qkv + r * nqkv;
                 for (int64_t hh = 0; hh < hq + hkv; hh++) rope(row + hh * d, cos + r * d, sin + r * d, d);
-                uint16_t *kd = kc + slots[r] * hkv * d, *vd = vc + slots[r] * hkv * d;
-                for (int64_t i = 0; i < hkv * d; i++) {
-                    kd[i] = f32_to_bf16(row[hq * d + i]);
-                    vd[i] = f32_to_bf16(row[(hq + hkv) * d + i]);
-                }
+                write_kv(row + hq * d, kc, ksc, md->k_kind, slots[r], hkv, d);
+                write_kv(row + (hq + hkv) * d, vc, vsc, md->v_kind, slots[r], hkv, d);
             }
-            at.kc = kc, at.vc = vc;
+            at.k.rows = kc, at.k.scale = ksc, at.v.rows = vc, at.v.scale = vsc;
             attention(&at, qkv, attn);
 #pragma omp single
             quantize_rows(attn, b, hq * d, pad32(hq * d), xq, xs);
@@ -523,7 +715,7 @@ int ninfer_llama_decode(const model_t *md, int64_t b, const uint16_t *x_in, cons
         rms_norm(resid + r * h, md->final_norm, h, md->eps, xn + r * h);
         for (int64_t i = 0; i < h; i++) out[r * h + i] = f32_to_bf16(xn[r * h + i]);
     }
-    free(mem), free(xq), free(jobs), free(first);
+    free(mem), free(xq), free(jobs), free(first), free(scratch);
     return 0;
 }
 
@@ -547,22 +739,27 @@ int ninfer_qlinear_bf16(const qlinear *L, int64_t m, const uint16_t *x, float *y
 }
 
 /* One layer's decode attention alone (tests, benchmarks): q [b, hq, d] fp32, out the same. */
-int ninfer_decode_attention(int64_t b, int64_t hq, int64_t hkv, int64_t d, const float *q, float scale, const uint16_t *kc,
-                            const uint16_t *vc, const int32_t *page_table, int64_t pt_stride,
-                            const int32_t *seq_lens, int64_t page_size, float *out, int64_t threads) {
+int ninfer_decode_attention(int64_t b, int64_t hq, int64_t hkv, int64_t d, const float *q, float scale, const uint8_t *kc,
+                            const uint8_t *vc, const float *k_scale, const float *v_scale, int64_t k_kind, int64_t v_kind,
+                            const int32_t *page_table, int64_t pt_stride, const int32_t *seq_lens, int64_t page_size,
+                            float *out, int64_t threads) {
     if (hq > MAX_HEADS || d > MAX_DIM || hq % hkv) return -1;
+    if ((k_kind == KV_NVFP4 || v_kind == KV_NVFP4) && d % 16) return -1;
     int64_t njobs = count_jobs(b, seq_lens);
     attn_job *jobs = malloc((size_t)(njobs + 1) * sizeof(attn_job));
     int64_t *first = malloc((size_t)(b + 1) * sizeof(int64_t));
     float *part = malloc((size_t)(njobs * hq * (d + 2) + 1) * sizeof(float));
-    if (!jobs || !first || !part) {
-        free(jobs), free(first), free(part);
+    int needed;
+    uint16_t *scratch = alloc_scratch(k_kind, v_kind, hkv, d, threads, &needed);
+    if (!jobs || !first || !part || (needed && !scratch)) {
+        free(jobs), free(first), free(part), free(scratch);
         return -2;
     }
     plan_jobs(b, seq_lens, jobs, first);
-    attn_t at = {b, hq, hkv, d, page_size, pt_stride, hq * d, scale, kc, vc, page_table, jobs, first, part};
+    attn_t at = {b, hq, hkv, d, page_size, pt_stride, hq * d, scale, {kc, k_scale, k_kind}, {vc, v_scale, v_kind},
+                 page_table, jobs, first, part, scratch};
 #pragma omp parallel num_threads((int)threads)
     attention(&at, q, out);
-    free(jobs), free(first), free(part);
+    free(jobs), free(first), free(part), free(scratch);
     return 0;
 }

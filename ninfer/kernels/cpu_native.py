@@ -45,7 +45,23 @@ class Model(ctypes.Structure):
                 ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "threads")] + [
         ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("layer", ctypes.POINTER(Layer)),
         ("final_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-        ("layer_stride", ctypes.c_int64)]
+        ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("k_kind", "v_kind", "k_layer_bytes", "v_layer_bytes", "scale_layer_stride")]
+
+
+# KV storage the C step reads (cpu_decode.c's KV_*): bf16, int8 rows, NVFP4 rows (ninfer.forward); fp8 caches
+# keep to the torch path
+KV_KINDS = {torch.bfloat16: 0, torch.int8: 1, torch.uint8: 2}
+
+
+def kv_kind(cache: torch.Tensor, scale: torch.Tensor | None) -> int | None:
+    """The C kind of a cache tensor (with its scales where quantized), or None where the C step does not read it."""
+    kind = KV_KINDS.get(cache.dtype)
+    if kind is None or (kind > 0) != (scale is not None) or not cache.is_contiguous():
+        return None
+    if scale is not None and not (scale.dtype == torch.float32 and scale.is_contiguous()):
+        return None
+    return kind
 
 
 def _cache_dir() -> Path:
@@ -94,8 +110,13 @@ def load(path: Path) -> ctypes.CDLL:
     lib.ninfer_llama_decode.restype = ctypes.c_int
     lib.ninfer_qlinear_bf16.argtypes = [ctypes.POINTER(QLinear), i64, ptr, ptr, i64]
     lib.ninfer_qlinear_bf16.restype = ctypes.c_int
-    lib.ninfer_decode_attention.argtypes = [i64, i64, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr, i64, ptr, i64, ptr, i64]
+    lib.ninfer_decode_attention.argtypes = [i64, i64, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr, ptr, i64, i64,
+                                            ptr, i64, ptr, i64, ptr, i64]
     lib.ninfer_decode_attention.restype = ctypes.c_int
+    for name in ("ninfer_quantize_kv", "ninfer_dequantize_kv"):
+        getattr(lib, name).argtypes = [ptr, ptr, i64, i64, i64, ptr] if name == "ninfer_dequantize_kv" else \
+            [ptr, i64, i64, i64, ptr, ptr]
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -165,13 +186,14 @@ class NativeLlamaDecode:
             layers[i] = Layer(_ptr(lp.input_norm), _ptr(lp.post_norm), *(_qlinear(m) for m in group))
         hidden = plan.final_norm.numel()
         struct = Model(len(plan.layers), hidden, plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate, 1,
-                       plan.eps, plan.scale, layers, _ptr(plan.final_norm), None, None, 0)
+                       plan.eps, plan.scale, layers, _ptr(plan.final_norm))
         keep = norms + [t for group in mods for m in group for t in (m.weight_int8, m.scale)]
         return cls(lib, struct, layers, keep, hidden)
 
-    @staticmethod
-    def takes(cache) -> bool:
-        return cache.k.dtype == torch.bfloat16 and cache.k.is_contiguous() and cache.v.is_contiguous()
+    def takes(self, cache) -> bool:
+        """Whether the C step reads and writes this cache: bf16, int8 or NVFP4 K and V (fp8 keeps to torch)."""
+        kinds = kv_kind(cache.k, cache.k_scale), kv_kind(cache.v, cache.v_scale)
+        return None not in kinds and (2 not in kinds or self.struct.head_dim % 16 == 0)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache) -> torch.Tensor:
         """x: [B, H] bf16 embeddings; cos/sin [B, head_dim] fp32. Returns the final-normed hidden states, bf16."""
@@ -180,7 +202,12 @@ class NativeLlamaDecode:
         b = x.shape[0]
         s = self.struct
         s.k_cache, s.v_cache = _ptr(cache.k), _ptr(cache.v)
-        s.layer_stride = cache.k.stride(0)
+        s.k_kind, s.v_kind = kv_kind(cache.k, cache.k_scale), kv_kind(cache.v, cache.v_scale)
+        s.k_layer_bytes = cache.k.stride(0) * cache.k.element_size()
+        s.v_layer_bytes = cache.v.stride(0) * cache.v.element_size()
+        quantized = cache.k_scale is not None
+        s.k_scale, s.v_scale = (_ptr(cache.k_scale), _ptr(cache.v_scale)) if quantized else (None, None)
+        s.scale_layer_stride = cache.k_scale.stride(0) if quantized else 0
         slots = batch.slot_mapping.contiguous()
         table = batch.page_table.to(torch.int32).contiguous()
         lens = batch.seq_lens.to(torch.int32).contiguous()
@@ -208,16 +235,44 @@ def qlinear_logits(module, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                     seq_lens: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
-    """The C attention alone (tests, benchmarks): q [B, Hq, D]; bf16 caches [S, Hkv, D]; fp32 out."""
-    lib = library()
+                     seq_lens: torch.Tensor, page_size: int, scale: float, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The C attention alone (tests, benchmarks): q [B, Hq, D]; caches [S, Hkv, row] of one layer (bf16, or int8 /
+    NVFP4 rows with their fp32 scales [S, Hkv]); fp32 out. lib: another build of the library (tests)."""
+    lib = lib or library()
     assert lib is not None
     q = q.float().contiguous()
     table, lens = page_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    kinds = kv_kind(k_cache, k_scale), kv_kind(v_cache, v_scale)
+    assert None not in kinds, (k_cache.dtype, v_cache.dtype)
     out = torch.empty_like(q)
     b, hq, d = q.shape
-    rc = lib.ninfer_decode_attention(b, hq, k_cache.shape[1], d, _ptr(q), scale, _ptr(k_cache), _ptr(v_cache), _ptr(table),
-                                     table.stride(0), _ptr(lens), page_size, _ptr(out), _threads())
+    rc = lib.ninfer_decode_attention(b, hq, k_cache.shape[1], d, _ptr(q), scale, _ptr(k_cache), _ptr(v_cache),
+                                     None if k_scale is None else _ptr(k_scale), None if v_scale is None else _ptr(v_scale),
+                                     *kinds, _ptr(table), table.stride(0), _ptr(lens), page_size, _ptr(out), _threads())
     assert rc == 0, rc
+    return out
+
+
+def quantize_kv_rows(x: torch.Tensor, storage: torch.dtype, lib: ctypes.CDLL | None = None):
+    """The C step's KV write alone (tests): x [N, D] (bf16 values) -> (rows [N, row] in `storage`, fp32 scales [N]),
+    what ninfer.kernels.attention.quantize_kv gives."""
+    from ninfer.forward import kv_row_width
+
+    lib = lib or library()
+    x = x.float().contiguous()
+    n, d = x.shape
+    rows = torch.empty(n, kv_row_width(storage, d), dtype=storage)
+    scales = torch.empty(n, dtype=torch.float32)
+    assert lib.ninfer_quantize_kv(_ptr(x), n, d, KV_KINDS[storage], _ptr(rows), _ptr(scales)) == 0
+    return rows, scales
+
+
+def dequantize_kv_rows(rows: torch.Tensor, scales: torch.Tensor, d: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The C attention's expansion of quantized rows to bf16 alone (tests)."""
+    lib = lib or library()
+    rows, scales = rows.contiguous(), scales.float().contiguous()
+    out = torch.empty(rows.shape[0], d, dtype=torch.bfloat16)
+    assert lib.ninfer_dequantize_kv(_ptr(rows), _ptr(scales), rows.shape[0], d, KV_KINDS[rows.dtype], _ptr(out)) == 0
     return out

@@ -173,9 +173,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             x = self.embed_tokens(batch.input_ids)
         positions = batch.positions if batch.positions.dim() == 1 else batch.positions[0]
-        if cache.k_scale is None and cpu_decode_batch(batch, x):
+        if cpu_decode_batch(batch, x):
             plan = self.decode_plan()
-            if plan is not None:
+            if plan is not None and plan.takes(cache):
                 return plan.run(x, positions, self.rotary, batch, cache)
         cos, sin = self.rotary.cos_sin(positions, dtype)  # once per step, shared by all layers
         residual = None

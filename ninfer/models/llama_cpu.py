@@ -11,7 +11,7 @@ RoPE on q and k runs as one pass over their adjacent columns of the merged proje
 mean-square through `F.rms_norm` (bitwise the reference's), and KV is written by slot without the padding
 check (a decode batch has none). tests/test_llama_cpu.py checks the two paths against each other.
 
-With int8 weights (`--dtype int8`) and a bf16 cache the whole step instead runs in C
+With int8 weights (`--dtype int8`) and a bf16, int8, nvfp4 or k8v4 cache the whole step instead runs in C
 (ninfer.kernels.cpu_native: one call a step, fp32 arithmetic inside), where a C compiler is present:
 ~6 ms a step at a 128-token context on 2 cores against ~23 for this loop.
 """
@@ -115,6 +115,11 @@ class DecodePlan:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # fused.rms_norm_ref (Llama form): w * (x_hat in fp32).to(x's dtype)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+    def takes(self, cache: ModelCache) -> bool:
+        """Whether this loop runs a decode step on `cache`: an unquantized one, or any the C step reads (int8 and NVFP4
+        KV; the torch loop below writes unquantized K/V only)."""
+        return cache.k_scale is None or (self.native is not None and self.native.takes(cache))
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, rotary, batch: ForwardBatch,
             cache: ModelCache) -> torch.Tensor:
