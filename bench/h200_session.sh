@@ -13,7 +13,8 @@
 # sweep_mma_staging (it with cp.async staging / L2 prefetch), verify_mma (verify vs plain, decode on tensor cores),
 # e2e_mma (MTP3 end to end at C=1, the speculative table and the plain one), verify27, gc27 (bench/gc_pause.py),
 # pytest_spec (the speculative CUDA tests), mtp_s22 (s21: MTP graphs at start-up, the NVFP4 head, C=8 adaptive),
-# probe_profile (where the adaptive engine's probe steps go at C=8), timeline_c1 (GPU idle per MTP round at C=1), spec_c8
+# probe_profile (where the adaptive engine's probe steps go at C=8), timeline_c1 (GPU idle per MTP round at C=1), pieces_spec (MTP rounds
+# with piecewise graphs), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
 # sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
@@ -139,6 +140,13 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       # idles per round, by engine phase and host op (bench/gpu_timeline.py; host times profiler-inflated)
       timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
         --draft-head 32768 --concurrency 1 --acceptance 3.5 --max-tokens 128 --timeline > $out/timeline_c1.log 2>&1 ;;
+    pieces_spec)  # MTP3 at C=1 (NVFP4 head, k=3 every round) with decode and verify graphs whole, then in pieces
+      # (NINFER_GRAPH_PIECES=1): whether launching a round's graphs piecewise hides their launch
+      for pieces in 0 1; do
+        NINFER_GRAPH_PIECES=$pieces timeout 170 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
+          --with-mtp --draft-head 32768 --nvfp4-mtp --concurrency 1 --acceptance 3.0 3.5 --max-tokens 128 \
+          > $out/e2e_c1_pieces$pieces.log 2>&1
+      done ;;
     pytest_spec)  # the speculative engine's CUDA tests: drafters keep greedy output (MTP graphs)
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_speculative.py \
         tests/test_mtp.py > $out/pytest_spec.log 2>&1 ;;
