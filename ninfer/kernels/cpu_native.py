@@ -160,8 +160,8 @@ def _threads(context: int = 0) -> int:
 
 
 class NativeLlamaDecode:
-    """A Llama model's decode step in C: int8 weight-only matmuls without bias, RMSNorm weights in bf16, a bf16
-    KV cache. Holds the tensors whose addresses the C structs carry (the plan is rebuilt whenever the model's
+    """A Llama model's decode step in C: int8 weight-only matmuls without bias, RMSNorm weights in bf16, a bf16,
+    int8, nvfp4 or k8v4 KV cache (`takes`). Holds the tensors whose addresses the C structs carry (the plan is rebuilt whenever the model's
     modules or tensors change: models.llama drops it)."""
 
     def __init__(self, lib: ctypes.CDLL, model_struct: Model, layers, keep: list[torch.Tensor], hidden: int):
