@@ -14,7 +14,7 @@
 # e2e_mma (MTP3 end to end at C=1, the speculative table and the plain one), verify27, gc27 (bench/gc_pause.py),
 # pytest_spec (the speculative CUDA tests), mtp_s22 (s21: MTP graphs at start-up, the NVFP4 head, C=8 adaptive),
 # probe_profile (where the adaptive engine's probe steps go at C=8), timeline_c1 (GPU idle per MTP round at C=1), pieces_spec (MTP rounds
-# with piecewise graphs), spec_c8
+# with piecewise graphs), draft_head_nvfp4 (the proposal head in NVFP4), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
 # sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
@@ -146,6 +146,12 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
         NINFER_GRAPH_PIECES=$pieces timeout 170 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
           --with-mtp --draft-head 32768 --nvfp4-mtp --concurrency 1 --acceptance 3.0 3.5 --max-tokens 128 \
           > $out/e2e_c1_pieces$pieces.log 2>&1
+      done ;;
+    draft_head_nvfp4)  # MTP3 at C=1 (NVFP4 head, k=3 every round): the proposal head's rows in bf16, then NVFP4
+      for extra in "" --nvfp4-draft-head; do
+        timeout 170 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp --draft-head 32768 \
+          --nvfp4-mtp $extra --concurrency 1 --acceptance 3.0 3.5 --max-tokens 128 \
+          > $out/e2e_c1${extra:+_nvfp4_draft_head}.log 2>&1
       done ;;
     pytest_spec)  # the speculative engine's CUDA tests: drafters keep greedy output (MTP graphs)
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_speculative.py \

@@ -190,6 +190,8 @@ def main() -> None:
     p.add_argument("--draft-head", type=int, default=0, metavar="N",
                    help="with --with-mtp: the MTP head scores its drafts on a proposal head of the first N "
                         "tokens' lm_head rows (--lm-head-draft), not the whole lm_head")
+    p.add_argument("--nvfp4-draft-head", action="store_true",
+                   help="score drafts on an NVFP4 copy of the proposal head (DraftHead.quantize_nvfp4_)")
     p.add_argument("--nvfp4-mtp", action="store_true",
                    help="with --with-mtp: the head's decoder-layer linears in NVFP4 (what drafting in 4-bit would save)")
     p.add_argument("--adaptive", action="store_true",
@@ -240,7 +242,10 @@ def main() -> None:
 
                 quantize_model_(head)
                 prepare_for_inference_(head)
-            return OracleAfterMTP(MTPProposer(head, draft_head(trunk, args.draft_head)), oracle)
+            short = draft_head(trunk, args.draft_head)
+            if short is not None and args.nvfp4_draft_head:
+                short.quantize_nvfp4_()
+            return OracleAfterMTP(MTPProposer(head, short), oracle)
     engine = engine_from_preset(args.shape, settings, device=device, weights=args.weights, proposer=proposer)
     steplog = StepLog(engine)
     choices = DraftLog(engine)
@@ -340,7 +345,7 @@ def main() -> None:
 
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
          exact_verify=settings.exact_verify, with_mtp=args.with_mtp, draft_head=args.draft_head,
-         nvfp4_mtp=args.nvfp4_mtp, adaptive=args.adaptive, reference=args.reference,
+         nvfp4_mtp=args.nvfp4_mtp, nvfp4_draft_head=args.nvfp4_draft_head, adaptive=args.adaptive, reference=args.reference,
          graph_status=engine.runner.graph_status, nvfp4_gemv=engine.runner.nvfp4_status,
          **({"mtp_graphs": len(engine.proposer.mtp._graphs), "mtp_capture_s": round(engine.proposer.mtp.capture_seconds, 3)}
             if args.with_mtp else {}))

@@ -368,6 +368,7 @@ def test_nvfp4_mtp_quantizes_the_mtp_layer_of_a_bf16_checkpoint(tmp_path, moe):
     quantized as the trunk's are (the same quantizer on the checkpoint's values); without --nvfp4-mtp the head
     stays unquantized, and the flag without --weights nvfp4 is refused."""
     from ninfer.cli import main
+    from ninfer.engine.engine import EngineSettings
     from ninfer.quant.nvfp4 import NVFP4Experts, NVFP4Linear, quantize_nvfp4
 
     if moe:
@@ -407,3 +408,17 @@ def test_nvfp4_mtp_quantizes_the_mtp_layer_of_a_bf16_checkpoint(tmp_path, moe):
     assert isinstance(head.layers[0].self_attn.o_proj, NVFP4Linear)
     assert isinstance(getattr(head.layers[0].mlp, "experts", None), NVFP4Experts) == moe
     _drafts_run(trunk, head)
+    if not moe:  # with an NVFP4 MTP layer the proposal head scores in NVFP4 as well (bf16 rows otherwise)
+        from ninfer.engine.loader import load_proposer
+
+        for quantized, path in paths.items():
+            with_head = tmp_path / f"head{int(quantized)}.ninfer"
+            assert main(["convert-draft-head", str(path), str(with_head), "--tokens", "40"]) == 0
+            settings = EngineSettings(spec="mtp", lm_head_draft=True, draft_tokens=2)
+            art = Artifact(with_head)
+            proposer = load_proposer(art, load_model(art, torch.device("cpu"), torch.float32), settings,
+                                     torch.device("cpu"), torch.float32)
+            short = proposer.draft_head
+            assert ("nvfp4" in short.__dict__) == quantized
+            drafts = short.propose(torch.randn(3, text_cfg["hidden_size"]))
+            assert set(drafts.tolist()) <= set(short.token_ids.tolist())

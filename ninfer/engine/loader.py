@@ -170,6 +170,8 @@ def load_proposer(artifact: Artifact, trunk: nn.Module, settings: EngineSettings
 
     head = load_mtp_head(artifact, trunk, device, dtype, kv_layer=trunk.cache_spec().num_attn_layers)
     draft_head = load_draft_head(artifact, device, dtype) if settings.lm_head_draft else None
+    if draft_head is not None and _nvfp4_modules(artifact, "mtp_modules"):  # an NVFP4 drafter scores in NVFP4 too
+        draft_head.quantize_nvfp4_()
     return MTPProposer(head, draft_head)
 
 

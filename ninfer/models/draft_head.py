@@ -31,8 +31,21 @@ class DraftHead(nn.Module):
 
     def propose(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy drafts [B] (vocabulary ids) from hidden states [B, H]; device ops only."""
+        nvfp4 = self.__dict__.get("nvfp4")
+        if nvfp4 is not None:
+            return self.token_ids[nvfp4(hidden.to(torch.bfloat16)).argmax(-1)]
         scores = linear(hidden.to(self.weight.dtype), self.weight)
         return self.token_ids[scores.argmax(-1)]
+
+    def quantize_nvfp4_(self) -> "DraftHead":
+        """Score drafts on an NVFP4 copy of the rows (the NVFP4 GEMV: ~0.28x the bytes a drafting step reads
+        here). Drafts only choose what the target checks, so output is unchanged; acceptance may move where two
+        rows' scores lie within the 4-bit error. The bf16 rows stay the state dict's (kept outside the module
+        tree, the copy is not saved or moved with it)."""
+        from ninfer.quant.nvfp4 import NVFP4Linear, quantize_nvfp4
+
+        self.__dict__["nvfp4"] = NVFP4Linear.from_weights(quantize_nvfp4(self.weight.detach()))
+        return self
 
 
 def rank_tokens(vocab_size: int, num_tokens: int, *, corpus_ids: list[int] | None = None,
