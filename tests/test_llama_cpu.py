@@ -380,19 +380,33 @@ def quantized_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_dtype: str
     return k, v, ks, vs
 
 
+def fused_int8(d: int, hkv: int = 3) -> bool:
+    """Whether int8 K/V take the vector passes in place (AVX-512 BF16, head_dim a multiple of 32 up to 128)."""
+    return "avx512_bf16" in cpu_native._cpu_flags() and d % 32 == 0 and d <= 128 and hkv * d % 64 == 0
+
+
 @needs_native
 @pytest.mark.parametrize("kv_dtype", ["int8", "nvfp4", "k8v4"])
 @pytest.mark.parametrize("hq,hkv,d,context", [(9, 3, 64, 1), (9, 3, 64, 300), (8, 2, 128, 129), (6, 2, 48, 40)])
 def test_native_attention_over_quantized_kv_is_attention_over_its_values(kv_dtype, hq, hkv, d, context):
-    """Over int8 / NVFP4 rows the C attention computes exactly what it computes over a bf16 cache holding the rows'
-    dequantized values (vector path at head_dim 64 / 128, the plain C path at 48), pages in several runs."""
+    """Over NVFP4 rows (nvfp4, V of k8v4), and int8 rows where the vector passes do not read them in place, the C
+    attention computes exactly what it computes over a bf16 cache holding the rows' dequantized values (vector path
+    at head_dim 64 / 128, the plain C path at 48). int8 K and V read in place (their integers exact in bf16, the
+    scales folded into scores and softmax weights) come as close to the fp32 oracle over the dequantized values as
+    the bf16 cache does. Pages in several runs."""
     pages = -(-context // 16)
     q, k_cache, v_cache, batch = bf16_problem([context], [[p + p // 3 for p in range(pages)]], 16, hq, hkv, d)
     k, v, ks, vs = quantized_caches(k_cache, v_cache, kv_dtype)
     as_bf16 = [attention.dequantize_kv(x, s, torch.bfloat16) for x, s in ((k, ks), (v, vs))]
-    want = cpu_native.decode_attention(q, *as_bf16, batch.page_table, batch.seq_lens, 16, d ** -0.5)
+    bf16_cache = cpu_native.decode_attention(q, *as_bf16, batch.page_table, batch.seq_lens, 16, d ** -0.5)
     got = cpu_native.decode_attention(q, k, v, batch.page_table, batch.seq_lens, 16, d ** -0.5, ks, vs)
-    assert torch.equal(got, want)
+    if kv_dtype != "int8" or not fused_int8(d, hkv):
+        assert torch.equal(got, bf16_cache)
+        return
+    exact = [attention.dequantize_kv(x, s, torch.float32) for x, s in ((k, ks), (v, vs))]
+    oracle = gathered_attention(q, *exact, batch, 16, d ** -0.5)
+    torch.testing.assert_close(got, oracle, **attention_tolerance(d))
+    assert (got - oracle).abs().mean() <= 1.5 * (bf16_cache - oracle).abs().mean() + 1e-6
 
 
 @needs_native
@@ -400,10 +414,15 @@ def test_native_attention_over_quantized_kv_batch_of_several_sequences():
     contexts = [9, 700, 130]
     tables = [[0], list(range(10, 10 + 44)), [300, 302, 303, 305, 307, 309, 311, 313, 315]]
     q, k_cache, v_cache, batch = bf16_problem(contexts, tables, 16, 9, 3, 64)
-    k, v, ks, vs = quantized_caches(k_cache, v_cache, "k8v4")
-    as_bf16 = [attention.dequantize_kv(x, s, torch.bfloat16) for x, s in ((k, ks), (v, vs))]
-    want = cpu_native.decode_attention(q, *as_bf16, batch.page_table, batch.seq_lens, 16, 0.125)
-    assert torch.equal(cpu_native.decode_attention(q, k, v, batch.page_table, batch.seq_lens, 16, 0.125, ks, vs), want)
+    for kv_dtype in ("k8v4", "int8"):
+        k, v, ks, vs = quantized_caches(k_cache, v_cache, kv_dtype)
+        got = cpu_native.decode_attention(q, k, v, batch.page_table, batch.seq_lens, 16, 0.125, ks, vs)
+        if kv_dtype == "k8v4" or not fused_int8(64):
+            as_bf16 = [attention.dequantize_kv(x, s, torch.bfloat16) for x, s in ((k, ks), (v, vs))]
+            assert torch.equal(got, cpu_native.decode_attention(q, *as_bf16, batch.page_table, batch.seq_lens, 16, 0.125))
+        else:
+            exact = [attention.dequantize_kv(x, s, torch.float32) for x, s in ((k, ks), (v, vs))]
+            torch.testing.assert_close(got, gathered_attention(q, *exact, batch, 16, 0.125), **attention_tolerance(64))
 
 
 @needs_native

@@ -17,10 +17,11 @@ log-sum-exp. The context is read through the page table, in place.
 
 Quantized KV (`--kv-dtype int8 | nvfp4 | k8v4`, layouts in ninfer/forward.py): a step writes each new token's
 K and V rows quantized exactly as `ninfer.kernels.attention.quantize_kv` does (the same fp32 operations, so
-the same bytes from the same bf16 values), and a job first expands its chunk's rows into a per-thread bf16
-scratch (each value as `dequantize_kv` gives it in bf16), then runs the bf16 passes over that scratch. At
-long contexts attention is the step's larger stream of memory; 1-byte K and 4.5-bit V read 42 % of bf16's
-bytes at head_dim 64 (issue 23's decay).
+the same bytes from the same bf16 values). int8 K and V are read in place by the vector passes: their integers
+are exact in bf16, a token's K scale multiplies its scores and its V scale its softmax weight. Other quantized
+rows (NVFP4, and int8 where the vector passes do not apply) are first expanded into a per-thread bf16 scratch
+(each value as `dequantize_kv` gives it in bf16), the bf16 passes then running over that scratch; the
+expansion costs about what the fewer bytes save (bench/results/2026-12-05-cpu-s22).
 
 Built and loaded by ninfer/kernels/cpu_native.py (gcc -O3 -march=native -fopenmp). All pointers are to
 contiguous tensors owned by Python; bf16 values are uint16 bit patterns. */
@@ -328,9 +329,19 @@ static inline __m512 exp_nonpos16(__m512 x) {
    as bf16 pair dots (q rounded to bf16 once, as the torch path holds it; fp32 sums), times scale. 16 tokens'
    partial vectors are summed across lanes together (a transposing reduction, ~2 operations a token instead
    of ~8). */
+/* 32 int8 values (|v| <= 127) as 32 bf16, exactly */
+static inline __m512bh bf16_of_int8(const int8_t *p) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* int8 K (kscale: each token's scale, [len]): the rows are read as their integers and the dots times the token's
+   scale, instead of as bf16 values in the rows' place */
 static inline __attribute__((always_inline)) void scores_pass(const int64_t g, const int64_t n32, const float *q,
                                                              const uint16_t *kh, const int64_t *rows, int64_t len,
-                                                             float scale, float *scores) {
+                                                             float scale, float *scores, const int8_t *kh8,
+                                                             const float *kscale) {
     static const int token_lane[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
     const __m512i order = _mm512_loadu_si512((const void *)token_lane);
     __m512bh qv[VEC_HEADS * 4];
@@ -345,8 +356,9 @@ static inline __attribute__((always_inline)) void scores_pass(const int64_t g, c
         for (int64_t tt = 0; tt < 16; tt++) {
             __m512bh kb[4];
             for (int64_t i = 0; i < n32; i++)
-                kb[i] = tt < tn ? (__m512bh)_mm512_loadu_si512((const void *)(kh + rows[t0 + tt] + 32 * i))
-                                : (__m512bh)_mm512_setzero_si512();
+                kb[i] = tt >= tn ? (__m512bh)_mm512_setzero_si512()
+                        : kh8 ? bf16_of_int8(kh8 + rows[t0 + tt] + 32 * i)
+                              : (__m512bh)_mm512_loadu_si512((const void *)(kh + rows[t0 + tt] + 32 * i));
             for (int64_t h = 0; h < g; h++) {
                 __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[h * n32], kb[0]);
                 for (int64_t i = 1; i < n32; i++) acc = _mm512_dpbf16_ps(acc, qv[h * n32 + i], kb[i]);
@@ -363,15 +375,19 @@ static inline __attribute__((always_inline)) void scores_pass(const int64_t g, c
                 v[i] = _mm512_add_ps(_mm512_shuffle_ps(v[i], v[i + 2], 0x44), _mm512_shuffle_ps(v[i], v[i + 2], 0xEE));
             __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
             /* lane l now holds token token_lane[l] (an involution): put them in token order */
-            _mm512_mask_storeu_ps(scores + h * CHUNK + t0, (__mmask16)((1u << tn) - 1),
-                                  _mm512_mul_ps(_mm512_permutexvar_ps(order, sums), _mm512_set1_ps(scale)));
+            __mmask16 valid = (__mmask16)((1u << tn) - 1);
+            __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(order, sums), _mm512_set1_ps(scale));
+            if (kscale) s = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(valid, kscale + t0));
+            _mm512_mask_storeu_ps(scores + h * CHUNK + t0, valid, s);
         }
     }
 }
 
 /* g heads' scores -> exp(score - max) as bf16 in pb (zero padded to even length); the partials' m and l */
+/* int8 V (vscale: each token's scale): a token's weight in pb is exp(score - max) times its scale, so the
+   values pass reads the rows' integers */
 static inline __attribute__((always_inline)) void softmax_pass(const int64_t g, const float *scores, uint16_t *pb,
-                                                              int64_t len, float *part, int64_t d) {
+                                                              int64_t len, float *part, int64_t d, const float *vscale) {
     for (int64_t h = 0; h < g; h++) {
         const float *sh = scores + h * CHUNK;
         float *ph = part + h * (d + 2);
@@ -385,13 +401,14 @@ static inline __attribute__((always_inline)) void softmax_pass(const int64_t g, 
         float l = 0.0f;
         for (t = 0; t + 16 <= len; t += 16) {
             __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sh + t), mb));
-            _mm256_storeu_si256((__m256i *)(bh + t), (__m256i)_mm512_cvtneps_pbh(e));
+            __m512 w = vscale ? _mm512_mul_ps(e, _mm512_loadu_ps(vscale + t)) : e;
+            _mm256_storeu_si256((__m256i *)(bh + t), (__m256i)_mm512_cvtneps_pbh(w));
             lv = _mm512_add_ps(lv, e);
         }
         for (; t < len; t++) {
             float e = exp_nonpos(sh[t] - m);
             l += e;
-            bh[t] = f32_to_bf16(e);
+            bh[t] = f32_to_bf16(vscale ? e * vscale[t] : e);
         }
         bh[len] = 0;
         ph[0] = m;
@@ -404,16 +421,17 @@ static inline __attribute__((always_inline)) void softmax_pass(const int64_t g, 
    dims, undone at the end) */
 static inline __attribute__((always_inline)) void values_pass(const int64_t g, const int64_t n32, const uint16_t *vh,
                                                              const int64_t *rows, int64_t len, const uint16_t *pb,
-                                                             float *part) {
+                                                             float *part, const int8_t *vh8) {
     static const int lo_dims[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
     static const int hi_dims[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
     __m512 acc[VEC_HEADS * 8];
     for (int64_t i = 0; i < g * 2 * n32; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t += 2) {
-        const uint16_t *v0 = vh + rows[t], *v1 = t + 1 < len ? vh + rows[t + 1] : v0; /* p = 0 for the pad */
+        int64_t r0 = rows[t], r1 = t + 1 < len ? rows[t + 1] : r0; /* p = 0 for the pad */
         __m512i lo[4], hi[4];
         for (int64_t i = 0; i < n32; i++) {
-            __m512i a = _mm512_loadu_si512((const void *)(v0 + 32 * i)), b = _mm512_loadu_si512((const void *)(v1 + 32 * i));
+            __m512i a = vh8 ? (__m512i)bf16_of_int8(vh8 + r0 + 32 * i) : _mm512_loadu_si512((const void *)(vh + r0 + 32 * i));
+            __m512i b = vh8 ? (__m512i)bf16_of_int8(vh8 + r1 + 32 * i) : _mm512_loadu_si512((const void *)(vh + r1 + 32 * i));
             lo[i] = _mm512_unpacklo_epi16(a, b);
             hi[i] = _mm512_unpackhi_epi16(a, b);
         }
@@ -440,12 +458,13 @@ static inline __attribute__((always_inline)) void values_pass(const int64_t g, c
 /* Read a chunk's K and V rows (row_elems contiguous elements a token) once in memory order, so that the
    passes below, one KV head's strided slice at a time, find them in cache: a strided pass straight from
    memory streams at ~9 GB/s on the dev machine, this sweep at ~20. */
-static void touch_rows(const uint16_t *kc, const uint16_t *vc, const int64_t *rows, int64_t len, int64_t row_elems) {
+static void touch_rows(const uint16_t *kc, const uint16_t *vc, const int64_t *rows, int64_t len, int64_t row_elems,
+                       int64_t stride) {
     __m512i sink = _mm512_setzero_si512();
     for (int64_t t = 0; t < len; t++)
         for (int64_t i = 0; i < row_elems; i += 32) {
-            sink = _mm512_or_si512(sink, _mm512_loadu_si512((const void *)(kc + rows[t] + i)));
-            sink = _mm512_or_si512(sink, _mm512_loadu_si512((const void *)(vc + rows[t] + i)));
+            sink = _mm512_or_si512(sink, _mm512_loadu_si512((const void *)(kc + rows[t] * stride + i)));
+            sink = _mm512_or_si512(sink, _mm512_loadu_si512((const void *)(vc + rows[t] * stride + i)));
         }
     __asm__ volatile("" : : "v"(sink)); /* keep the loads */
 }
@@ -458,21 +477,27 @@ static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, i
                          const kv_layer *vl, const int32_t *pages, int64_t page_size, int64_t start, int64_t end,
                          float *part, uint16_t *scratch) {
     float scores[MAX_HEADS * CHUNK] __attribute__((aligned(64)));
-    int64_t rows[CHUNK]; /* element offset of each token's K and V rows in kc / vc */
+    int64_t rows[CHUNK];       /* element offset of each token's K and V rows in kc / vc */
+    int64_t slot_heads[CHUNK]; /* each token's slot times hkv: its first KV head's row (and scale) index */
     int64_t len = end - start, g = hq / hkv;
     const uint16_t *kc = (const uint16_t *)kl->rows, *vc = (const uint16_t *)vl->rows;
-    int quantized = kl->kind != KV_BF16 || vl->kind != KV_BF16;
+    int quantized = kl->kind != KV_BF16 || vl->kind != KV_BF16, fused = 0;
     int64_t page = start / page_size, offset = start % page_size; /* walked, not divided, per token */
     for (int64_t t = 0; t < len; t++) {
-        rows[t] = ((int64_t)pages[page] * page_size + offset) * hkv * d;
+        slot_heads[t] = ((int64_t)pages[page] * page_size + offset) * hkv;
+        rows[t] = slot_heads[t] * d;
         if (++offset == page_size) offset = 0, page++;
     }
-    if (quantized) { /* the chunk's rows expanded to bf16 in the thread's scratch, [len, hkv, d] each */
+#ifdef NINFER_BF16
+    /* int8 K and V: the vector passes read the rows' integers in place, the scales folded into scores and weights */
+    fused = kl->kind == KV_INT8 && vl->kind == KV_INT8 && d % 32 == 0 && d <= 128 && hq <= VEC_HEADS && hkv * d % 64 == 0;
+#endif
+    if (quantized && !fused) { /* the chunk's rows expanded to bf16 in the thread's scratch, [len, hkv, d] each */
         uint16_t *ks = scratch, *vs = scratch + CHUNK * hkv * d;
         const kv_layer *src[2] = {kl, vl};
         uint16_t *dst[2] = {ks, vs};
         for (int64_t t = 0; t < len; t++) {
-            int64_t slot_head = rows[t] / d; /* (slot, first KV head) */
+            int64_t slot_head = slot_heads[t];
             for (int c = 0; c < 2; c++) {
                 if (src[c]->kind == KV_BF16) {
                     memcpy(dst[c] + t * hkv * d, (const uint16_t *)src[c]->rows + rows[t], (size_t)(hkv * d) * 2);
@@ -490,26 +515,39 @@ static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, i
 #ifdef NINFER_BF16
     if (d % 32 == 0 && d <= 128 && hq <= VEC_HEADS) {
         uint16_t pb[VEC_HEADS * (CHUNK + 2)] __attribute__((aligned(64))); /* exp'd scores in bf16 */
-        if (!quantized) touch_rows(kc, vc, rows, len, hkv * d);
+        if (!quantized) touch_rows(kc, vc, rows, len, hkv * d, 1);
+        if (fused) touch_rows((const uint16_t *)kl->rows, (const uint16_t *)vl->rows, slot_heads, len, hkv * d / 2,
+                              d / 2);
         for (int64_t kvh = 0; kvh < hkv; kvh++) { /* one KV head's query heads a pass: their sums in registers */
             const float *qg = q + kvh * g * d;
             float *sg = scores + kvh * g * CHUNK, *pg = part + kvh * g * (d + 2);
             uint16_t *bg = pb + kvh * g * (CHUNK + 2);
             const uint16_t *kh = kc + kvh * d, *vh = vc + kvh * d;
+            const int8_t *kh8 = NULL, *vh8 = NULL;
+            float kscale[CHUNK], vscale[CHUNK];
+            const float *ksp = NULL, *vsp = NULL;
+            if (fused) {
+                kh8 = (const int8_t *)kl->rows + kvh * d, vh8 = (const int8_t *)vl->rows + kvh * d;
+                for (int64_t t = 0; t < len; t++) {
+                    kscale[t] = kl->scale[slot_heads[t] + kvh];
+                    vscale[t] = vl->scale[slot_heads[t] + kvh];
+                }
+                ksp = kscale, vsp = vscale;
+            }
             /* the sizes as constants where they are common, so the compiler unrolls */
 #define GROUP_CASE(G, N32) \
     case G * 100 + N32: \
-        scores_pass(G, N32, qg, kh, rows, len, scale, sg); \
-        softmax_pass(G, sg, bg, len, pg, d); \
-        values_pass(G, N32, vh, rows, len, bg, pg); \
+        scores_pass(G, N32, qg, kh, rows, len, scale, sg, kh8, ksp); \
+        softmax_pass(G, sg, bg, len, pg, d, vsp); \
+        values_pass(G, N32, vh, rows, len, bg, pg, vh8); \
         break;
             switch (g * 100 + d / 32) {
                 GROUP_CASE(1, 2) GROUP_CASE(2, 2) GROUP_CASE(3, 2) GROUP_CASE(4, 2) GROUP_CASE(5, 2) GROUP_CASE(7, 2)
                 GROUP_CASE(1, 4) GROUP_CASE(2, 4) GROUP_CASE(4, 4)
             default:
-                scores_pass(g, d / 32, qg, kh, rows, len, scale, sg);
-                softmax_pass(g, sg, bg, len, pg, d);
-                values_pass(g, d / 32, vh, rows, len, bg, pg);
+                scores_pass(g, d / 32, qg, kh, rows, len, scale, sg, kh8, ksp);
+                softmax_pass(g, sg, bg, len, pg, d, vsp);
+                values_pass(g, d / 32, vh, rows, len, bg, pg, vh8);
             }
 #undef GROUP_CASE
         }
