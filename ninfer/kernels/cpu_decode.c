@@ -325,10 +325,6 @@ static inline __m512 exp_nonpos16(__m512 x) {
 #ifdef NINFER_BF16
 #define VEC_HEADS 32 /* the vector path: at most this many query heads, head_dim at most 128 */
 
-/* Scores of one KV head's g query heads (q: [g, 32 * n32]) against a chunk's rows of that head (kh + rows[t]),
-   as bf16 pair dots (q rounded to bf16 once, as the torch path holds it; fp32 sums), times scale. 16 tokens'
-   partial vectors are summed across lanes together (a transposing reduction, ~2 operations a token instead
-   of ~8). */
 /* 32 int8 values (|v| <= 127) as 32 bf16, exactly */
 static inline __m512bh bf16_of_int8(const int8_t *p) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -336,8 +332,11 @@ static inline __m512bh bf16_of_int8(const int8_t *p) {
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-/* int8 K (kscale: each token's scale, [len]): the rows are read as their integers and the dots times the token's
-   scale, instead of as bf16 values in the rows' place */
+/* Scores of one KV head's g query heads (q: [g, 32 * n32]) against a chunk's rows of that head (kh + rows[t]),
+   as bf16 pair dots (q rounded to bf16 once, as the torch path holds it; fp32 sums), times scale. 16 tokens'
+   partial vectors are summed across lanes together (a transposing reduction, ~2 operations a token instead
+   of ~8). int8 K (kh8 and kscale, each token's scale): the rows are read as their integers and a token's dots
+   taken times its scale. */
 static inline __attribute__((always_inline)) void scores_pass(const int64_t g, const int64_t n32, const float *q,
                                                              const uint16_t *kh, const int64_t *rows, int64_t len,
                                                              float scale, float *scores, const int8_t *kh8,
@@ -383,9 +382,9 @@ static inline __attribute__((always_inline)) void scores_pass(const int64_t g, c
     }
 }
 
-/* g heads' scores -> exp(score - max) as bf16 in pb (zero padded to even length); the partials' m and l */
-/* int8 V (vscale: each token's scale): a token's weight in pb is exp(score - max) times its scale, so the
-   values pass reads the rows' integers */
+/* g heads' scores -> exp(score - max) as bf16 in pb (zero padded to even length); the partials' m and l. int8 V
+   (vscale: each token's scale): a token's weight in pb is exp(score - max) times its scale, so the values pass
+   reads the rows' integers. */
 static inline __attribute__((always_inline)) void softmax_pass(const int64_t g, const float *scores, uint16_t *pb,
                                                               int64_t len, float *part, int64_t d, const float *vscale) {
     for (int64_t h = 0; h < g; h++) {
@@ -418,7 +417,7 @@ static inline __attribute__((always_inline)) void softmax_pass(const int64_t g, 
 
 /* part's acc of each of g heads = sum_t p[h][t] * the KV head's V row t (vh + rows[t]): two tokens a bf16
    pair dot, their rows interleaved by unpacklo/hi (so an accumulator's lanes hold a permutation of 16 of 32
-   dims, undone at the end) */
+   dims, undone at the end); int8 V (vh8): the rows' integers, their scales already in the weights */
 static inline __attribute__((always_inline)) void values_pass(const int64_t g, const int64_t n32, const uint16_t *vh,
                                                              const int64_t *rows, int64_t len, const uint16_t *pb,
                                                              float *part, const int8_t *vh8) {
