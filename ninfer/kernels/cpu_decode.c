@@ -455,9 +455,8 @@ static inline __attribute__((always_inline)) void values_pass(const int64_t g, c
 }
 
 /* Read a chunk's K and V rows (row_elems contiguous 16-bit elements a token, from rows[t] * stride) once in
-   memory order, so that the
-   passes below, one KV head's strided slice at a time, find them in cache: a strided pass straight from
-   memory streams at ~9 GB/s on the dev machine, this sweep at ~20. */
+   memory order, so that the passes below, one KV head's strided slice at a time, find them in cache: a strided
+   pass straight from memory streams at ~9 GB/s on the dev machine, this sweep at ~20. */
 static void touch_rows(const uint16_t *kc, const uint16_t *vc, const int64_t *rows, int64_t len, int64_t row_elems,
                        int64_t stride) {
     __m512i sink = _mm512_setzero_si512();
