@@ -7,9 +7,10 @@ q. With k drafts a round then commits 1 + sum_{j=1..k} (1-q)^j tokens on average
 L); q is solved for each requested L. Every run's output must equal the run without drafts token for
 token (greedy at full shape, through the real engine: scheduler, verify graphs, rollback).
 
-At C > 1 a row's rounding depends on the decode batch's size (the NVFP4 GEMV is the packed-fp16 kernel up
-to 4 rows and the tensor-core one from 5), so a run whose rounds end requests at other steps than the
-plain run did can drift from it (not batch-invariant, like peers' default kernels): its output then
+At C > 1 a row's rounding depends on the decode batch's size (the bf16 GEMV of the lm_head and GDN's small
+projections picks its configuration by the batch's rows; the speculative engine's NVFP4 GEMV, on tensor cores
+from one row, does not), so a run whose rounds end requests at other steps than the plain run did can drift
+from it (not batch-invariant, like peers' default kernels): its output then
 differs and, the oracle's continuation no longer being the target's, acceptance_measured falls below
 the target. `--settle N` then reruns up to N times, each time proposing the previous run's own output;
 the oracle's corruption depends only on (request, position), so once a run's output equals the
