@@ -514,9 +514,10 @@ static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, i
 #ifdef NINFER_BF16
     if (d % 32 == 0 && d <= 128 && hq <= VEC_HEADS) {
         uint16_t pb[VEC_HEADS * (CHUNK + 2)] __attribute__((aligned(64))); /* exp'd scores in bf16 */
-        if (!quantized) touch_rows(kc, vc, rows, len, hkv * d, 1);
-        if (fused) touch_rows((const uint16_t *)kl->rows, (const uint16_t *)vl->rows, slot_heads, len, hkv * d / 2,
-                              d / 2);
+        if (!quantized || fused) { /* rows in place (bf16 or int8), d 16-bit words a row or d / 2 */
+            int64_t words = fused ? d / 2 : d;
+            touch_rows((const uint16_t *)kl->rows, (const uint16_t *)vl->rows, slot_heads, len, hkv * words, words);
+        }
         for (int64_t kvh = 0; kvh < hkv; kvh++) { /* one KV head's query heads a pass: their sums in registers */
             const float *qg = q + kvh * g * d;
             float *sg = scores + kvh * g * CHUNK, *pg = part + kvh * g * (d + 2);

@@ -113,10 +113,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.ninfer_decode_attention.argtypes = [i64, i64, i64, i64, ptr, ctypes.c_float, ptr, ptr, ptr, ptr, i64, i64,
                                             ptr, i64, ptr, i64, ptr, i64]
     lib.ninfer_decode_attention.restype = ctypes.c_int
-    for name in ("ninfer_quantize_kv", "ninfer_dequantize_kv"):
-        getattr(lib, name).argtypes = [ptr, ptr, i64, i64, i64, ptr] if name == "ninfer_dequantize_kv" else \
-            [ptr, i64, i64, i64, ptr, ptr]
-        getattr(lib, name).restype = ctypes.c_int
+    lib.ninfer_quantize_kv.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+    lib.ninfer_quantize_kv.restype = ctypes.c_int
+    lib.ninfer_dequantize_kv.argtypes = [ptr, ptr, i64, i64, i64, ptr]
+    lib.ninfer_dequantize_kv.restype = ctypes.c_int
     return lib
 
 
