@@ -408,7 +408,7 @@ def test_nvfp4_mtp_quantizes_the_mtp_layer_of_a_bf16_checkpoint(tmp_path, moe):
     assert isinstance(head.layers[0].self_attn.o_proj, NVFP4Linear)
     assert isinstance(getattr(head.layers[0].mlp, "experts", None), NVFP4Experts) == moe
     _drafts_run(trunk, head)
-    if not moe:  # with an NVFP4 MTP layer the proposal head scores in NVFP4 as well (bf16 rows otherwise)
+    if not moe:  # --lm-head-draft's proposal head (serving.md, startup): NVFP4 with an NVFP4 MTP layer, else bf16
         from ninfer.engine.loader import load_proposer
 
         for quantized, path in paths.items():

@@ -428,7 +428,8 @@ def test_native_attention_over_quantized_kv_batch_of_several_sequences():
 @needs_native
 @pytest.mark.parametrize("kv_dtype", ["int8", "nvfp4", "k8v4"])
 def test_native_decode_step_with_quantized_kv_tracks_the_module_path(kv_dtype, monkeypatch):
-    """With a quantized cache the C step runs (it writes the rows quantize_kv writes), and its greedy tokens and
+    """serving.md, "Server options": --kv-dtype int8 | nvfp4 | k8v4 on the CPU's int8-weight step.
+    With a quantized cache the C step runs (it writes the rows quantize_kv writes), and its greedy tokens and
     hidden states follow the module path's over the same kind of cache (head_dim 16: NVFP4 needs a multiple of 16);
     an fp8 cache keeps to the module path."""
     model = tiny_model("int8", head_dim=16)
