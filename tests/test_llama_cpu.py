@@ -4,6 +4,8 @@ native C decode step (ninfer.kernels.cpu_native) against an fp32 oracle, and the
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -423,6 +425,41 @@ def test_native_attention_over_quantized_kv_batch_of_several_sequences():
         else:
             exact = [attention.dequantize_kv(x, s, torch.float32) for x, s in ((k, ks), (v, vs))]
             torch.testing.assert_close(got, gathered_attention(q, *exact, batch, 16, 0.125), **attention_tolerance(64))
+
+
+@pytest.fixture
+def amx_restored():
+    """The AMX switch as the process had it, after a test that flips it."""
+    yield
+    cpu_native.set_amx(os.environ.get("NINFER_CPU_AMX", "1") != "0")
+
+
+@needs_native
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "k8v4"])
+@pytest.mark.parametrize("hq,hkv,d,context", [(9, 3, 64, 300), (8, 2, 128, 129), (16, 2, 64, 1000), (3, 3, 64, 7)])
+def test_tile_attention_computes_what_the_vector_passes_compute(kv_dtype, hq, hkv, d, context, amx_restored):
+    """On a CPU with AMX the attention's chunks run on tiles: scores one tile product per 16 tokens (int8 K against
+    q's bf16 values split into two int8 parts), values one per 32 tokens and 16 dims. They give what the AVX-512
+    passes give, to rounding, and come as close to the fp32 oracle over the cache's values. Pages in several runs,
+    a page table that is not in order."""
+    if not cpu_native.set_amx(True):
+        pytest.skip("this CPU has no AMX (or Linux refuses its tile state): only the AVX-512 passes run")
+    pages = -(-context // 16)
+    q, k_cache, v_cache, batch = bf16_problem([context], [[p + p // 3 for p in range(pages)]], 16, hq, hkv, d)
+    if kv_dtype == "bf16":
+        k, v, ks, vs = k_cache, v_cache, None, None
+        exact = [k_cache.float(), v_cache.float()]
+    else:
+        k, v, ks, vs = quantized_caches(k_cache, v_cache, kv_dtype)
+        exact = [attention.dequantize_kv(x, s, torch.float32) for x, s in ((k, ks), (v, vs))]
+    scales = () if ks is None else (ks, vs)
+    tiles = cpu_native.decode_attention(q, k, v, batch.page_table, batch.seq_lens, 16, d ** -0.5, *scales)
+    assert not cpu_native.set_amx(False)
+    vector = cpu_native.decode_attention(q, k, v, batch.page_table, batch.seq_lens, 16, d ** -0.5, *scales)
+    oracle = gathered_attention(q, *exact, batch, 16, d ** -0.5)
+    torch.testing.assert_close(tiles, vector, **attention_tolerance(d))
+    torch.testing.assert_close(tiles, oracle, **attention_tolerance(d))
+    assert (tiles - oracle).abs().mean() <= 1.5 * (vector - oracle).abs().mean() + 1e-6
 
 
 @needs_native

@@ -23,6 +23,10 @@ rows (NVFP4, and int8 where the vector passes do not apply) are first expanded i
 (each value as `dequantize_kv` gives it in bf16), the bf16 passes then running over that scratch; the
 expansion costs about what the fewer bytes save (bench/results/2026-12-05-cpu-s22).
 
+On CPUs with AMX (and head_dim 64 or 128, at most 8 query heads a KV head) a chunk's scores and weighted values
+run as tile products instead of the vector passes (`amx_scores`, `amx_values`; NINFER_CPU_AMX=0 turns them off):
+22-28 % less compute a token (bench/results/2026-12-05-cpu-s23).
+
 Built and loaded by ninfer/kernels/cpu_native.py (gcc -O3 -march=native -fopenmp). All pointers are to
 contiguous tensors owned by Python; bf16 values are uint16 bit patterns. */
 
@@ -469,6 +473,185 @@ static void touch_rows(const uint16_t *kc, const uint16_t *vc, const int64_t *ro
 }
 #endif
 
+#if defined(NINFER_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+#define NINFER_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX tile attention (Sapphire Rapids and later). A chunk's scores for one KV head are one tile product per 16
+   tokens (K rows as A, the g query heads as B's columns), its weighted values one product per 32 tokens and
+   16 dims (the g heads' softmax weights as A, V rows interleaved in token pairs as B): the per-token dot
+   products, lane sums and pair interleaves of the vector passes become a few tile loads. q is rounded to bf16
+   once, as the vector path holds it; int8 K takes q's bf16 values split into an int8 high part and an int8 low
+   part (1/256 of a step), two columns of B, so its scores keep ~15 bits of q, and exact int32 sums. */
+static int amx_on = 0;
+
+/* Ask Linux once for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) and turn the tile
+   path on, or turn it off (want = 0: tests, NINFER_CPU_AMX=0). Returns whether it is on. */
+int ninfer_amx(int64_t want) {
+    amx_on = want && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_on;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) tile_config;
+
+/* tiles 0-3: a values product's 4 x 16 dims (g rows); 4: softmax weights (g rows of 32 tokens); 5: any B;
+   6: 16 K rows; 7: 16 tokens' scores. Configured per chunk: torch's oneDNN kernels share these threads. */
+#define T_WEIGHTS 4
+#define T_B 5
+#define T_K 6
+#define T_SCORES 7
+/* the tile intrinsics paste their register numbers as written: these expand the names first */
+#define tile_zero(t) _tile_zero(t)
+#define tile_load(t, p, stride) _tile_loadd(t, p, stride)
+#define tile_store(t, p, stride) _tile_stored(t, p, stride)
+#define tile_dot_bf16(c, a, b) _tile_dpbf16ps(c, a, b)
+#define tile_dot_int8(c, a, b) _tile_dpbssd(c, a, b)
+
+static void amx_configure(int64_t g) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = i <= T_WEIGHTS ? (uint8_t)g : 16;
+    _tile_loadconfig(&c);
+}
+
+/* g heads of q ([g, d] fp32) as B tiles of 16 rows x 64 bytes. bf16 K: bf16 pairs, d / 32 tiles, head h in
+   column h. int8 K: quadruples of int8, d / 64 tiles, head h's high part in column h, its low part in column
+   g + h, q_h ~ qscale[h] * (high + low / 256). A column's 16 4-byte cells lie 64 bytes apart: one scatter. */
+static void amx_q_tiles(int64_t g, int64_t d, const float *q, int int8_k, uint8_t *tiles, float *qscale) {
+    const __m512i cells = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(16));
+    memset(tiles, 0, (size_t)d * (int8_k ? 16 : 32));
+    for (int64_t h = 0; h < g; h++) {
+        __m512 x[MAX_DIM / 16], amax = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d / 16; i++) { /* q rounded to bf16, as the vector path takes it */
+            __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(q + h * d + 16 * i));
+            x[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(x[i]));
+        }
+        if (!int8_k) {
+            for (int64_t t = 0; t < d / 32; t++)
+                _mm512_i32scatter_epi32(tiles + 1024 * t + 4 * h, cells,
+                                        (__m512i)_mm512_cvtne2ps_pbh(x[2 * t + 1], x[2 * t]), 4);
+            continue;
+        }
+        float m = _mm512_reduce_max_ps(amax), s = m > 0.0f ? m / 127.0f : 1.0f;
+        qscale[h] = s;
+        for (int64_t t = 0; t < d / 64; t++) {
+            __m512i high = _mm512_setzero_si512(), low = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++) {
+                __m512 y = _mm512_div_ps(x[4 * t + i], _mm512_set1_ps(s));
+                __m512 hv = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                __m512 lv = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(y, hv), _mm512_set1_ps(256.0f)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                lv = _mm512_min_ps(_mm512_max_ps(lv, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+                high = _mm512_inserti32x4(high, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(hv)), i);
+                low = _mm512_inserti32x4(low, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(lv)), i);
+            }
+            _mm512_i32scatter_epi32(tiles + 1024 * t + 4 * h, cells, high, 4);
+            _mm512_i32scatter_epi32(tiles + 1024 * t + 4 * (g + h), cells, low, 4);
+        }
+    }
+}
+
+/* scores [g, CHUNK] (times scale; int8: times each token's kscale and q's) of a chunk whose token t has its row of
+   this KV head at base + rows[t] * esize; a 16-token block's rows lie `stride` bytes apart and are read whole
+   (16 of them: the caller keeps them in memory) */
+static void amx_scores(int64_t g, int64_t d, const uint8_t *base, const int64_t *rows, int64_t stride, int int8_k, int64_t len,
+                       const uint8_t *qtiles, const float *qscale, const float *kscale, float scale, float *scores) {
+    int32_t c[256] __attribute__((aligned(64)));
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const uint8_t *block = base + rows[t0] * (int8_k ? 1 : 2);
+        tile_zero(T_SCORES);
+        if (int8_k)
+            for (int64_t s = 0; s < d / 64; s++) {
+                tile_load(T_K, block + 64 * s, stride);
+                tile_load(T_B, qtiles + 1024 * s, 64);
+                tile_dot_int8(T_SCORES, T_K, T_B);
+            }
+        else
+            for (int64_t s = 0; s < d / 32; s++) {
+                tile_load(T_K, block + 64 * s, stride);
+                tile_load(T_B, qtiles + 1024 * s, 64);
+                tile_dot_bf16(T_SCORES, T_K, T_B);
+            }
+        tile_store(T_SCORES, c, 64);
+        __mmask16 valid = (__mmask16)(len - t0 >= 16 ? 0xFFFF : (1u << (len - t0)) - 1);
+        for (int64_t h = 0; h < g; h++) {
+            __m512 v;
+            if (int8_k) {
+                __m512 high = _mm512_cvtepi32_ps(_mm512_i32gather_epi32(column, c + h, 4));
+                __m512 low = _mm512_cvtepi32_ps(_mm512_i32gather_epi32(column, c + g + h, 4));
+                v = _mm512_mul_ps(_mm512_fmadd_ps(low, _mm512_set1_ps(1.0f / 256), high), _mm512_set1_ps(scale * qscale[h]));
+                v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(valid, kscale + t0));
+            } else
+                v = _mm512_mul_ps(_mm512_i32gather_ps(column, (const float *)c + h, 4), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(scores + h * CHUNK + t0, valid, v);
+        }
+    }
+}
+
+/* part's acc of g heads (+= nothing: set) = sum_t w[h][t] * V row t, w the bf16 weights [g, CHUNK + 2] (zero up to
+   a multiple of 32 tokens); token t's V row at base + rows[t] * esize, bf16 or int8 (its integers) */
+static void amx_values(int64_t g, int64_t d, const uint8_t *base, const int64_t *rows, int int8_v, int64_t len,
+                       const uint16_t *w, float *part) {
+    static const int16_t pair_lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    static const int16_t pair_hi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                        24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i lo = _mm512_loadu_si512((const void *)pair_lo), hi = _mm512_loadu_si512((const void *)pair_hi);
+    uint16_t b[4][512] __attribute__((aligned(64))); /* B tiles: token pairs x 16 dims, interleaved */
+    for (int64_t dg = 0; dg < d; dg += 64) {
+        tile_zero(0);
+        tile_zero(1);
+        tile_zero(2);
+        tile_zero(3);
+        for (int64_t t0 = 0; t0 < len; t0 += 32) {
+            tile_load(T_WEIGHTS, w + t0, (CHUNK + 2) * 2);
+            for (int64_t r = 0; r < 16; r++) {
+                __m512i x[2][2]; /* [token of the pair][32 dims] */
+                for (int j = 0; j < 2; j++) {
+                    int64_t t = t0 + 2 * r + j;
+                    for (int i = 0; i < 2; i++)
+                        x[j][i] = t >= len ? _mm512_setzero_si512()
+                                  : int8_v ? (__m512i)bf16_of_int8((const int8_t *)base + rows[t] + dg + 32 * i)
+                                           : _mm512_loadu_si512((const void *)((const uint16_t *)base + rows[t] + dg + 32 * i));
+                }
+                for (int i = 0; i < 2; i++) {
+                    _mm512_store_si512((void *)(b[2 * i] + 32 * r), _mm512_permutex2var_epi16(x[0][i], lo, x[1][i]));
+                    _mm512_store_si512((void *)(b[2 * i + 1] + 32 * r), _mm512_permutex2var_epi16(x[0][i], hi, x[1][i]));
+                }
+            }
+            tile_load(T_B, b[0], 64);
+            tile_dot_bf16(0, T_WEIGHTS, T_B);
+            tile_load(T_B, b[1], 64);
+            tile_dot_bf16(1, T_WEIGHTS, T_B);
+            tile_load(T_B, b[2], 64);
+            tile_dot_bf16(2, T_WEIGHTS, T_B);
+            tile_load(T_B, b[3], 64);
+            tile_dot_bf16(3, T_WEIGHTS, T_B);
+        }
+        int64_t ps = (d + 2) * (int64_t)sizeof(float);
+        tile_store(0, part + 2 + dg, ps);
+        tile_store(1, part + 2 + dg + 16, ps);
+        tile_store(2, part + 2 + dg + 32, ps);
+        tile_store(3, part + 2 + dg + 48, ps);
+    }
+}
+#else
+int ninfer_amx(int64_t want) {
+    (void)want;
+    return 0;
+}
+#endif
+
 /* Softmax partials of one job (a chunk of one sequence's context, all heads): for each query head m (max
    score), l (sum of exp), acc (sum of exp * v, d values) at part + head * (d + 2). q: [hq, d] fp32,
    scores times `scale`; query head h reads KV head h / (hq / hkv). */
@@ -518,6 +701,13 @@ static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, i
             int64_t words = fused ? d / 2 : d;
             touch_rows((const uint16_t *)kl->rows, (const uint16_t *)vl->rows, slot_heads, len, hkv * words, words);
         }
+#ifdef NINFER_AMX
+        /* tiles read 16 rows from a block's first: whole blocks lie in one page (or the scratch) */
+        int amx = amx_on && g <= 8 && d % 64 == 0 && (page_size % 16 == 0 || (quantized && !fused));
+        uint8_t qtiles[4096] __attribute__((aligned(64)));
+        float qscale[8];
+        if (amx) amx_configure(g);
+#endif
         for (int64_t kvh = 0; kvh < hkv; kvh++) { /* one KV head's query heads a pass: their sums in registers */
             const float *qg = q + kvh * g * d;
             float *sg = scores + kvh * g * CHUNK, *pg = part + kvh * g * (d + 2);
@@ -534,6 +724,19 @@ static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, i
                 }
                 ksp = kscale, vsp = vscale;
             }
+#ifdef NINFER_AMX
+            if (amx) {
+                const uint8_t *k0 = fused ? (const uint8_t *)kh8 : (const uint8_t *)kh;
+                const uint8_t *v0 = fused ? (const uint8_t *)vh8 : (const uint8_t *)vh;
+                amx_q_tiles(g, d, qg, fused, qtiles, qscale);
+                amx_scores(g, d, k0, rows, hkv * d * (fused ? 1 : 2), fused, len, qtiles, qscale, ksp, scale, sg);
+                softmax_pass(g, sg, bg, len, pg, d, vsp);
+                for (int64_t h = 0; h < g; h++) /* the weights tile reads up to a multiple of 32 tokens */
+                    memset(bg + h * (CHUNK + 2) + len, 0, (size_t)((-len & 31) + 1) * 2);
+                amx_values(g, d, v0, rows, fused, len, bg, pg);
+                continue;
+            }
+#endif
             /* the sizes as constants where they are common, so the compiler unrolls */
 #define GROUP_CASE(G, N32) \
     case G * 100 + N32: \
@@ -551,6 +754,9 @@ static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, i
             }
 #undef GROUP_CASE
         }
+#ifdef NINFER_AMX
+        if (amx) _tile_release();
+#endif
         return;
     }
 #endif

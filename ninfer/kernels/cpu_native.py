@@ -7,7 +7,8 @@ weights at ~16-20 GB/s a core (AVX-512 VNNI) and has no per-op cost, and its att
 context in place. The library is compiled with `-march=native` into a per-user cache keyed by the
 source, the compiler and the CPU's flags, and links the OpenMP runtime torch already loaded (one thread
 pool, not two competing for the cores). Without a compiler, or with NINFER_CPU_NATIVE=0, `library()`
-is None and the torch paths run.
+is None and the torch paths run. Where the CPU has AMX (Sapphire Rapids on) and Linux grants the tile
+state, the attention takes the tile path; NINFER_CPU_AMX=0 keeps it on the AVX-512 passes.
 """
 
 from __future__ import annotations
@@ -117,7 +118,16 @@ def load(path: Path) -> ctypes.CDLL:
     lib.ninfer_quantize_kv.restype = ctypes.c_int
     lib.ninfer_dequantize_kv.argtypes = [ptr, ptr, i64, i64, i64, ptr]
     lib.ninfer_dequantize_kv.restype = ctypes.c_int
+    lib.ninfer_amx.argtypes = [i64]
+    lib.ninfer_amx.restype = ctypes.c_int
+    lib.ninfer_amx(int(os.environ.get("NINFER_CPU_AMX", "1") != "0"))
     return lib
+
+
+def set_amx(on: bool) -> bool:
+    """Turn the attention's AMX tile path on (where the CPU and kernel allow it) or off; returns whether it is on."""
+    lib = library()
+    return bool(lib is not None and lib.ninfer_amx(int(on)))
 
 
 @lru_cache(maxsize=1)
