@@ -24,8 +24,8 @@ rows (NVFP4, and int8 where the vector passes do not apply) are first expanded i
 expansion costs about what the fewer bytes save (bench/results/2026-12-05-cpu-s22).
 
 On CPUs with AMX (and head_dim 64 or 128, at most 8 query heads a KV head) a chunk's scores and weighted values
-run as tile products instead of the vector passes (`amx_scores`, `amx_values`; NINFER_CPU_AMX=0 turns them off):
-22-28 % less compute a token (bench/results/2026-12-05-cpu-s23).
+run as tile products instead of the vector passes (`amx_scores`, `amx_values`, `amx_values_int8`;
+NINFER_CPU_AMX=0 turns them off): a fifth to a third less compute a token (bench/results/2026-12-05-cpu-s23).
 
 Built and loaded by ninfer/kernels/cpu_native.py (gcc -O3 -march=native -fopenmp). All pointers are to
 contiguous tensors owned by Python; bf16 values are uint16 bit patterns. */
@@ -483,7 +483,9 @@ static void touch_rows(const uint16_t *kc, const uint16_t *vc, const int64_t *ro
    16 dims (the g heads' softmax weights as A, V rows interleaved in token pairs as B): the per-token dot
    products, lane sums and pair interleaves of the vector passes become a few tile loads. q is rounded to bf16
    once, as the vector path holds it; int8 K takes q's bf16 values split into an int8 high part and an int8 low
-   part (1/256 of a step), two columns of B, so its scores keep ~15 bits of q, and exact int32 sums. */
+   part (1/256 of a step), two columns of B, so its scores keep ~15 bits of q, and exact int32 sums. int8 V does
+   the same with the softmax weights (16-bit fixed point in two 8-bit parts, against each head's largest) and
+   reads the rows' integers as B directly, four tokens a cell, instead of widening them to bf16. */
 static int amx_on = 0;
 
 /* Ask Linux once for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) and turn the tile
@@ -511,6 +513,7 @@ typedef struct {
 #define tile_store(t, p, stride) _tile_stored(t, p, stride)
 #define tile_dot_bf16(c, a, b) _tile_dpbf16ps(c, a, b)
 #define tile_dot_int8(c, a, b) _tile_dpbssd(c, a, b)
+#define tile_dot_u8s8(c, a, b) _tile_dpbusd(c, a, b)
 
 static void amx_configure(int64_t g) {
     tile_config c;
@@ -598,10 +601,10 @@ static void amx_scores(int64_t g, int64_t d, const uint8_t *base, const int64_t 
     }
 }
 
-/* part's acc of g heads (+= nothing: set) = sum_t w[h][t] * V row t, w the bf16 weights [g, CHUNK + 2] (zero up to
-   a multiple of 32 tokens); token t's V row at base + rows[t] * esize, bf16 or int8 (its integers) */
-static void amx_values(int64_t g, int64_t d, const uint8_t *base, const int64_t *rows, int int8_v, int64_t len,
-                       const uint16_t *w, float *part) {
+/* part's acc of g heads (set; g the tiles' configured rows) = sum_t w[h][t] * V row t, w the bf16 weights
+   [g, CHUNK + 2] (zero up to a multiple of 32 tokens); token t's bf16 V row at base + rows[t] */
+static void amx_values(int64_t d, const uint16_t *base, const int64_t *rows, int64_t len, const uint16_t *w,
+                       float *part) {
     static const int16_t pair_lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     static const int16_t pair_hi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
@@ -621,8 +624,7 @@ static void amx_values(int64_t g, int64_t d, const uint8_t *base, const int64_t 
                     int64_t t = t0 + 2 * r + j;
                     for (int i = 0; i < 2; i++)
                         x[j][i] = t >= len ? _mm512_setzero_si512()
-                                  : int8_v ? (__m512i)bf16_of_int8((const int8_t *)base + rows[t] + dg + 32 * i)
-                                           : _mm512_loadu_si512((const void *)((const uint16_t *)base + rows[t] + dg + 32 * i));
+                                           : _mm512_loadu_si512((const void *)(base + rows[t] + dg + 32 * i));
                 }
                 for (int i = 0; i < 2; i++) {
                     _mm512_store_si512((void *)(b[2 * i] + 32 * r), _mm512_permutex2var_epi16(x[0][i], lo, x[1][i]));
@@ -643,6 +645,112 @@ static void amx_values(int64_t g, int64_t d, const uint8_t *base, const int64_t 
         tile_store(1, part + 2 + dg + 16, ps);
         tile_store(2, part + 2 + dg + 32, ps);
         tile_store(3, part + 2 + dg + 48, ps);
+    }
+}
+
+/* int8 V: the softmax partials (m, l) of g heads and their weights w = exp(score - m) * the token's V scale as
+   fixed point against the head's largest, w ~ wscale[h] * (high + low / 256) with high in 0..255 (unsigned) and
+   low in -127..127, rows of CHUNK bytes zero padded to a multiple of 64 tokens (the A tiles of the values) */
+static void amx_int8_weights(int64_t g, const float *scores, int64_t len, float *part, int64_t d, const float *vscale,
+                             uint8_t *high, int8_t *low, float *wscale) {
+    float w[CHUNK] __attribute__((aligned(64)));
+    int64_t padded = (len + 63) & ~(int64_t)63;
+    for (int64_t h = 0; h < g; h++) {
+        const float *sh = scores + h * CHUNK;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < len; t += 16) {
+            __mmask16 valid = (__mmask16)(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
+            mv = _mm512_mask_max_ps(mv, valid, mv, _mm512_maskz_loadu_ps(valid, sh + t));
+        }
+        float m = _mm512_reduce_max_ps(mv);
+        __m512 mb = _mm512_set1_ps(m), lv = _mm512_setzero_ps(), wv = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+            __mmask16 valid = (__mmask16)(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
+            __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpos16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sh + t), mb)));
+            __m512 x = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(valid, vscale + t));
+            _mm512_store_ps(w + t, x);
+            lv = _mm512_add_ps(lv, e);
+            wv = _mm512_max_ps(wv, x);
+        }
+        float wmax = _mm512_reduce_max_ps(wv), ws = wmax > 0.0f ? wmax / 255.0f : 1.0f;
+        wscale[h] = ws;
+        part[h * (d + 2)] = m, part[h * (d + 2) + 1] = _mm512_reduce_add_ps(lv);
+        __m512 inv = _mm512_set1_ps(1.0f / ws);
+        for (int64_t t = 0; t < padded; t += 16) {
+            __m512 y = t < len ? _mm512_mul_ps(_mm512_load_ps(w + t), inv) : _mm512_setzero_ps(); /* 0 past len */
+            __m512 hv = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            hv = _mm512_min_ps(hv, _mm512_set1_ps(255.0f));
+            __m512 lo = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(y, hv), _mm512_set1_ps(256.0f)),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            lo = _mm512_min_ps(_mm512_max_ps(lo, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+            _mm_store_si128((__m128i *)(high + h * CHUNK + t), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(hv)));
+            _mm_store_si128((__m128i *)(low + h * CHUNK + t), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(lo)));
+        }
+    }
+}
+
+/* int8 V: part's acc of g heads = wscale[h] * sum_t (high + low / 256)[h][t] * V row t's integers (its scale is in
+   the weights). V as B: four tokens' int8 a 4-byte cell, interleaved in registers (two unpack levels, which leave
+   a cell's 16 dims permuted, undone at the end); the high weights multiply as unsigned, the low as signed. */
+static void amx_values_int8(int64_t g, int64_t d, const int8_t *base, const int64_t *rows, int64_t len,
+                            const uint8_t *high, const int8_t *low, const float *wscale, float *part) {
+    int8_t b[CHUNK / 64][4][1024] __attribute__((aligned(64))); /* per 64 tokens, 4 B tiles of 16 dims each */
+    int32_t c[4][256] __attribute__((aligned(64)));
+    __m512 sums[8][4]; /* per head, dim block i's 16 sums (permuted dims) */
+    int64_t blocks = (len + 63) / 64;
+    for (int64_t dg = 0; dg < d; dg += 64) {
+        for (int64_t blk = 0; blk < blocks; blk++)
+            for (int64_t r = 0; r < 16; r++) { /* B row r: tokens 4r..4r+3 of the block */
+                __m512i x[4];
+                for (int j = 0; j < 4; j++) {
+                    int64_t t = blk * 64 + 4 * r + j;
+                    x[j] = t < len ? _mm512_loadu_si512((const void *)(base + rows[t] + dg)) : _mm512_setzero_si512();
+                }
+                __m512i lo01 = _mm512_unpacklo_epi8(x[0], x[1]), hi01 = _mm512_unpackhi_epi8(x[0], x[1]);
+                __m512i lo23 = _mm512_unpacklo_epi8(x[2], x[3]), hi23 = _mm512_unpackhi_epi8(x[2], x[3]);
+                _mm512_store_si512((void *)(b[blk][0] + 64 * r), _mm512_unpacklo_epi16(lo01, lo23));
+                _mm512_store_si512((void *)(b[blk][1] + 64 * r), _mm512_unpackhi_epi16(lo01, lo23));
+                _mm512_store_si512((void *)(b[blk][2] + 64 * r), _mm512_unpacklo_epi16(hi01, hi23));
+                _mm512_store_si512((void *)(b[blk][3] + 64 * r), _mm512_unpackhi_epi16(hi01, hi23));
+            }
+        for (int half = 0; half < 2; half++) { /* tiles 0-1: high sums of dim blocks 2 half, 2 half + 1; 2-3: low */
+            tile_zero(0);
+            tile_zero(1);
+            tile_zero(2);
+            tile_zero(3);
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                tile_load(T_WEIGHTS, high + 64 * blk, CHUNK);
+                tile_load(T_B, b[blk][2 * half], 64);
+                tile_dot_u8s8(0, T_WEIGHTS, T_B);
+                tile_load(T_B, b[blk][2 * half + 1], 64);
+                tile_dot_u8s8(1, T_WEIGHTS, T_B);
+                tile_load(T_WEIGHTS, low + 64 * blk, CHUNK);
+                tile_load(T_B, b[blk][2 * half], 64);
+                tile_dot_int8(2, T_WEIGHTS, T_B);
+                tile_load(T_B, b[blk][2 * half + 1], 64);
+                tile_dot_int8(3, T_WEIGHTS, T_B);
+            }
+            tile_store(0, c[0], 64);
+            tile_store(1, c[1], 64);
+            tile_store(2, c[2], 64);
+            tile_store(3, c[3], 64);
+            for (int64_t h = 0; h < g; h++)
+                for (int k = 0; k < 2; k++) {
+                    __m512 high_sum = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(c[k] + 16 * h)));
+                    __m512 low_sum = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(c[2 + k] + 16 * h)));
+                    sums[h][2 * half + k] = _mm512_mul_ps(_mm512_fmadd_ps(low_sum, _mm512_set1_ps(1.0f / 256), high_sum),
+                                                          _mm512_set1_ps(wscale[h]));
+                }
+        }
+        for (int64_t h = 0; h < g; h++) { /* block i's 128-bit lane L holds dims 16 L + 4 i .. + 3: a 4 x 4 transpose */
+            __m512 *v = sums[h], a = _mm512_shuffle_f32x4(v[0], v[1], 0x44), b2 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+            __m512 e = _mm512_shuffle_f32x4(v[0], v[1], 0xEE), f = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+            float *acc = part + h * (d + 2) + 2 + dg;
+            _mm512_storeu_ps(acc, _mm512_shuffle_f32x4(a, b2, 0x88));
+            _mm512_storeu_ps(acc + 16, _mm512_shuffle_f32x4(a, b2, 0xDD));
+            _mm512_storeu_ps(acc + 32, _mm512_shuffle_f32x4(e, f, 0x88));
+            _mm512_storeu_ps(acc + 48, _mm512_shuffle_f32x4(e, f, 0xDD));
+        }
     }
 }
 #else
@@ -727,13 +835,20 @@ static void attend_chunk(const float *q, float scale, int64_t hq, int64_t hkv, i
 #ifdef NINFER_AMX
             if (amx) {
                 const uint8_t *k0 = fused ? (const uint8_t *)kh8 : (const uint8_t *)kh;
-                const uint8_t *v0 = fused ? (const uint8_t *)vh8 : (const uint8_t *)vh;
                 amx_q_tiles(g, d, qg, fused, qtiles, qscale);
                 amx_scores(g, d, k0, rows, hkv * d * (fused ? 1 : 2), fused, len, qtiles, qscale, ksp, scale, sg);
+                if (fused) {
+                    uint8_t high[8 * CHUNK] __attribute__((aligned(64)));
+                    int8_t low[8 * CHUNK] __attribute__((aligned(64)));
+                    float wscale[8];
+                    amx_int8_weights(g, sg, len, pg, d, vsp, high, low, wscale);
+                    amx_values_int8(g, d, vh8, rows, len, high, low, wscale, pg);
+                    continue;
+                }
                 softmax_pass(g, sg, bg, len, pg, d, vsp);
                 for (int64_t h = 0; h < g; h++) /* the weights tile reads up to a multiple of 32 tokens */
                     memset(bg + h * (CHUNK + 2) + len, 0, (size_t)((-len & 31) + 1) * 2);
-                amx_values(g, d, v0, rows, fused, len, bg, pg);
+                amx_values(d, vh, rows, len, bg, pg);
                 continue;
             }
 #endif
