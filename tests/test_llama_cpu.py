@@ -439,9 +439,11 @@ def amx_restored():
 @pytest.mark.parametrize("hq,hkv,d,context", [(9, 3, 64, 300), (8, 2, 128, 129), (16, 2, 64, 1000), (3, 3, 64, 7)])
 def test_tile_attention_computes_what_the_vector_passes_compute(kv_dtype, hq, hkv, d, context, amx_restored):
     """On a CPU with AMX the attention's chunks run on tiles: scores one tile product per 16 tokens (int8 K against
-    q's bf16 values split into two int8 parts), values one per 32 tokens and 16 dims. They give what the AVX-512
+    q's bf16 values split into two int8 parts), values one per 32 tokens and 16 dims (int8 V against the softmax
+    weights in 16-bit fixed point, two 8-bit parts; k8v4 through the bf16 scratch). They give what the AVX-512
     passes give, to rounding, and come as close to the fp32 oracle over the cache's values. Pages in several runs,
-    a page table that is not in order."""
+    a page table that is not in order, contexts across the 16-, 32- and 64-token tile blocks and the 128-token
+    chunks."""
     if not cpu_native.set_amx(True):
         pytest.skip("this CPU has no AMX (or Linux refuses its tile state): only the AVX-512 passes run")
     pages = -(-context // 16)
