@@ -537,8 +537,9 @@ def test_native_step_can_be_switched_off(monkeypatch):
 
 
 def test_served_engine_decodes_on_one_core_fewer_and_prefills_on_all(monkeypatch, tiny_llama_path):
-    """The Engine replica leaves a core to the router, proxy and Ray for decode steps (NINFER_CPU_THREADS
-    overrides), and gives prefill's torch ops every core."""
+    """The Engine replica leaves a core to the router, proxy and Ray for decode steps from three cores (on two it
+    decodes on both: bench/results/2026-12-05-cpu-s23/http_threads; NINFER_CPU_THREADS overrides), and gives
+    prefill's torch ops every core."""
     import os
 
     from ninfer.config import ServerConfig
@@ -557,6 +558,8 @@ def test_served_engine_decodes_on_one_core_fewer_and_prefills_on_all(monkeypatch
         assert cpu_native.decode_threads == 1 and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(threads)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.delenv("NINFER_CPU_THREADS")
+    assert engine_cpu_threads() == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert engine_cpu_threads() == 1

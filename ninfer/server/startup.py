@@ -83,10 +83,15 @@ def engine_settings(cfg: ServerConfig) -> EngineSettings:
 
 def engine_cpu_threads() -> int:
     """Threads of a CPU engine's decode steps inside the served graph: NINFER_CPU_THREADS, else one fewer than the
-    cores this process may run on (at least one). The router, the HTTP proxy and Ray's own processes need a
-    core: a decode step's threads meet at ~10 barriers a layer, and one of them descheduled stalls the others
-    for a time slice (bench/results/2026-12-03-cpu-s14). Prefill, compute-bound and long, takes every core."""
-    return int(os.environ.get("NINFER_CPU_THREADS", "0")) or max(1, _cores() - 1)
+    cores this process may run on from three cores, and every core on one or two. The router, the HTTP proxy and
+    Ray's own processes need CPU too, and a decode step's threads work in lockstep: one of them descheduled stalls
+    the others (bench/results/2026-12-03-cpu-s14). On two cores, though, one decode thread halves the step's
+    bandwidth and costs more than the stalls: through HTTP, three alternating rounds, 66.6 / 58.2 / 53.8 tok/s
+    with two threads against 63.0 / 53.6 / 46.0 with one at 128 / 1,000 / 2,000 tokens
+    (bench/results/2026-12-05-cpu-s23/http_threads; s14 had measured the reverse at 128 tokens on an older step).
+    Prefill, compute-bound and long, takes every core."""
+    cores = _cores()
+    return int(os.environ.get("NINFER_CPU_THREADS", "0")) or (cores if cores <= 2 else cores - 1)
 
 
 def _cores() -> int:
