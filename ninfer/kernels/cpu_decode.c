@@ -523,12 +523,28 @@ static void amx_configure(int64_t g) {
     _tile_loadconfig(&c);
 }
 
+/* 0, 16, 32, ..: the 4-byte cells of one column of a 16 x 64-byte tile */
+static inline __m512i tile_column(void) {
+    return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                              _mm512_set1_epi32(16));
+}
+
+/* the first n of 16 lanes */
+static inline __mmask16 first_lanes(int64_t n) { return (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1); }
+
+/* y as 16-bit fixed point in two 8-bit parts: y ~ high + low / 256, high = y rounded, low in -127..127 */
+static inline void split_fixed(__m512 y, __m512 *high, __m512 *low) {
+    *high = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(y, *high), _mm512_set1_ps(256.0f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    *low = _mm512_min_ps(_mm512_max_ps(l, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+}
+
 /* g heads of q ([g, d] fp32) as B tiles of 16 rows x 64 bytes. bf16 K: bf16 pairs, d / 32 tiles, head h in
    column h. int8 K: quadruples of int8, d / 64 tiles, head h's high part in column h, its low part in column
    g + h, q_h ~ qscale[h] * (high + low / 256). A column's 16 4-byte cells lie 64 bytes apart: one scatter. */
 static void amx_q_tiles(int64_t g, int64_t d, const float *q, int int8_k, uint8_t *tiles, float *qscale) {
-    const __m512i cells = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi32(16));
+    const __m512i cells = tile_column();
     memset(tiles, 0, (size_t)d * (int8_k ? 16 : 32));
     for (int64_t h = 0; h < g; h++) {
         __m512 x[MAX_DIM / 16], amax = _mm512_setzero_ps();
@@ -548,11 +564,8 @@ static void amx_q_tiles(int64_t g, int64_t d, const float *q, int int8_k, uint8_
         for (int64_t t = 0; t < d / 64; t++) {
             __m512i high = _mm512_setzero_si512(), low = _mm512_setzero_si512();
             for (int i = 0; i < 4; i++) {
-                __m512 y = _mm512_div_ps(x[4 * t + i], _mm512_set1_ps(s));
-                __m512 hv = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                __m512 lv = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(y, hv), _mm512_set1_ps(256.0f)),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                lv = _mm512_min_ps(_mm512_max_ps(lv, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+                __m512 hv, lv;
+                split_fixed(_mm512_div_ps(x[4 * t + i], _mm512_set1_ps(s)), &hv, &lv);
                 high = _mm512_inserti32x4(high, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(hv)), i);
                 low = _mm512_inserti32x4(low, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(lv)), i);
             }
@@ -568,8 +581,7 @@ static void amx_q_tiles(int64_t g, int64_t d, const float *q, int int8_k, uint8_
 static void amx_scores(int64_t g, int64_t d, const uint8_t *base, const int64_t *rows, int64_t stride, int int8_k, int64_t len,
                        const uint8_t *qtiles, const float *qscale, const float *kscale, float scale, float *scores) {
     int32_t c[256] __attribute__((aligned(64)));
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(16));
+    const __m512i column = tile_column();
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const uint8_t *block = base + rows[t0] * (int8_k ? 1 : 2);
         tile_zero(T_SCORES);
@@ -586,7 +598,7 @@ static void amx_scores(int64_t g, int64_t d, const uint8_t *base, const int64_t 
                 tile_dot_bf16(T_SCORES, T_K, T_B);
             }
         tile_store(T_SCORES, c, 64);
-        __mmask16 valid = (__mmask16)(len - t0 >= 16 ? 0xFFFF : (1u << (len - t0)) - 1);
+        __mmask16 valid = first_lanes(len - t0);
         for (int64_t h = 0; h < g; h++) {
             __m512 v;
             if (int8_k) {
@@ -658,14 +670,12 @@ static void amx_int8_weights(int64_t g, const float *scores, int64_t len, float 
     for (int64_t h = 0; h < g; h++) {
         const float *sh = scores + h * CHUNK;
         __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < len; t += 16) {
-            __mmask16 valid = (__mmask16)(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
-            mv = _mm512_mask_max_ps(mv, valid, mv, _mm512_maskz_loadu_ps(valid, sh + t));
-        }
+        for (int64_t t = 0; t < len; t += 16)
+            mv = _mm512_mask_max_ps(mv, first_lanes(len - t), mv, _mm512_maskz_loadu_ps(first_lanes(len - t), sh + t));
         float m = _mm512_reduce_max_ps(mv);
         __m512 mb = _mm512_set1_ps(m), lv = _mm512_setzero_ps(), wv = _mm512_setzero_ps();
         for (int64_t t = 0; t < len; t += 16) {
-            __mmask16 valid = (__mmask16)(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
+            __mmask16 valid = first_lanes(len - t);
             __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpos16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sh + t), mb)));
             __m512 x = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(valid, vscale + t));
             _mm512_store_ps(w + t, x);
@@ -677,12 +687,9 @@ static void amx_int8_weights(int64_t g, const float *scores, int64_t len, float 
         part[h * (d + 2)] = m, part[h * (d + 2) + 1] = _mm512_reduce_add_ps(lv);
         __m512 inv = _mm512_set1_ps(1.0f / ws);
         for (int64_t t = 0; t < padded; t += 16) {
-            __m512 y = t < len ? _mm512_mul_ps(_mm512_load_ps(w + t), inv) : _mm512_setzero_ps(); /* 0 past len */
-            __m512 hv = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512 hv, lo;
+            split_fixed(t < len ? _mm512_mul_ps(_mm512_load_ps(w + t), inv) : _mm512_setzero_ps(), &hv, &lo); /* 0 past len */
             hv = _mm512_min_ps(hv, _mm512_set1_ps(255.0f));
-            __m512 lo = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(y, hv), _mm512_set1_ps(256.0f)),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            lo = _mm512_min_ps(_mm512_max_ps(lo, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
             _mm_store_si128((__m128i *)(high + h * CHUNK + t), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(hv)));
             _mm_store_si128((__m128i *)(low + h * CHUNK + t), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(lo)));
         }
