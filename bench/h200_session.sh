@@ -14,8 +14,7 @@
 # e2e_mma (MTP3 end to end at C=1, the speculative table and the plain one), verify27, gc27 (bench/gc_pause.py),
 # pytest_spec (the speculative CUDA tests), mtp_s22 (s21: MTP graphs at start-up, the NVFP4 head, C=8 adaptive),
 # probe_profile (where the adaptive engine's probe steps go at C=8), timeline_c1 (GPU idle per MTP round at C=1), pieces_spec (MTP rounds
-# with piecewise graphs), draft_head_nvfp4 (the proposal head in NVFP4), spec_c8, wide (s24: the warpgroup NVFP4 kernel, then verify vs plain with it),
-# paired (s24: the mma GEMV with x paired once per launch, then verify vs plain with it)
+# with piecewise graphs), draft_head_nvfp4 (the proposal head in NVFP4), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
 # sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
@@ -160,22 +159,6 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     verify27)  # exact verify against a plain step, 27B NVFP4 in a speculative engine (tensor cores from one row)
       timeout $(( $(left) - 10 )) python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 \
         --concurrency 1 2 4 8 --drafts 1 3 > $out/spec_verify.log 2>&1 ;;
-    wide)  # s24: the warpgroup NVFP4 kernel (checks, configs at 8 and 32 rows beside the table's kernels), then verify
-      # against plain at C = 4, 8: the table (mma GEMV), and the warpgroup kernel from 3 rows at the sweep's fastest launch
-      timeout $(( $(left) / 2 )) python3 -m bench.selfcheck_nvfp4 --sweep-wide --out $out/wide.json > $out/wide.log 2>&1
-      wide=${WIDE_LAUNCH:-$(python3 -m bench.selfcheck_nvfp4 --best-wide $out/wide.json 2>/dev/null)}
-      echo "warpgroup launch ${wide:-as the table}"
-      timeout $(( $(left) / 2 )) python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 --concurrency 4 8 \
-        --drafts 1 3 > $out/spec_verify_table.log 2>&1
-      NINFER_NVFP4_WIDE_MIN_M=3 NINFER_NVFP4_WIDE_LAUNCH="$wide" timeout $(( $(left) - 10 )) python3 bench/spec_verify.py \
-        --shape qwen3.6-27b --weights nvfp4 --concurrency 4 8 --drafts 1 3 > $out/spec_verify_wide.log 2>&1 ;;
-    paired)  # s24: the mma GEMV reading x's fp16 pairs made once per launch: bitwise check and times beside it
-      # unpaired, then verify against plain at C = 4, 8 with x paired never, from 9 rows a launch (verify), from 1
-      timeout $(( $(left) / 3 )) python3 -m bench.selfcheck_nvfp4 --sweep-paired --out $out/paired.json > $out/paired.log 2>&1
-      for from in 1000 9 1; do
-        NINFER_NVFP4_PAIR_X_MIN_ROWS=$from timeout $(( $(left) / 2 )) python3 bench/spec_verify.py --shape qwen3.6-27b \
-          --weights nvfp4 --concurrency 4 8 --drafts 1 3 > $out/spec_verify_pair$from.log 2>&1
-      done ;;
     gc27)  # a full garbage collection over a 27B NVFP4 engine process, before and after the start-up freeze
       timeout $(( $(left) - 10 )) python3 bench/gc_pause.py --preset qwen3.6-27b --weights nvfp4 \
         > $out/gc_pause_27b.jsonl 2>&1 ;;

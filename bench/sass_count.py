@@ -8,8 +8,7 @@ quoted in ninfer/kernels/triton_nvfp4.py.
 
   python bench/sass_count.py                     # the NVFP4 GEMVs at their table tiles
   python bench/sass_count.py hfma:8,128,2 hfma:4,256,4,2 fma:4,128,4   # [kind:block_n,block_w,warps(,x rows)]
-  python bench/sass_count.py mma:1,8 mma:1,8,4,2  # the tensor-core GEMV [mma:16-row tiles,warps(,8-token tiles,depth,unroll,prefetch,stages,x paired)]
-  python bench/sass_count.py wide:64,16,4,3      # the warpgroup kernel [wide:block_n,block_w,warps,stages(,tokens,weights as B,depth)]
+  python bench/sass_count.py mma:1,8 mma:1,8,4,2  # the tensor-core GEMV [mma:16-row tiles,warps(,8-token tiles,depth,unroll,prefetch,stages)]
   SASS_TOP=40 python bench/sass_count.py ...      # more of the loop's opcodes
 Prints one JSON line per kernel: registers, loop instructions, instructions per weight, top opcodes.
 """
@@ -89,7 +88,7 @@ def nvfp4(kind: str, block_n: int, block_w: int, num_warps: int, x_rows: int = 1
 
 
 def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unroll: int = 0, prefetch: int = 0,
-              stages: int = 0, x_paired: int = 0) -> dict:
+              stages: int = 0) -> dict:
     """The tensor-core GEMV (triton_nvfp4_mma) at K = 17408 (27B MLP down; shorter rows leave so few steps that
     the loop is unrolled whole) for `token_tiles` tiles of 8 rows of x, `depth` steps of weights ahead, its K
     loop unrolled `unroll` times (0: as gemv_mma launches) and an L2 prefetch `prefetch` steps past them, or
@@ -100,36 +99,16 @@ def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unro
     sig = {"X32": "*i32", "W32": "*i32", "S8": "*u8", "RS": "*fp32", "Y": "*bf16", "M": "i32", "N": "i32",
            "stride_x32": "i32", "stride_ym": "i32", "KW": "constexpr", "TILES": "constexpr", "WARPS": "constexpr",
            "EVEN_N": "constexpr", "XT": "constexpr", "DEPTH": "constexpr", "UNROLL": "constexpr",
-           "USE_PDL": "constexpr", "PREFETCH": "constexpr", "STAGES": "constexpr", "X_PAIRED": "constexpr"}
+           "USE_PDL": "constexpr", "PREFETCH": "constexpr", "STAGES": "constexpr"}
     depth = depth or t.default_depth(token_tiles, 8 * kw)
     unroll = unroll or (1 if stages else depth)
     const = {"KW": kw, "TILES": tiles, "WARPS": warps, "EVEN_N": True, "XT": token_tiles,
-             "DEPTH": depth, "UNROLL": unroll, "USE_PDL": False, "PREFETCH": prefetch, "STAGES": stages,
-             "X_PAIRED": bool(x_paired)}
+             "DEPTH": depth, "UNROLL": unroll, "USE_PDL": False, "PREFETCH": prefetch, "STAGES": stages}
     out = loop_profile(t._gemv_mma_kernel, sig, const, warps, num_stages=max(stages, 1))
     weights_per_thread = 16 * tiles * t.K_STEP / 32 * unroll  # a step: 1/32 of 16 rows x 64 codes per tile
     return {"kernel": "nvfp4_mma", "tiles": tiles, "num_warps": warps, "token_tiles": token_tiles,
-            "depth": const["DEPTH"], "unroll": unroll, "prefetch": prefetch, "stages": stages,
-            "x_paired": bool(x_paired), **out,
+            "depth": const["DEPTH"], "unroll": unroll, "prefetch": prefetch, "stages": stages, **out,
             "instructions_per_weight": round(out["loop_instructions"] / weights_per_thread, 2)}
-
-
-def nvfp4_wide(block_n: int, block_w: int, warps: int, stages: int, tokens: int = 32, weights_as_b: int = 0,
-               depth: int = 1) -> dict:
-    """The warpgroup tensor-core kernel (triton_nvfp4_wide): its K loop, for one 32-token tile."""
-    from ninfer.kernels import triton_nvfp4_wide as t
-
-    sig = {"X": "*bf16", "W32": "*i32", "S8": "*u8", "RS": "*fp32", "Y": "*bf16", "M": "i32", "N": "i32",
-           "KW": "i32", "stride_xm": "i32", "stride_ym": "i32", "BLOCK_N": "constexpr", "BLOCK_W": "constexpr",
-           "EVEN_N": "constexpr", "STAGES": "constexpr", "TOKENS": "constexpr", "WEIGHTS_AS_B": "constexpr",
-           "DEPTH": "constexpr", "USE_PDL": "constexpr"}
-    const = {"BLOCK_N": block_n, "BLOCK_W": block_w, "EVEN_N": True, "STAGES": stages, "TOKENS": tokens,
-             "WEIGHTS_AS_B": bool(weights_as_b), "DEPTH": depth, "USE_PDL": False}
-    out = loop_profile(t._wide_kernel, sig, const, warps, num_stages=stages)
-    weights_per_thread = block_n * block_w * 8 / (32 * warps)
-    return {"kernel": "nvfp4_wide", "block_n": block_n, "block_w": block_w, "num_warps": warps, "stages": stages,
-            "tokens": tokens, "weights_as_b": bool(weights_as_b), "depth": depth,
-            **out, "instructions_per_weight": round(out["loop_instructions"] / weights_per_thread, 2)}
 
 
 def main(argv: list[str]) -> None:
@@ -137,8 +116,7 @@ def main(argv: list[str]) -> None:
     for spec in specs:
         kind, dims = spec.split(":")
         args = [int(v) for v in dims.split(",")]
-        profile = {"mma": nvfp4_mma, "wide": nvfp4_wide}.get(kind)
-        print(json.dumps(profile(*args) if profile else nvfp4(kind, *args)), flush=True)
+        print(json.dumps(nvfp4_mma(*args) if kind == "mma" else nvfp4(kind, *args)), flush=True)
 
 
 if __name__ == "__main__":

@@ -193,75 +193,6 @@ MMA_STAGING_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8)]
                        + [dict(kind="mma", TILES=1, WARPS=8, DEPTH=d, UNROLL=d) for d in (3, 2)])
 
 
-# The warpgroup kernel (triton_nvfp4_wide, s24): weight rows a program, words a K step, warps, pipeline stages, steps
-# of weights loaded ahead, tokens a program, and whether the decoded weights are the dot's B operand
-WIDE_CONFIGS = [dict(kind="wide", BLOCK_N=bn, BLOCK_W=bw, num_warps=w, STAGES=st, DEPTH=d, TOKENS=t, WB=wb)
-                for bn, bw, w, st, d, t, wb in (
-                    (64, 32, 4, 3, 1, 32, False), (64, 32, 4, 3, 2, 32, False), (128, 16, 4, 3, 2, 32, False),
-                    (128, 16, 4, 3, 1, 32, False), (64, 16, 4, 3, 2, 32, False), (128, 32, 8, 3, 1, 32, False),
-                    (128, 16, 8, 3, 2, 32, False), (64, 32, 4, 4, 1, 32, False),
-                    (64, 16, 4, 3, 2, 64, True), (128, 16, 4, 3, 1, 64, True), (64, 32, 4, 3, 1, 64, True),
-                    (128, 16, 8, 3, 2, 64, True), (64, 16, 4, 3, 2, 32, True), (128, 16, 4, 3, 2, 32, True))]
-
-
-# The mma GEMV reading x's fp16 pairs made once per launch (s24), at the table's tile and the s17 wide ones
-MMA_PAIRED_CONFIGS = [dict(kind="mma", TILES=1, WARPS=8, XP=True), dict(kind="mma", TILES=2, WARPS=8, XP=True),
-                      dict(kind="mma", TILES=1, WARPS=4, DEPTH=6, UNROLL=2, XP=True)]
-
-
-def check_mma_paired(device="cuda", *, shapes: dict | None = None, ms=(1, 5, 8, 17, 32)) -> dict:
-    """Each MMA_PAIRED_CONFIGS launch against the same launch converting x in every program, bit for bit."""
-    from ninfer.kernels import triton_nvfp4
-
-    out = {}
-    for name, (n, k) in (shapes or SHAPES_27B).items():
-        q, _ = _problem(n, k, 1, device, torch.bfloat16)
-        for m in ms:
-            x = _problem(1, k, m, device, torch.bfloat16, seed=m)[1]
-            for cfg in MMA_PAIRED_CONFIGS:
-                plain = {key: v for key, v in cfg.items() if key != "XP"} | {"XP": False}
-                out[f"{name}_m{m}_{_short(cfg)}"] = torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg),
-                                                                triton_nvfp4.nvfp4_gemv(x, *q, config=plain))
-    return out
-
-
-def check_wide(device="cuda", *, shapes: dict | None = None, ms=(1, 5, 8, 17, 32), configs=None) -> dict:
-    """Each warpgroup-kernel config: its error against the reference in units of 2^-8 max|ref| (<= 1 passes) and
-    whether every M's rows equal the first rows of a 48-row launch bit for bit (decode rows against verify rows):
-    {"shape_config": {"err": .., "rows_equal": bool}}, or the compiler's error."""
-    from ninfer.kernels import triton_nvfp4
-
-    out = {}
-    for name, (n, k) in (shapes or SHAPES_27B).items():
-        q, _ = _problem(n, k, 1, device, torch.bfloat16)
-        x = _problem(1, k, 48, device, torch.bfloat16, seed=11)[1]
-        ref = x.float() @ dequantize_nvfp4(*q).T
-        for cfg in configs or WIDE_CONFIGS:
-            try:
-                full = triton_nvfp4.nvfp4_gemv(x, *q, config=cfg)
-            except Exception as exc:  # a config the compiler refuses (registers, shared memory)
-                out[f"{name}_{_short(cfg)}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                continue
-            err = (full.float() - ref).abs().max().item() / (2**-8 * ref.abs().max().item())
-            same = all(torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *q, config=cfg), full[:m]) for m in ms)
-            out[f"{name}_{_short(cfg)}"] = {"err": round(err, 3), "rows_equal": same}
-    return out
-
-
-def best_wide_launch(result: dict, m: int = 32) -> dict:
-    """The launch keys (WIDE_LAUNCH's) of the fastest warpgroup config at `m` rows, summed over the shapes,
-    among those whose every shape passed check_wide."""
-    checks = result["check_wide"]
-
-    def passed(cfg: dict) -> bool:
-        mine = [v for key, v in checks.items() if key.endswith("_" + _short(cfg))]
-        return bool(mine) and all(isinstance(v, dict) and v["rows_equal"] and v["err"] <= 1 for v in mine)
-
-    rows = [r for r in result["sweep_wide"] if r.get("m") == m and passed(r["config"])]
-    best = min(rows, key=lambda r: r["us_total"])["config"]
-    return {key: v for key, v in best.items() if key != "kind"}
-
-
 def check_mma_staging(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8), configs=None) -> dict:
     """Each staging / prefetch config against the plain mma launch of its warps (TILES 1, no staging), bit for
     bit (neither may change a result): {"shape_mM_config": true when equal}; a config the compiler refuses maps
@@ -424,10 +355,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the tensor-core GEMV: checks, its tiles at M = 1..32 and the table's kernels at M = 1..8")
     parser.add_argument("--sweep-mma-wide", action="store_true",
                         help="only the tensor-core GEMV at 8..32 rows (verification): bitwise check and times")
-    parser.add_argument("--sweep-paired", action="store_true",
-                        help="only the mma GEMV with x paired once per launch: bitwise check and times beside it unpaired")
-    parser.add_argument("--sweep-wide", action="store_true",
-                        help="only the warpgroup kernel: checks, its configs at 8 and 32 rows beside the table's kernels")
     parser.add_argument("--sweep-mma-staging", action="store_true",
                         help="only the tensor-core GEMV with shared-memory staging / L2 prefetch: bitwise against the "
                              "table's launch, then times at M = 1, 2, 4, 8 beside the table's kernels")
@@ -437,13 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--best-mma", metavar="JSON",
                         help="print the launch keys of the fastest bitwise-checked config of a --sweep-mma-staging "
                              "result (summed over M = 1 and 4) as JSON, and exit")
-    parser.add_argument("--best-wide", metavar="JSON",
-                        help="print the launch keys of the fastest checked config of a --sweep-wide result at 32 rows")
     parser.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args(argv)
-    if args.best_wide:
-        print(json.dumps(best_wide_launch(json.load(open(args.best_wide)))))
-        return 0
     if args.best_mma:
         print(json.dumps(best_mma_launch(json.load(open(args.best_mma)))))
         return 0
@@ -456,16 +378,6 @@ def main(argv: list[str] | None = None) -> int:
         result["check_mma_staging"] = check_mma_staging("cuda")
         result["sweep_table"] = sweep_gemv_configs("cuda", ms=(1, 2, 4, 8), configs=[None])
         result["sweep_mma_staging"] = sweep_gemv_configs("cuda", ms=(1, 2, 4, 8), configs=MMA_STAGING_CONFIGS)
-    elif args.sweep_paired:
-        result["check_mma_paired"] = check_mma_paired("cuda")
-        unpaired = [{key: v for key, v in c.items() if key != "XP"} | {"XP": False} for c in MMA_PAIRED_CONFIGS]
-        result["sweep_unpaired"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 16, 32), configs=unpaired)
-        result["sweep_paired"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 16, 32), configs=MMA_PAIRED_CONFIGS)
-    elif args.sweep_wide:
-        result["check_wide"] = check_wide("cuda")
-        result["sweep_baseline"] = sweep_gemv_configs("cuda", ms=(1, 8, 32), configs=[None])
-        result["sweep_mma_32"] = sweep_gemv_configs("cuda", ms=(16, 32), configs=MMA_WIDE_CONFIGS[:1])
-        result["sweep_wide"] = sweep_gemv_configs("cuda", ms=(8, 32), configs=WIDE_CONFIGS)
     elif args.sweep_mma_wide:
         result["check_mma_wide"] = check_mma_wide("cuda")
         result["sweep_mma_wide"] = sweep_gemv_configs("cuda", ms=(8, 16, 24, 32), configs=MMA_WIDE_CONFIGS)

@@ -88,14 +88,6 @@ MMA_TILES = 1
 MMA_LAUNCH = json.loads(os.environ.get("NINFER_NVFP4_MMA_LAUNCH") or "{}")
 # Rows of x per mma launch in speculative verification (triton_nvfp4_mma.MAX_ROWS)
 MMA_MAX_ROWS = 32
-# From this many rows of x a launch of the mma GEMV reads x's fp16 pairs made once per launch (pair_x: one more
-# small kernel) instead of converting x in each program; the same bits either way.
-PAIR_X_MIN_ROWS = int(os.environ.get("NINFER_NVFP4_PAIR_X_MIN_ROWS", "1000"))
-# From this many rows of x (a decode step of this many sequences, and its verify rows) the warpgroup kernel
-# (triton_nvfp4_wide) runs instead of the mma GEMV; 0: never. WIDE_LAUNCH: its tiles.
-WIDE_MIN_M = int(os.environ.get("NINFER_NVFP4_WIDE_MIN_M", "0"))
-WIDE_LAUNCH = dict(kind="wide", BLOCK_N=128, BLOCK_W=16, num_warps=8, STAGES=3) | json.loads(
-    os.environ.get("NINFER_NVFP4_WIDE_LAUNCH") or "{}")
 # Off when NINFER_NVFP4_MMA=0 or when its start-up check failed (use_mma below; the runner calls it).
 MMA_ENABLED = os.environ.get("NINFER_NVFP4_MMA", "1") != "0"
 # Its K loop unrolled twice: the prefetched registers swap roles instead of being copied each step.
@@ -594,8 +586,6 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
     fastest tiles (bench/results/2026-11-30-h200-s4, and -s7 for the L2 prefetch distances at
     M = 1, 2). Few rows (N < 8192, e.g. 5120) want wide steps or prefetch to keep bytes in flight;
     prefetch pays only with long rows (K >= 4096), never at M >= 3."""
-    if MMA_ENABLED and WIDE_MIN_M and m >= WIDE_MIN_M and k % (8 * WIDE_LAUNCH["BLOCK_W"]) == 0:
-        return dict(WIDE_LAUNCH)
     if MMA_ENABLED and MMA_MIN_M <= m <= HFMA_MAX_M and k % 256 == 0:  # tensor cores: triton_nvfp4_mma
         cfg = dict(kind="mma", TILES=MMA_TILES, WARPS=8 if k % 512 == 0 else 4) | MMA_LAUNCH
         return cfg if k % (64 * cfg["WARPS"]) == 0 else cfg | {"WARPS": 4}
@@ -661,23 +651,11 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
     if kind == "mma" and x.dtype == torch.bfloat16 and (x.is_cuda or interpreting()):
         from ninfer.kernels.triton_nvfp4_mma import gemv_mma
 
-        from ninfer.kernels.triton_nvfp4_mma import pair_x
-
-        x32 = _x_words(x)
-        paired = cfg.get("XP", m >= PAIR_X_MIN_ROWS)
-        gemv_mma(pair_x(x32, pdl_launch(x.device)) if paired else x32, words.contiguous(), sbytes.contiguous(),
-                 row_scale, y, m, n, k, tiles=cfg["TILES"], warps=cfg["WARPS"], depth=cfg.get("DEPTH"),
-                 unroll=cfg.get("UNROLL"), prefetch=cfg.get("PREFETCH", 0), stages=cfg.get("STAGES", 0),
-                 launch=pdl_launch(x.device), x_paired=paired)
+        gemv_mma(_x_words(x), words.contiguous(), sbytes.contiguous(), row_scale, y, m, n, k, tiles=cfg["TILES"],
+                 warps=cfg["WARPS"], depth=cfg.get("DEPTH"), unroll=cfg.get("UNROLL"), prefetch=cfg.get("PREFETCH", 0),
+                 stages=cfg.get("STAGES", 0), launch=pdl_launch(x.device))
         return y
-    if kind == "wide" and x.dtype == torch.bfloat16 and (x.is_cuda or interpreting()):
-        from ninfer.kernels.triton_nvfp4_wide import gemm_wide
-
-        gemm_wide(x, words.contiguous(), sbytes.contiguous(), row_scale, y, block_n=cfg["BLOCK_N"],
-                  block_w=cfg["BLOCK_W"], warps=cfg["num_warps"], stages=cfg["STAGES"], launch=pdl_launch(x.device),
-                  tokens=cfg.get("TOKENS", 32), weights_as_b=cfg.get("WB", False), depth=cfg.get("DEPTH", 1))
-        return y
-    if kind in ("mma", "wide"):  # fp32 / fp16 x, or no GPU and no interpreter: the packed-fp16 GEMV's fallbacks
+    if kind == "mma":  # fp32 / fp16 x, or no GPU and no interpreter: the packed-fp16 GEMV's fallbacks
         cfg = _hfma_config(m, n, k)
         kind = cfg.pop("kind")
     if kind == "hfma" and (x.dtype != torch.bfloat16 or not (x.is_cuda or interpreting())):
@@ -746,24 +724,20 @@ def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     x = x.contiguous()
     x32 = _x_words(x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    paired = None  # x's fp16 pairs for the mma launches, made once (triton_nvfp4_mma.pair_x)
     for first, count, cfg in _decode_passes(like, n, k):
         lo, hi = first * width, (first + count) * width
         kind = cfg["kind"]
-        step = {"hfma": HFMA_ROWS_PER_PASS, "mma": MMA_MAX_ROWS, "wide": MAX_ROWS_LIKE}.get(kind, GEMV_MAX_M)
+        step = {"hfma": HFMA_ROWS_PER_PASS, "mma": MMA_MAX_ROWS}.get(kind, GEMV_MAX_M)
         for r0 in range(lo, hi, step):
             rows = min(step, hi - r0)
             if kind == "hfma":
                 _launch_hfma(x32, words, sbytes, row_scale, y, n, k, cfg, r0, rows)
             elif kind == "mma":
-                from ninfer.kernels.triton_nvfp4_mma import gemv_mma, pair_x
+                from ninfer.kernels.triton_nvfp4_mma import gemv_mma
 
-                pair = rows >= PAIR_X_MIN_ROWS
-                if pair and paired is None:
-                    paired = pair_x(x32, pdl_launch(x.device))
-                gemv_mma((paired if pair else x32)[r0:], words, sbytes, row_scale, y[r0:], rows, n, k,
-                         tiles=cfg["TILES"], warps=cfg["WARPS"], prefetch=cfg.get("PREFETCH", 0),
-                         stages=cfg.get("STAGES", 0), launch=pdl_launch(x.device), x_paired=pair)  # its default depth
+                gemv_mma(x32[r0:], words, sbytes, row_scale, y[r0:], rows, n, k, tiles=cfg["TILES"],
+                         warps=cfg["WARPS"], prefetch=cfg.get("PREFETCH", 0),
+                         stages=cfg.get("STAGES", 0), launch=pdl_launch(x.device))  # its default depth for the rows
             else:
                 nvfp4_gemv(x[r0:r0 + rows], packed, scale, row_scale, out=y[r0:r0 + rows], config=cfg)
     return y

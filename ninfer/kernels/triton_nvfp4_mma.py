@@ -29,7 +29,11 @@ Bytes in flight without registers, timed in s20 on an H100 (bench/results/2026-1
 refuted; the options stay for sweeps. `stages` lets Triton's software pipeline stage the loads through
 shared memory with cp.async (45-64 registers, but 4.3-5.1 SASS instructions a weight against 3.5): 2.2-3.4x
 slower. `prefetch` adds L2 prefetches (126 registers): ~1.8x slower. Fewer warps a program (more programs
-resident) were slower at every M too. Neither option changes a bit of the result.
+resident) were slower at every M too. Neither option changes a bit of the result. Also refuted (s24, on an H100,
+bench/results/2026-12-05-h100-s24): x's fp16 pairs made once per launch by a small kernel instead of in every
+program (4.84 instead of 7.12 SASS instructions a weight at four token tiles), which made a C=8 k=3 verify step
+4.4 ms slower; and a warpgroup (`tl.dot`, HGMMA) kernel over a fixed 32-token tile, flat in M and bit-exact but
+4.4x this kernel's time at 8 rows (its decoded tile goes through shared memory, 1-2 programs an SM).
 
 Lane layout: a 1-D tensor of 32 * num_warps elements is one element per thread, element i in lane
 i % 32 of warp i // 32 (Triton's default blocked layout); under the CPU interpreter
@@ -42,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.pdl import pdl_enter, pdl_release, pdl_wait
+from ninfer.kernels.pdl import pdl_release, pdl_wait
 from ninfer.kernels.triton_compat import interpreting
 from ninfer.kernels.triton_nvfp4 import _F16_UNSCALE, _prefetch_l2, _x_pairs, decode_word_ptx
 
@@ -144,16 +148,12 @@ def _load_x(xrows, xoks, blk):
 
 
 @triton.jit
-def _step(accs, ws, xw, TILES: tl.constexpr, XT: tl.constexpr, X_PAIRED: tl.constexpr = False):
-    """accs (row tile i, token tile j's four at 4 (XT i + j)) += one step of every row tile. X_PAIRED: xw holds
-    the fp16 pairs already (pair_x)."""
-    if X_PAIRED:
-        xp = xw
-    else:
-        xp = ()
-        for j in tl.static_range(XT):  # fp16 pairs (x0, x2), (x4, x6), (x1, x3), (x5, x7), then of x8 ..
-            xp = xp + _x_pairs(xw[8 * j], xw[8 * j + 1], xw[8 * j + 2], xw[8 * j + 3])
-            xp = xp + _x_pairs(xw[8 * j + 4], xw[8 * j + 5], xw[8 * j + 6], xw[8 * j + 7])
+def _step(accs, ws, xw, TILES: tl.constexpr, XT: tl.constexpr):
+    """accs (row tile i, token tile j's four at 4 (XT i + j)) += one step of every row tile."""
+    xp = ()
+    for j in tl.static_range(XT):  # fp16 pairs (x0, x2), (x4, x6), (x1, x3), (x5, x7), then of x8 ..
+        xp = xp + _x_pairs(xw[8 * j], xw[8 * j + 1], xw[8 * j + 2], xw[8 * j + 3])
+        xp = xp + _x_pairs(xw[8 * j + 4], xw[8 * j + 5], xw[8 * j + 6], xw[8 * j + 7])
     out = ()
     for i in tl.static_range(TILES):
         a = _decode(ws[6 * i], ws[6 * i + 1], ws[6 * i + 3], ws[6 * i + 4], ws[6 * i + 2], ws[6 * i + 5])
@@ -185,15 +185,14 @@ def _gemv_mma_kernel(
     M, N, stride_x32, stride_ym,
     KW: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr, XT: tl.constexpr,
     DEPTH: tl.constexpr, UNROLL: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    STAGES: tl.constexpr = 0, X_PAIRED: tl.constexpr = False,
+    STAGES: tl.constexpr = 0,
 ):
     """One program per 16 * TILES weight rows and all of K, its WARPS warps interleaving steps of 4
     blocks; M <= 8 XT rows of x (X32: bf16 pairs as int32). W32: rows of KW words; S8: rows of KW / 2
     scale bytes. DEPTH (<= the steps a warp takes) steps of weights are loaded ahead, x one step; PREFETCH > 0:
     the weights PREFETCH steps past those are prefetched into L2. STAGES > 0: instead of that register queue,
     Triton's software pipeline stages STAGES steps of loads through shared memory (cp.async), so the bytes in
-    flight hold no registers. X_PAIRED: X32 holds x's fp16 pairs in the kernel's order (pair_x), made once per
-    launch instead of in every program: the same bits, without the conversion's instructions in the K loop."""
+    flight hold no registers."""
     pdl_release(USE_PDL)
     LANES: tl.constexpr = 32 * WARPS
     KB: tl.constexpr = KW // 2
@@ -228,7 +227,7 @@ def _gemv_mma_kernel(
         for s in tl.range(0, STEPS, num_stages=STAGES, loop_unroll_factor=UNROLL):
             ws = _load_w_staged(wrows, srows, blk + s * SB, t)
             xw = _load_x(xrows, xoks, blk + s * SB)
-            accs = _step(accs, ws, xw, TILES, XT, X_PAIRED)
+            accs = _step(accs, ws, xw, TILES, XT)
     else:
         queue = ()
         for s in tl.static_range(DEPTH):  # the first steps' weights before waiting on the kernel before
@@ -242,13 +241,13 @@ def _gemv_mma_kernel(
                 _prefetch_w(wrows, srows, blk + (s + DEPTH + PREFETCH) * SB, KB)
             nxt = _load_w(wrows, srows, blk + (s + DEPTH) * SB)
             xw_next = _load_x(xrows, xoks, blk + (s + 1) * SB)
-            accs = _step(accs, _part(queue, 0, NW), xw, TILES, XT, X_PAIRED)
+            accs = _step(accs, _part(queue, 0, NW), xw, TILES, XT)
             queue = _part(queue, NW, NW * (DEPTH - 1)) + nxt
             xw = xw_next
         for s in tl.static_range(DEPTH):  # the last DEPTH steps, loaded already
             if s + 1 < DEPTH:
                 xw_next = _load_x(xrows, xoks, blk + (STEPS - DEPTH + s + 1) * SB)
-            accs = _step(accs, _part(queue, NW * s, NW), xw, TILES, XT, X_PAIRED)
+            accs = _step(accs, _part(queue, NW * s, NW), xw, TILES, XT)
             if s + 1 < DEPTH:
                 xw = xw_next
     # sum the warps' steps; lane l = 4 g + t holds rows g, g + 8 and tokens 2t, 2t + 1 of each tile
@@ -264,32 +263,6 @@ def _gemv_mma_kernel(
                     part = tl.sum(tl.reshape(accs[4 * (XT * i + j) + 2 * h + c], [WARPS, 32]), axis=0)
                     m = 8 * j + tok + c
                     tl.store(Y + m * stride_ym + n, (part * rs).to(Y.dtype.element_ty), mask=(m < M) & (n < N))
-
-
-@triton.jit
-def _pair_x_kernel(X32, P32, total, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """Each group of 4 words (8 bf16 of a row) -> its 4 fp16 pairs, in the order _step takes them."""
-    pdl_enter(USE_PDL)
-    g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = g < total
-    w0, w1, w2, w3 = _load4(X32 + 4 * g, ok)
-    p0, p1, p2, p3 = _x_pairs(w0, w1, w2, w3)
-    ptr = P32 + 4 * g
-    tl.store(ptr, p0, mask=ok)
-    tl.store(ptr + 1, p1, mask=ok)
-    tl.store(ptr + 2, p2, mask=ok)
-    tl.store(ptr + 3, p3, mask=ok)
-
-
-def pair_x(x32: torch.Tensor, launch: dict) -> torch.Tensor:
-    """bf16 x [M, K] as int32 pairs [M, K / 2] (contiguous) -> the fp16 pairs _step computes from them, in its
-    order, as int32 [M, K / 2]: what the kernel's X_PAIRED launch reads (one conversion per launch, not one per
-    program of 16 weight rows)."""
-    x32 = x32.contiguous()
-    out = torch.empty_like(x32)
-    total = x32.numel() // 4
-    _pair_x_kernel[(triton.cdiv(total, 512),)](x32, out, total, BLOCK=512, num_warps=4, **launch)
-    return out
 
 
 def mma_fits(m: int, k: int, warps: int) -> bool:
@@ -310,12 +283,12 @@ def default_depth(xt: int, k: int = 0) -> int:
 
 def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles: int, warps: int,
               launch: dict, depth: int | None = None, unroll: int | None = None, prefetch: int = 0,
-              stages: int = 0, x_paired: bool = False) -> None:
+              stages: int = 0) -> None:
     """y[:m] = x @ W^T: x32 the bf16 rows of x as int32 pairs, words / sbytes W's codes and scale bytes
     (contiguous rows), launch: the PDL launch options (ninfer.kernels.pdl). Neither `tiles` (16-row
     tiles a program), `depth`, `unroll` (the K loop's), `prefetch` (L2 prefetch distance in steps; none
     under the interpreter, which has no L2) nor `stages` (shared-memory staging instead of the register
-    queue) changes a result; nor does `x_paired` (x32 is pair_x's output: the pairs made once per launch)."""
+    queue) changes a result."""
     if not mma_fits(m, k, warps):
         raise ValueError(f"the mma GEMV takes 1..{MAX_ROWS} rows of x and K a multiple of {K_STEP * warps}; "
                          f"got M={m}, K={k}")
@@ -326,8 +299,7 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
     grid = (triton.cdiv(n, 16 * tiles),)
     _gemv_mma_kernel[grid](x32, words, sbytes.view(torch.uint8), row_scale, y, m, n, x32.stride(0), y.stride(0),
                             KW=k // 8, TILES=tiles, WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, DEPTH=depth,
-                            UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, X_PAIRED=x_paired,
-                            num_warps=warps,
+                            UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, num_warps=warps,
                             num_stages=max(stages, 1), **launch)
 
 
