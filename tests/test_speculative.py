@@ -332,8 +332,8 @@ def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mt
 
 
 def test_mtp_graphs_are_captured_when_the_proposer_is_bound(tiny_qwen_mtp_path, monkeypatch):
-    """Every MTP head graph (the chain, the head over a plain step's rows, over each verify width's and over
-    WINDOW's) is captured at start-up, for every decode batch size, over placeholder rows while the cache is
+    """Every MTP head graph (the chain, the head over a plain step's rows, over each verify width's, WINDOW's and
+    CAP's: a catch-up) is captured at start-up, for every decode batch size, over placeholder rows while the cache is
     empty; serving then captures nothing more (a first-use capture stalled the first requests of each batch
     size), its drafts equal the head run from scratch and its output plain greedy's (the graph paths on the
     CPU as in the tests above)."""
@@ -348,7 +348,7 @@ def test_mtp_graphs_are_captured_when_the_proposer_is_bound(tiny_qwen_mtp_path, 
     settings = EngineSettings(max_context=256, max_concurrency=3, prefill_chunk=16, draft_tokens=3, spec="mtp")
     engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
     proposer = engine.proposer
-    widths = sorted({2, 3, 4, mtp_proposer.WINDOW})
+    widths = sorted({2, 3, 4, mtp_proposer.WINDOW, mtp_proposer.CAP})
     expected = {key for b in (1, 2, 3) for key in
                 [("chain", b), ("observe", b)] + [("observe_verify", b, w) for w in widths]}
     assert set(proposer._graphs) == expected and len(captured) == len(expected)

@@ -15,6 +15,9 @@ Per step, two halves (ninfer.models.mtp says what the head computes):
   kept since. Once a sequence keeps CAP rows, every sequence of the step catches up together, in one
   forward: the head's weights are then read once per CAP plain steps, not once per sequence and
   window (at C=8 on the H200, s15, per-sequence windows and their host work cost ~0.5 ms a 15.5 ms step).
+  A catch-up replays a verify-shaped graph of WINDOW or CAP rows a sequence: eager, each new mix of row
+  counts compiled or loaded Triton kernels mid-serving (s24 on an H100 at C=8: catch-ups of 256-416 rows took
+  0.48-0.77 s where others took 2-10 ms, stalling every sequence of the step, most often in a probe step).
 - `propose` (before the next verify forward): k-1 more head steps from there, one token each (the
   previous draft in, the previous output as hidden), the drafts left on the device. On CUDA, with
   the runner's graphs on, the k-1 steps replay one CUDA graph per batch size instead of ~k * 40 eager
@@ -51,7 +54,7 @@ from ninfer.models.mtp import chain_batch
 
 log = logging.getLogger("ninfer.engine")
 WINDOW = 8  # kept rows up to this many a sequence are observed through one verify-shaped graph of this width
-CAP = 64  # kept rows a sequence may hold: then every sequence of the step catches up, in one forward
+CAP = 64  # kept rows a sequence may hold: then every sequence of the step catches up, through the graph of CAP rows
 
 
 @dataclass
@@ -94,6 +97,7 @@ class MTPProposer:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: tuple[DecodeInputs, torch.Tensor, torch.Tensor] | None = None  # base rows, hidden, draft
         self._verify_statics: dict[int, tuple[VerifyInputs, torch.Tensor, torch.Tensor]] = {}  # by verify width
+        self._pick: torch.Tensor | None = None  # verify-shaped graphs: each sequence's last row, whose draft they give
         self.graph_replays = 0
         self.observe_replays = 0
         self._graph_failed = False
@@ -116,7 +120,7 @@ class MTPProposer:
     def _capture_all(self) -> None:
         """Capture every head graph a run can replay (module docstring), for batch sizes 1..the runner's
         decode graphs': the chain of k-1 steps, the head over one row a sequence, and over verify-shaped
-        rows of every verify width and of WINDOW."""
+        rows of every verify width, of WINDOW and of CAP."""
         runner, started = self.runner, time.perf_counter()
         like, k = runner.decode_graph_inputs, runner.draft_tokens
         # shaped like the trunk's hidden states, which the graphs' static rows are copied from
@@ -124,7 +128,7 @@ class MTPProposer:
         hidden = torch.zeros(1, self.head.config["hidden_size"], dtype=dtype, device=runner.device)
         inputs, h0, d0 = self._statics(hidden)
         inputs.placeholder()
-        verify = {width: self._verify_static(width, hidden) for width in sorted(set(range(2, k + 2)) | {WINDOW})}
+        verify = {width: self._verify_static(width, hidden) for width in sorted(set(range(2, k + 2)) | {WINDOW, CAP})}
         for vin, _, _ in verify.values():
             vin.placeholder()
         for b in range(like.max_batch, 0, -1):
@@ -133,7 +137,8 @@ class MTPProposer:
             if self._head_graph(("observe", b), inputs, b, h0[:b], d0[:b]) is None:
                 return
             for width, (vin, vh, vd) in verify.items():
-                if self._head_graph(("observe_verify", b, width), vin, b, vh[: b * width], vd[: b * width]) is None:
+                if self._head_graph(("observe_verify", b, width), vin, b, vh[: b * width], vd[:b],
+                                    self._picks()) is None:
                     return
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
@@ -211,7 +216,9 @@ class MTPProposer:
                 graphed = self._observe_verify_replay(seqs, starts, tokens, hidden, widths.pop())
             elif max(lens) <= WINDOW:  # rows of a few steps
                 graphed = self._observe_verify_replay(seqs, starts, tokens, hidden, WINDOW)
-            else:  # a catch-up: one forward reads the head's weights once
+            elif max(lens) <= CAP:  # a catch-up: one forward reads the head's weights once
+                graphed = self._observe_verify_replay(seqs, starts, tokens, hidden, CAP)
+            else:
                 graphed = None
             if graphed is not None:
                 results = [(graphed[0][j], graphed[1][j]) for j in range(len(seqs))]
@@ -235,8 +242,9 @@ class MTPProposer:
                                hidden: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """observe over a verify step's committed rows (tokens[i]: c_i of them at starts[i]..) from one CUDA
         graph per (batch size, verify width): the rows padded to the step's width as a verify batch (padding
-        writes no KV), the head over all of them, then each sequence's row c_i - 1 picked. None when the
-        head cannot be captured or the rows do not fit (the caller observes eagerly)."""
+        writes no KV), the head over all of them, then each sequence's row c_i - 1 picked (the graph drafts from
+        those rows alone). None when the head cannot be captured or the rows do not fit (the caller observes
+        eagerly)."""
         runner, b = self.runner, len(seqs)
         like = runner.decode_graph_inputs
         if width < 2 or any(len(t) > width for t in tokens) or b > like.max_batch:
@@ -247,11 +255,13 @@ class MTPProposer:
         grid = h0[: b * width].view(b, width, -1)
         for i, h in enumerate(hidden):
             grid[i, : h.shape[0]].copy_(h)
-        replayed = self._head_replay(("observe_verify", b, width), inputs, b, h0[: b * width], d0[: b * width])
+        last = runner._tensor([i * width + len(t) - 1 for i, t in enumerate(tokens)], torch.long)
+        pick = self._picks()
+        pick[:b].copy_(last)
+        replayed = self._head_replay(("observe_verify", b, width), inputs, b, h0[: b * width], d0[:b], pick)
         if replayed is None:
             return None
-        last = runner._tensor([i * width + len(t) - 1 for i, t in enumerate(tokens)], torch.long)
-        return replayed[0][last], replayed[1][last]
+        return replayed[0][last], replayed[1].clone()  # its next replay rewrites the static drafts
 
     def _verify_static(self, width: int, like: torch.Tensor) -> tuple[VerifyInputs, torch.Tensor, torch.Tensor]:
         """The verify-shaped graphs' static inputs of this width: rows, hidden rows (like `like`'s), draft ids."""
@@ -266,22 +276,31 @@ class MTPProposer:
                 torch.zeros(rows, dtype=torch.long, device=device))
         return static
 
-    def _head_graph(self, key: tuple, inputs, b: int, hidden: torch.Tensor, drafts: torch.Tensor) -> tuple | None:
+    def _picks(self) -> torch.Tensor:
+        """The static row indices of the verify-shaped graphs (one a sequence, filled before each replay)."""
+        if self._pick is None:
+            self._pick = torch.zeros(self.runner.decode_graph_inputs.max_batch, dtype=torch.long,
+                                     device=self.runner.device)
+        return self._pick
+
+    def _head_graph(self, key: tuple, inputs, b: int, hidden: torch.Tensor, drafts: torch.Tensor,
+                    pick: torch.Tensor | None = None) -> tuple | None:
         """The graph of `key` (captured now if it is not yet): the head over static `inputs.batch(b)` and static
-        `hidden` rows, its argmax into static `drafts`. None when the head cannot be captured."""
+        `hidden` rows, its argmax into static `drafts`: of every row, or with `pick` (static indices) of rows
+        pick[:b] only. None when the head cannot be captured."""
         def run() -> torch.Tensor:
             batch = inputs.batch(b)
             out = self.head(batch, self.runner.cache, batch.input_ids, hidden)
-            drafts.copy_(self._argmax(out))
+            drafts.copy_(self._argmax(out if pick is None else out[pick[:b]]))
             return out
 
         return self._graph(key, run)
 
-    def _head_replay(self, key: tuple, inputs, b: int, hidden: torch.Tensor,
-                     drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _head_replay(self, key: tuple, inputs, b: int, hidden: torch.Tensor, drafts: torch.Tensor,
+                     pick: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`_head_graph`'s graph replayed: its outputs and drafts (rewritten by its next replay), or None when
         the head cannot be captured."""
-        entry = self._head_graph(key, inputs, b, hidden, drafts)
+        entry = self._head_graph(key, inputs, b, hidden, drafts, pick)
         if entry is None:
             return None
         entry[0].replay()
