@@ -98,6 +98,16 @@ def test_spec_e2e_dry_run_keeps_outputs_equal_at_every_acceptance_length():
     assert measured and all(m >= 1.0 for m in measured)
 
 
+def test_spec_phase_times_dry_run_times_the_drafting_calls():
+    """bench/spec_phase_times.py: spec_e2e with timers around the step launches, verify forwards and MTP head
+    passes; its last line names each timed call with its count."""
+    records = _records("spec_phase_times.py", "--with-mtp", "--adaptive", "--concurrency", "2", "--acceptance", "1.5")
+    assert next(r for r in records if r["kind"] == "summary")["all_outputs_equal"]
+    ms = records[-1]["ms"]
+    assert records[-1]["kind"] == "phase_times" and ms["propose"]["n"] > 0
+    assert any(k.startswith("verify_") for k in ms) and any(k.startswith("launch_2d") for k in ms)
+
+
 def test_verify_exactness_dry_run_compares_every_batch():
     records = _records("verify_exactness.py")
     rows = [r for r in records if r["kind"] == "verify_exactness"]
