@@ -15,9 +15,9 @@ Per step, two halves (ninfer.models.mtp says what the head computes):
   kept since. Once a sequence keeps CAP rows, every sequence of the step catches up together, in one
   forward: the head's weights are then read once per CAP plain steps, not once per sequence and
   window (at C=8 on the H200, s15, per-sequence windows and their host work cost ~0.5 ms a 15.5 ms step).
-  A catch-up replays a verify-shaped graph of WINDOW or CAP rows a sequence: eager, each new mix of row
-  counts compiled or loaded Triton kernels mid-serving (s24 on an H100 at C=8: catch-ups of 256-416 rows took
-  0.48-0.77 s where others took 2-10 ms, stalling every sequence of the step, most often in a probe step).
+  A catch-up replays a verify-shaped graph of WINDOW or CAP rows a sequence. Run eagerly, as before s24, a new
+  mix of row counts could compile or load Triton kernels mid-serving (on an H100 at C=8, catch-ups of 256-416
+  rows took 0.48-0.77 s where others took 2-10 ms, stalling every sequence of the step, mostly in probe steps).
 - `propose` (before the next verify forward): k-1 more head steps from there, one token each (the
   previous draft in, the previous output as hidden), the drafts left on the device. On CUDA, with
   the runner's graphs on, the k-1 steps replay one CUDA graph per batch size instead of ~k * 40 eager
@@ -218,7 +218,7 @@ class MTPProposer:
                 graphed = self._observe_verify_replay(seqs, starts, tokens, hidden, WINDOW)
             elif max(lens) <= CAP:  # a catch-up: one forward reads the head's weights once
                 graphed = self._observe_verify_replay(seqs, starts, tokens, hidden, CAP)
-            else:
+            else:  # a prefill chunk of more than CAP rows: eager
                 graphed = None
             if graphed is not None:
                 results = [(graphed[0][j], graphed[1][j]) for j in range(len(seqs))]
