@@ -367,7 +367,7 @@ def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_p
     """A step's rows that carried no drafts (the adaptive engine's plain steps) run no MTP head: they are kept
     and observed when the sequence next drafts, or, once a sequence keeps CAP rows (here also 2, 3), every
     sequence's at once: through the verify-shaped graph of WINDOW rows a sequence where they fit (WINDOW 3),
-    else in one eager forward (the graph paths as in the test above). Every draft equals the head run from
+    else of CAP rows, else in one eager forward (the graph paths as in the test above). Every draft equals the head run from
     scratch, and output equals plain greedy."""
     import itertools
 
@@ -408,6 +408,8 @@ def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_p
     if graphs:
         windows = {k for k in proposer._graphs if k[0] == "observe_verify" and k[2] == mtp_proposer.WINDOW}
         assert captured and bool(windows) == (cap is None or cap <= mtp_proposer.WINDOW)
+        if mtp_proposer.CAP > mtp_proposer.WINDOW:  # more rows than WINDOW (a catch-up, a short prefill chunk): CAP's
+            assert any(k[0] == "observe_verify" and k[2] == mtp_proposer.CAP for k in proposer._graphs)
     for tokens, drafts, budget in seen:
         assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
     assert_no_leak(engine)
