@@ -79,6 +79,19 @@ class OracleAfterMTP:
             self.mtp.propose(works, budgets)
             self.oracle.propose(works, budgets)
 
+    def predictions(self, plan):
+        """The rows the head could predict (free acceptance samples), each with the oracle's first draft there."""
+        import torch
+
+        if not self.oracle.continuations:
+            return []
+        out = []
+        for seq, _ in self.mtp.predictions(plan):
+            known, done = self.oracle.continuations.get(seq.request_id, []), len(seq.output_ids)
+            if done < len(known):
+                out.append((seq, torch.tensor(self.oracle._replacement(seq.request_id, done, known[done]))))
+        return out
+
 
 class StepLog:
     """The engine thread's phase times (HostWork.phase) step by step, each step marked decode-only or not (a
@@ -119,13 +132,14 @@ class StepLog:
 
 
 class DraftLog:
-    """With --adaptive: how many drafts the controller chose at each batch size (k: steps), and its step-time
-    table (ms by "batch x width") and engine-wide acceptance when a run ends: why a run drafted or not."""
+    """With --adaptive: how many drafts the controller chose at each batch size (k: steps), the free samples it
+    took (drafts checked against plain steps' tokens), and its step-time table (ms by "batch x width") and
+    engine-wide acceptance when a run ends: why a run drafted or not."""
 
     def __init__(self, engine):
         control = engine.drafts_control
         self.enabled = control is not None
-        self.control, self.hist = control, {}
+        self.control, self.hist, self._samples = control, {}, 0
         if control is None:
             return
         original = control.drafts
@@ -139,7 +153,9 @@ class DraftLog:
         control.drafts = drafts
 
     def take(self) -> dict:
+        samples, self._samples = self.control.samples - self._samples, self.control.samples
         out = {"chosen": dict(sorted(self.hist.items())), "engine_p": round(self.control._engine.p, 3),
+               "free_samples": samples,
                "times_ms": {f"{b}x{w}": round(t * 1e3, 2) for (b, w), t in sorted(self.control._times.items())},
                "probe_ms": {f"{b}": round(t * 1e3, 2) for b, t in sorted(self.control._probe_times.items())}}
         self.hist = {}

@@ -180,6 +180,36 @@ def test_probes_back_off_to_probe_max():
     assert c.drafts(8, rows) == 0  # the old ones' back-off stays theirs
 
 
+def test_free_samples_stand_in_for_probes():
+    """A frontier draft checked against a plain step's token (DraftController.sample, "Free samples" in
+    spec_control's docstring) is what a one-draft probe would have learned: it counts as a round, a fallen one
+    backs the sequence's probes off, and the batch's next explicit probe waits a full gap again, so with a sample
+    every CAP plain steps the back-off's long gaps need no verify step at all; one that stands brings drafting back
+    for that sequence."""
+    c = DraftController(3)
+    for width, ms in ((1, 10.0), (2, 14.0), (4, 20.0)):
+        _measured(c, 8, width, ms / 1000)
+    rows = [f"s{i}" for i in range(8)]
+    for r in rows:
+        for _ in range(12):
+            c.round(r, 1, 0)
+    probes, every = [], 64  # a catch-up, and with it a sample of every row, each 64 plain steps (mtp_proposer.CAP)
+    for step in range(4 * spec_control.PROBE_MAX):
+        if c.drafts(8, rows):
+            probes.append(step)
+        elif step % every == every - 1:
+            for r in rows:
+                c.sample(r, False)
+    assert c.samples == 8 * len([s for s in range(4 * spec_control.PROBE_MAX) if s % every == every - 1
+                                 and s not in probes])
+    assert probes and max(probes) < 2 * every  # only the back-off's first, short gaps still probe
+    assert all(c._seqs[r].probe_every == spec_control.PROBE_MAX for r in rows)
+    before = c.acceptance("s0")
+    for _ in range(3):
+        c.sample("s0", True)  # its drafts stand again: probed soon, and drafting pays once they keep standing
+    assert c.acceptance("s0") > before and c._seqs["s0"].probe_every == spec_control.PROBE_EVERY
+
+
 def test_a_fresh_sequence_whose_first_draft_falls_is_probed_once_more():
     """s18 on the H200, C=1, acceptance 3.5 after a poorly drafted run: the one probe at the first step fell (a
     drafter right 91 % of the time misses 9 % of first drafts), the back-off then kept the request plain for

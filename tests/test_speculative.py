@@ -415,6 +415,43 @@ def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_p
     assert_no_leak(engine)
 
 
+def test_plain_steps_check_the_heads_frontier_draft_as_a_free_sample(tiny_qwen_mtp_path, monkeypatch):
+    """Free samples (spec_control): the adaptive engine checks the MTP head's frontier draft of each row without
+    drafts against the token the step samples, and reports it to the controller, with no verify step. With catch-ups
+    every 4 plain steps (CAP 4) samples arrive and output stays plain greedy; the check compares a row's draft with
+    that row's own token (a stand-in head predicting the true next token: every sample stands; the token after it:
+    every sample falls)."""
+    from ninfer.engine import mtp_proposer
+
+    monkeypatch.setattr(mtp_proposer, "CAP", 4)
+    base = _baseline(tiny_qwen_mtp_path, max_tokens=24)
+    truth = {f"r{i}": token_ids(ev) for i, ev in enumerate(base)}
+    settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, draft_tokens=3, spec="mtp",
+                              adaptive_drafts=True)
+    real_predictions = mtp_proposer.MTPProposer.predictions
+    for shift in (None, 0, 1):
+        if shift is not None:  # rows the head can predict, each with the true token (or the one after it)
+            def predictions(self, plan, shift=shift):
+                rows = real_predictions(self, plan)
+                out = [(seq, torch.tensor(truth[seq.request_id][len(seq.output_ids)] + shift)) for seq, _ in rows
+                       if len(seq.output_ids) < len(truth[seq.request_id])]
+                return out
+            monkeypatch.setattr(mtp_proposer.MTPProposer, "predictions", predictions)
+        engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
+        outcomes = []
+        sample = engine.drafts_control.sample
+        engine.drafts_control.sample = lambda rid, stood: (outcomes.append(stood), sample(rid, stood))[1]
+        try:
+            spec = run_all(engine, _requests(24))
+        finally:
+            engine.shutdown()
+        assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
+        assert len(outcomes) == engine.drafts_control.samples > 4, shift
+        if shift is not None:
+            assert all(outcomes) == (shift == 0) and any(outcomes) == (shift == 0), shift
+        assert_no_leak(engine)
+
+
 def test_proposal_head_shortlists_the_lm_head_and_drafts_within_it(tiny_qwen_mtp_path, tmp_path):
     """--lm-head-draft (contract: "loads the optimized proposal head"): `ninfer convert-draft-head` adds a
     draft_head component holding the lm_head rows of a token shortlist (corpus-ranked here); the engine's MTP

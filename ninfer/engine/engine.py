@@ -393,12 +393,15 @@ class Engine:
             self.context.run(plan.before)
             # drafts after the copies and restores: a drafter reads its context from the pages they fill
             self._propose(plan)
+            predicted = self._predicted(plan)
             launched = self.runner.launch(plan)
             self.context.run(plan.after)
         with self.work.phase("device_wait"):
             output = self.runner.collect(plan, launched)
         with self.work.phase("engine_commit_output"):
             finished, committed = self._commit(plan, output)
+            if predicted:
+                self._sample(predicted, plan, output)
             if any(w.draft_ids for w in plan.decode):
                 ending = {id(s) for s, _ in finished}  # released below: nothing to roll back
                 live = [w for w in plan.decode if id(w.seq) not in ending]
@@ -426,6 +429,24 @@ class Engine:
                 return
             budgets = [min(b, k) for b in budgets]
         self.proposer.propose(works, budgets)
+
+    def _predicted(self, plan: StepPlan) -> list:
+        """The proposer's drafts for this step's rows without drafts (free acceptance samples, spec_control), read
+        before the step's own observe moves them on."""
+        if self.drafts_control is None or not hasattr(self.proposer, "predictions"):
+            return []
+        return self.proposer.predictions(plan)
+
+    def _sample(self, predicted: list, plan: StepPlan, output: RunnerOutput) -> None:
+        """Each predicted draft against the token its row sampled: one read back of drafts computed before this
+        step (the step's own synchronization has passed them), no verify step."""
+        drafts = torch.stack([d for _, d in predicted]).tolist()
+        offset = len(plan.works) - len(plan.decode)
+        sampled = {id(w.seq): output.sampled[offset + i] for i, w in enumerate(plan.decode)}
+        for (seq, _), draft in zip(predicted, drafts):
+            tokens = sampled.get(id(seq))
+            if tokens and seq.status is not Status.FINISHED:
+                self.drafts_control.sample(seq.request_id, draft == tokens[0])
 
     def _commit(self, plan: StepPlan, output: RunnerOutput) -> tuple[list[tuple[Sequence, FinishReason]], dict]:
         """Commit each work's samples; returns the requests that ended, with why, and the tokens each decode

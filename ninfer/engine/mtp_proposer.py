@@ -178,6 +178,17 @@ class MTPProposer:
                 full = full or chunks[-1].end - chunks[0].start >= CAP
         self._observe(now + kept if full else now)
 
+    def predictions(self, plan: StepPlan) -> list[tuple[Sequence, torch.Tensor]]:
+        """The plan's rows without drafts whose frontier draft predicts the token this step samples (the head has
+        observed up to the row's last committed token): (sequence, draft on the device), for free acceptance samples
+        (spec_control's `sample`)."""
+        out = []
+        for work in plan.decode:
+            f = None if work.draft_ids else self._frontier.get(work.seq.request_id)
+            if f is not None and f.position == work.seq.num_computed - 1:
+                out.append((work.seq, f.draft))
+        return out
+
     def _keep(self, seq: Sequence, start: int, hidden: torch.Tensor, width: int) -> None:
         """Append positions start.. to seq's unobserved rows, which stay one contiguous run ending there: rows at
         or past `start` are dropped (a replay computes them again), and so are rows before a gap."""

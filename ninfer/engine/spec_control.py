@@ -43,6 +43,13 @@ the 27B NVFP4 shape a width-2 step costs ~1.6 plain ones, so probing every 16 st
 A probe's step time is kept apart from the drafting widths' (per batch size): after plain steps it also
 pays the drafter's catch-up over the rows it skipped (s18, C=1: ~16 ms against ~10 for a width-2 step
 while drafting), which would otherwise price one-draft steps out.
+Free samples (s24): a probe's first draft is the MTP head's frontier draft, which predicts the token the next
+plain step samples. Where the head has caught up over a sequence's kept rows (every CAP plain steps) or observed a
+drafted step's rows, and the next step is plain, the engine checks that draft against the step's token and reports
+it (`sample`): the outcome a probe would have had, without its verify step (at C=8 on the H200 a width-2 step costs
+15.5 ms against 9.7, a catch-up's graph ~1.2 ms). Such a sample resets the batch's probe streak, so with catch-ups
+every CAP plain steps explicit probes remain only where back-offs are shorter than that.
+
 Output never depends on it: drafts only decide how many tokens a step may commit.
 """
 
@@ -90,6 +97,7 @@ class DraftController:
         self._plain_streak = 0  # plain steps since the last probe or drafting step
         self._probe_times: dict[int, float] = {}  # batch -> seconds of a probe step (kept apart: docstring)
         self._probing = False  # the last decision was a one-draft probe: its step's time is a probe's
+        self.samples = 0  # free samples taken (`sample`)
 
     # ---- what the engine reports -----------------------------------------------------------------
     def step_time(self, batch: int, width: int, seconds: float) -> None:
@@ -123,6 +131,18 @@ class DraftController:
         e = self._engine
         e.accepted = ENGINE_DECAY * e.accepted + accepted
         e.rejected = ENGINE_DECAY * e.rejected + rejected
+
+    def sample(self, request_id: str, stood: bool) -> None:
+        """A draft the head gave before a plain step, checked against that step's token (the proposer's frontier
+        draft, which a one-draft probe of the sequence would have verified): the probe's outcome without its
+        verify step. Counted as a round; a draft that fell backs the sequence's probes off as a failed probe
+        does, and the batch's next probe waits a full gap again (docstring: Free samples)."""
+        self.samples += 1
+        self.round(request_id, 1, int(stood))
+        if not stood:
+            a = self._seq(request_id)
+            a.probe_every = min(2 * a.probe_every, PROBE_MAX)
+        self._plain_streak = 0
 
     def _seq(self, request_id: str) -> _Acceptance:
         a = self._seqs.get(request_id)
