@@ -180,6 +180,20 @@ def test_probes_back_off_to_probe_max():
     assert c.drafts(8, rows) == 0  # the old ones' back-off stays theirs
 
 
+def test_a_verify_step_never_prices_below_a_plain_one():
+    """A plain step timed during a pause (here 20 ms against a 10 ms verify step) made a drafter that is never right
+    look worth drafting, and drafting every step then never timed a plain step again (s24: CI, every draft wrong,
+    210 verify steps against 24 plain ones): a verify step's price is at least a plain step's."""
+    c = DraftController(3)
+    for width, ms in ((1, 20.0), (2, 10.0), (3, 10.0), (4, 10.0)):
+        _measured(c, 4, width, ms / 1000)
+    rows = [f"s{i}" for i in range(4)]
+    for r in rows:
+        for _ in range(12):
+            c.round(r, 3, 0)
+    assert [c.drafts(4, rows) for _ in range(8)] == [0] * 8
+
+
 def test_free_samples_stand_in_for_probes():
     """A frontier draft checked against a plain step's token (DraftController.sample, "Free samples" in
     spec_control's docstring) is what a one-draft probe would have learned: it counts as a round, a fallen one
