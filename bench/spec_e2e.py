@@ -85,12 +85,8 @@ class OracleAfterMTP:
 
         if not self.oracle.continuations:
             return []
-        out = []
-        for seq, _ in self.mtp.predictions(plan):
-            known, done = self.oracle.continuations.get(seq.request_id, []), len(seq.output_ids)
-            if done < len(known):
-                out.append((seq, torch.tensor(self.oracle._replacement(seq.request_id, done, known[done]))))
-        return out
+        rows = [(seq, self.oracle.drafts(seq, 1)) for seq, _ in self.mtp.predictions(plan)]
+        return [(seq, torch.tensor(first[0])) for seq, first in rows if first]
 
 
 class StepLog:

@@ -221,16 +221,15 @@ class DraftController:
     def _best(self, batch: int, ps: list[float]) -> int | None:
         """The k maximising expected committed tokens per second for drafting rows of acceptance ps (None
         while no plain step of this batch size was measured)."""
-        best_k, best_rate, plain = 0, None, None
+        plain = self.cost(batch, 1)
+        if plain is None:  # no plain step of this size measured yet: take one, then compare with it
+            return None
+        best_k, best_rate = 0, None
         for k in range(self.max_drafts + 1):
-            cost = self.cost(batch, k + 1)
-            if cost is None:  # no plain step of this size measured yet: take one, then compare with it
-                return None
             # a verify step does a plain step's work and more: a measurement saying it is cheaper is noise (a plain
             # step timed during a pause), which would otherwise keep a drafter that is never right drafting, the
             # plain step never timed again (s24: CI, every draft wrong, 210 verify steps against 24 plain ones)
-            plain = cost if k == 0 else plain
-            cost = max(cost, plain)
+            cost = max(self.cost(batch, k + 1), plain)
             tokens = sum(sum(p ** j for j in range(k + 1)) for p in ps) + (batch - len(ps))
             rate = tokens / cost
             if k > 0:  # drafting must beat plain decoding by MIN_GAIN: timing noise alone decides below it

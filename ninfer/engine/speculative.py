@@ -159,11 +159,14 @@ class OracleProposer:
         other = zlib.crc32(f"{self.seed}:{request_id}:{position}:token".encode()) % (self.vocab - 1)
         return (token + 1 + other) % self.vocab
 
+    def drafts(self, seq, budget: int) -> list[int]:
+        """Up to `budget` drafts for the sequence's next output positions (fewer where its continuation ends)."""
+        known = self.continuations.get(seq.request_id, [])
+        done = len(seq.output_ids)
+        return [self._replacement(seq.request_id, done + j, t) for j, t in enumerate(known[done: done + budget])]
+
     def propose(self, works: list[SeqWork], budgets: list[int]) -> None:
         for work, budget in zip(works, budgets):
-            seq = work.seq
-            known = self.continuations.get(seq.request_id, [])
-            done = len(seq.output_ids)
-            drafts = [self._replacement(seq.request_id, done + j, t) for j, t in enumerate(known[done: done + budget])]
+            drafts = self.drafts(work.seq, budget)
             work.draft_ids, work.staged = drafts, None  # replaces any drafts staged before (bench wrappers)
             work.tokens = work.tokens[:1] + drafts
