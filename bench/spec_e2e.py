@@ -20,7 +20,8 @@ plain run's, and says whether that run's output equals the plain one (verify exa
 
 Prints one JSON line per (concurrency, acceptance length) with decode tok/s (sum over requests of
 their generated tokens per decode second; with --repeat R the median of R runs) and the ratio to the
-same engine without drafts.
+same engine without speculation (its proposer and draft controller detached, as a server without --spec;
+drafter_idle_tok_s: the plain run with them attached and idle, the reference before s25).
 
     python bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --concurrency 1 8 --drafts 3
     python bench/spec_e2e.py --dry-run   # tiny preset on the CPU: the harness itself
@@ -57,8 +58,8 @@ def corruption_for(length: float, k: int) -> float:
 class OracleAfterMTP:
     """The MTP proposer's whole work each round (observe, propose), its drafts then replaced by the oracle's."""
 
-    def __init__(self, mtp, oracle):
-        self.mtp, self.oracle = mtp, oracle
+    def __init__(self, mtp, oracle, free_samples: bool = True):
+        self.mtp, self.oracle, self.free_samples = mtp, oracle, free_samples
         self.wants_prefill_hidden = True
 
     def cache_spec(self, spec):
@@ -74,6 +75,9 @@ class OracleAfterMTP:
         if self.oracle.continuations:  # the run without drafts pays nothing for the head
             self.mtp.observe(plan, output, committed)
 
+    def observe_deferred(self):
+        self.mtp.observe_deferred()
+
     def propose(self, works, budgets):
         if self.oracle.continuations:
             self.mtp.propose(works, budgets)
@@ -83,7 +87,7 @@ class OracleAfterMTP:
         """The rows the head could predict (free acceptance samples), each with the oracle's first draft there."""
         import torch
 
-        if not self.oracle.continuations:
+        if not self.oracle.continuations or not self.free_samples:
             return []
         rows = [(seq, self.oracle.drafts(seq, 1)) for seq, _ in self.mtp.predictions(plan)]
         return [(seq, torch.tensor(first[0])) for seq, first in rows if first]
@@ -158,6 +162,19 @@ class DraftLog:
         return out
 
 
+@contextlib.contextmanager
+def without_drafter(engine):
+    """The engine as one started without --spec runs its decode steps: no proposer (no hidden states kept, no head's
+    observe) and no draft controller deciding each step. Before s25 the reference was the same engine with its
+    drafter idle (no continuations), which paid for those per step too and so flattered every ratio."""
+    saved = engine.proposer, engine.drafts_control
+    engine.proposer = engine.drafts_control = None
+    try:
+        yield
+    finally:
+        engine.proposer, engine.drafts_control = saved
+
+
 def step_ms(before: dict, after: dict, steps: int) -> dict:
     """The engine thread's wall time per decode step, by host phase and blocking device wait (HostWork):
     every step's time (prefill steps too) over the decode steps (StepLog.round_ms: decode-only steps)."""
@@ -210,6 +227,8 @@ def main() -> None:
     p.add_argument("--adaptive", action="store_true",
                    help="per step, only as many drafts as pay for their verification (EngineSettings.adaptive_drafts, "
                         "the server's default); without it every round drafts --drafts tokens")
+    p.add_argument("--no-free-samples", action="store_true",
+                   help="with --with-mtp --adaptive: no free acceptance samples (DraftController.sample), as before s24")
     p.add_argument("--fast-verify", action="store_true",
                    help="verify rows as one matmul pass (EngineSettings.exact_verify=False)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -258,7 +277,7 @@ def main() -> None:
             short = draft_head(trunk, args.draft_head)
             if short is not None and args.nvfp4_draft_head:
                 short.quantize_nvfp4_()
-            return OracleAfterMTP(MTPProposer(head, short), oracle)
+            return OracleAfterMTP(MTPProposer(head, short), oracle, free_samples=not args.no_free_samples)
     engine = engine_from_preset(args.shape, settings, device=device, weights=args.weights, proposer=proposer)
     steplog = StepLog(engine)
     choices = DraftLog(engine)
@@ -359,6 +378,7 @@ def main() -> None:
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
          exact_verify=settings.exact_verify, with_mtp=args.with_mtp, draft_head=args.draft_head,
          nvfp4_mtp=args.nvfp4_mtp, nvfp4_draft_head=args.nvfp4_draft_head, adaptive=args.adaptive, reference=args.reference,
+         free_samples=args.with_mtp and args.adaptive and not args.no_free_samples,
          graph_status=engine.runner.graph_status, nvfp4_gemv=engine.runner.nvfp4_status,
          **({"mtp_graphs": len(engine.proposer.mtp._graphs), "mtp_capture_s": round(engine.proposer.mtp.capture_seconds, 3)}
             if args.with_mtp else {}))
@@ -368,10 +388,12 @@ def main() -> None:
         freeze_startup_objects()  # as the Engine replica does once ready (no full-collection pauses over start-up's)
         for c in args.concurrency:
             oracle.continuations = {}
-            base, base_rate, base_counts = profiled(c, "plain") if args.profile or args.timeline else run(c)
-            base_rate = median([base_rate] + [run(c)[1] for _ in range(args.repeat - 1)])
+            attached_rate = run(c)[1]  # the drafter idle (before s25 this was the reference)
+            with without_drafter(engine):  # no speculation: what a server without --spec runs
+                base, base_rate, base_counts = profiled(c, "plain") if args.profile or args.timeline else run(c)
+                base_rate = median([base_rate] + [run(c)[1] for _ in range(args.repeat - 1)])
             emit(kind="spec_e2e", concurrency=c, acceptance_target=None, decode_tok_s=base_rate, ratio=1.0,
-                 step_ms=base_counts["step_ms"], round_ms=base_counts["round_ms"])
+                 drafter_idle_tok_s=attached_rate, step_ms=base_counts["step_ms"], round_ms=base_counts["round_ms"])
             if args.reference == "verify":  # the continuation as verify forwards compute it: every draft wrong
                 oracle.continuations = {f"r{i}": [0] * args.max_tokens for i in range(c)}
                 oracle.corrupt = 0.0

@@ -368,7 +368,8 @@ def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_p
     and observed when the sequence next drafts, or, once a sequence keeps CAP rows (here also 2, 3), every
     sequence's at once: through the verify-shaped graph of WINDOW rows a sequence where they fit (WINDOW 3),
     else of CAP rows, else in one eager forward (the graph paths as in the test above). Every draft equals the head run from
-    scratch, and output equals plain greedy."""
+    scratch, and output equals plain greedy. A plain step's observe (its bookkeeping, a catch-up) runs only after the
+    next step's forward is launched, so the device does not wait for it (s25)."""
     import itertools
 
     from ninfer.engine import mtp_proposer
@@ -388,19 +389,36 @@ def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_p
     engine._propose = lambda plan: propose(plan) if next(steps) % 4 == 0 else None  # drafts every fourth step
     forwards, head_forward = [], proposer.head.forward
     proposer.head.forward = lambda *a, **kw: (forwards.append(1), head_forward(*a, **kw))[1]
-    plain, observe = [], proposer.observe
+    plain, observe_step, events, launch = [], proposer._observe_step, [], engine.runner.launch
 
     def counted(plan, output, committed):
         before = len(forwards)
-        observe(plan, output, committed)
+        observe_step(plan, output, committed)
         if plan.prefill is None and not any(w.draft_ids for w in plan.decode):
             plain.append(len(forwards) - before)
+            events.append(("observed", plan))
 
-    proposer.observe = counted
+    def launched(plan):
+        events.append(("launched", plan))
+        return launch(plan)
+
+    def propose_now(works, budgets):  # a drafting step observes what was deferred first: its drafts start there
+        events.append(("propose", None))
+        return propose_drafts(works, budgets)
+
+    propose_drafts = proposer.propose
+    proposer._observe_step, engine.runner.launch, proposer.propose = counted, launched, propose_now
     oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=5)
     spec, counters, seen = _run_recording_drafts(engine, oracle)
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert counters.spec_rounds > 0 and counters.spec_fallback_steps > counters.spec_rounds
+    # each plain step observed only after a later step's launch, or first thing when a later step drafts (events
+    # hold the plans: ids are not reused)
+    launches = [(i, plan) for i, (kind, plan) in enumerate(events) if kind == "launched"]
+    for i, (kind, plan) in enumerate(events):
+        if kind == "observed":
+            own = next(j for j, p in launches if p is plan)
+            assert any(own < j < i for j, _ in launches) or events[i - 1][0] == "propose", i
     if cap is None:
         assert plain and sum(plain) == 0  # three plain steps between drafts: fewer rows than CAP
     else:
@@ -727,6 +745,63 @@ def test_block_drafter_context_travels_with_paused_requests(tiny_qwen_path, tmp_
     assert len(seen) > 40
     for tokens, drafts, budget in seen:
         assert drafts == _reference_block(engine, tokens)[:budget]
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("host_budget", [None, 0], ids=["snapshot", "replay"])
+def test_mtp_rows_kept_and_caught_up_around_pauses(tiny_qwen_mtp_path, monkeypatch, host_budget):
+    """The MTP head under KV pressure: requests are paused (snapshot or replay) and restored on other pages while
+    they keep rows of plain steps (drafts every third step, catch-ups every 2 kept rows). A plain step's observe
+    runs after the next step's launch (s25), by when a request of it may be paused and its pages another's: a
+    catch-up leaves it out. Every proposal equals the head run from scratch over the whole sequence, output equals
+    plain greedy decoding, and no page leaks."""
+    import asyncio
+    import itertools
+
+    from ninfer.engine import mtp_proposer
+
+    monkeypatch.setattr(mtp_proposer, "CAP", 2)
+    prompts = [[(31 * i + 7 * s) % 700 + 60 for i in range(60)] for s in range(4)]
+    common = dict(max_context=512, prefill_chunk=32, page_size=4, prefix_reuse=False, pending_timeout_ms=10**9)
+
+    def run(engine):
+        engine.settings.eos_ids = set()  # random weights: generate the full length
+
+        async def main():
+            async def one(i):
+                return [e async for e in engine.stream(EngineRequest(f"s{i}", prompts[i], max_tokens=40,
+                                                                       sampling=GREEDY))]
+            return await asyncio.gather(*(one(i) for i in range(4)))
+        return [token_ids(events) for events in asyncio.run(main())]
+
+    plain = load_engine(tiny_qwen_mtp_path, EngineSettings(**common, max_concurrency=1), device=CPU)
+    try:
+        want = run(plain)
+    finally:
+        plain.shutdown()
+    settings = EngineSettings(**common, max_concurrency=4, kv_capacity=160, state_slots=8, draft_tokens=3,
+                              spec="mtp", host_context_bytes=host_budget)
+    engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
+    steps, propose_step = itertools.count(), engine._propose
+    engine._propose = lambda plan: propose_step(plan) if next(steps) % 3 == 0 else None
+    seen, propose = [], engine.proposer.propose
+
+    def recording(works, budgets):
+        propose(works, budgets)
+        seen.extend((w.seq.tokens(0, w.seq.total_len), _proposed(w), b) for w, b in zip(works, budgets))
+
+    engine.proposer.propose = recording
+    try:
+        got = run(engine)
+    finally:
+        engine.shutdown()
+    assert got == want
+    assert engine.scheduler.preemptions > 0
+    c = engine.counters
+    assert (c.snapshot_restores > 0) if host_budget is None else (c.replay_restores > 0)
+    assert len(seen) > 20 and c.spec_fallback_steps > c.spec_rounds
+    for tokens, drafts, budget in seen:
+        assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
     assert_no_leak(engine)
 
 

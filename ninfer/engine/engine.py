@@ -393,8 +393,10 @@ class Engine:
             self.context.run(plan.before)
             # drafts after the copies and restores: a drafter reads its context from the pages they fill
             self._propose(plan)
-            predicted = self._predicted(plan)
             launched = self.runner.launch(plan)
+            if hasattr(self.proposer, "observe_deferred"):  # the last plain step's observe, under this forward
+                self.proposer.observe_deferred()
+            predicted = self._predicted(plan)
             self.context.run(plan.after)
         with self.work.phase("device_wait"):
             output = self.runner.collect(plan, launched)
@@ -432,7 +434,8 @@ class Engine:
 
     def _predicted(self, plan: StepPlan) -> list:
         """The proposer's drafts for this step's rows without drafts (free acceptance samples, spec_control), read
-        before the step's own observe moves them on."""
+        after the last step's deferred observe (whose catch-up may have just given them) and before this step's own
+        observe moves them on."""
         if self.drafts_control is None or not hasattr(self.proposer, "predictions"):
             return []
         return self.proposer.predictions(plan)

@@ -225,12 +225,15 @@ class DraftController:
         if plain is None:  # no plain step of this size measured yet: take one, then compare with it
             return None
         best_k, best_rate = 0, None
+        tokens, powers = float(batch), [1.0] * len(ps)  # tokens: sum_s (1 + p_s + ... + p_s^k), grown with k
         for k in range(self.max_drafts + 1):
+            if k:
+                powers = [q * p for q, p in zip(powers, ps)]
+                tokens += sum(powers)
             # a verify step does a plain step's work and more: a measurement saying it is cheaper is noise (a plain
             # step timed during a pause), which would otherwise keep a drafter that is never right drafting, the
             # plain step never timed again (s24: CI, every draft wrong, 210 verify steps against 24 plain ones)
             cost = max(self.cost(batch, k + 1), plain)
-            tokens = sum(sum(p ** j for j in range(k + 1)) for p in ps) + (batch - len(ps))
             rate = tokens / cost
             if k > 0:  # drafting must beat plain decoding by MIN_GAIN: timing noise alone decides below it
                 rate /= MIN_GAIN
