@@ -220,8 +220,33 @@ def test_free_samples_stand_in_for_probes():
     assert all(c._seqs[r].probe_every == spec_control.PROBE_MAX for r in rows)
     before = c.acceptance("s0")
     for _ in range(3):
-        c.sample("s0", True)  # its drafts stand again: probed soon, and drafting pays once they keep standing
-    assert c.acceptance("s0") > before and c._seqs["s0"].probe_every == spec_control.PROBE_EVERY
+        c.sample("s0", True)  # its drafts stand again: p rises (the next sample comes without a probe)
+    assert c.acceptance("s0") > before and c._seqs["s0"].probe_every == spec_control.PROBE_MAX
+    for _ in range(6):
+        for r in rows:
+            c.sample(r, True)
+    assert c.drafts(8, rows) > 1  # drafting pays again, brought back by samples alone
+
+
+def test_samples_that_sometimes_stand_do_not_keep_probes_coming():
+    """s25, H100, C=8 at acceptance 1.5: about a third of the samples stood; had each reset its row's back-off to
+    PROBE_EVERY as a standing probe does, some row would always be due and the batch probed every gap (12 probe
+    steps in 512, ~1.8 % of the time). A sample every CAP plain steps makes those probes redundant."""
+    c = DraftController(3)
+    for width, ms in ((1, 10.0), (2, 18.0), (3, 22.0), (4, 26.0)):  # the H100's C=8 step times, rounded
+        _measured(c, 8, width, ms / 1000)
+    rows = [f"s{i}" for i in range(8)]
+    for r in rows:
+        for _ in range(12):
+            c.round(r, 1, 0)
+    probes, every = [], 64
+    for step in range(4 * spec_control.PROBE_MAX):
+        if c.drafts(8, rows):
+            probes.append(step)
+        elif step % every == every - 1:
+            for i, r in enumerate(rows):
+                c.sample(r, (i + step // every) % 3 == 0)  # a third of them stand, a different third each time
+    assert probes and max(probes) < 3 * every, probes
 
 
 def test_a_fresh_sequence_whose_first_draft_falls_is_probed_once_more():

@@ -48,7 +48,10 @@ plain step samples. Where the head has caught up over a sequence's kept rows (ev
 drafted step's rows, and the next step is plain, the engine checks that draft against the step's token and reports
 it (`sample`): the outcome a probe would have had, without its verify step (at C=8 on the H200 a width-2 step costs
 15.5 ms against 9.7, a catch-up's graph ~1.2 ms). Such a sample resets the batch's probe streak, so with catch-ups
-every CAP plain steps explicit probes remain only where back-offs are shorter than that.
+every CAP plain steps explicit probes remain only where back-offs are shorter than that. A sample that stands does
+not shorten the back-off as a probe that stands does (s25, H100, C=8 at acceptance 1.5: with ~30 % of samples
+standing, some row's back-off was always back at PROBE_EVERY and 12 probes in 512 steps still ran, ~1.8 % of the
+time): the next sample comes anyway, and standing samples raise p until drafting pays.
 
 Output never depends on it: drafts only decide how many tokens a step may commit.
 """
@@ -136,12 +139,14 @@ class DraftController:
         """A draft the head gave before a plain step, checked against that step's token (the proposer's frontier
         draft, which a one-draft probe of the sequence would have verified): the probe's outcome without its
         verify step. Counted as a round; a draft that fell backs the sequence's probes off as a failed probe
-        does, and the batch's next probe waits a full gap again (docstring: Free samples)."""
+        does, one that stood leaves the back-off as it is (the next sample comes without a probe; a drafter that
+        recovers raises p sample by sample until drafting pays), and the batch's next probe waits a full gap
+        again (docstring: Free samples)."""
         self.samples += 1
+        a = self._seq(request_id)
+        every = a.probe_every
         self.round(request_id, 1, int(stood))
-        if not stood:
-            a = self._seq(request_id)
-            a.probe_every = min(2 * a.probe_every, PROBE_MAX)
+        a.probe_every = every if stood else min(2 * every, PROBE_MAX)
         self._plain_streak = 0
 
     def _seq(self, request_id: str) -> _Acceptance:
