@@ -48,10 +48,11 @@ plain step samples. Where the head has caught up over a sequence's kept rows (ev
 drafted step's rows, and the next step is plain, the engine checks that draft against the step's token and reports
 it (`sample`): the outcome a probe would have had, without its verify step (at C=8 on the H200 a width-2 step costs
 15.5 ms against 9.7, a catch-up's graph ~1.2 ms). Such a sample resets the batch's probe streak, so with catch-ups
-every CAP plain steps explicit probes remain only where back-offs are shorter than that. A sample that stands does
-not shorten the back-off as a probe that stands does (s25, H100, C=8 at acceptance 1.5: with ~30 % of samples
-standing, some row's back-off was always back at PROBE_EVERY and 12 probes in 512 steps still ran, ~1.8 % of the
-time): the next sample comes anyway, and standing samples raise p until drafting pays.
+every CAP plain steps explicit probes would remain only where back-offs are shorter than that. So a sequence's
+sample sets its back-off to PROBE_MAX, stood or fell: its samples keep coming, and standing ones raise p until
+drafting pays; only sequences without samples yet (a fresh one, before its first catch-up) keep the batch probing
+(s25, H100, C=8 at acceptance 1.5 over 512 steps: with a standing sample resetting the back-off to PROBE_EVERY as a
+standing probe does, 12 probe steps, ~1.8 % of the time; keeping the back-off as it was, 6).
 
 Output never depends on it: drafts only decide how many tokens a step may commit.
 """
@@ -138,15 +139,12 @@ class DraftController:
     def sample(self, request_id: str, stood: bool) -> None:
         """A draft the head gave before a plain step, checked against that step's token (the proposer's frontier
         draft, which a one-draft probe of the sequence would have verified): the probe's outcome without its
-        verify step. Counted as a round; a draft that fell backs the sequence's probes off as a failed probe
-        does, one that stood leaves the back-off as it is (the next sample comes without a probe; a drafter that
-        recovers raises p sample by sample until drafting pays), and the batch's next probe waits a full gap
-        again (docstring: Free samples)."""
+        verify step. Counted as a round; the sequence's probe back-off goes to PROBE_MAX whether the draft stood
+        or fell (its samples keep coming more often than that; a drafter that recovers raises p sample by sample
+        until drafting pays), and the batch's next probe waits a full gap again (docstring: Free samples)."""
         self.samples += 1
-        a = self._seq(request_id)
-        every = a.probe_every
         self.round(request_id, 1, int(stood))
-        a.probe_every = every if stood else min(2 * every, PROBE_MAX)
+        self._seq(request_id).probe_every = PROBE_MAX
         self._plain_streak = 0
 
     def _seq(self, request_id: str) -> _Acceptance:
