@@ -689,40 +689,45 @@ def test_a_sampled_draft_is_accepted_with_the_target_probability(tiny_qwen_path)
     assert abs(accepted / runs - p_draft) < 4.5 * sd, (accepted / runs, p_draft)
 
 
-@pytest.mark.parametrize("host_budget", [None, 0], ids=["snapshot", "replay"])
-def test_block_drafter_context_travels_with_paused_requests(tiny_qwen_path, tmp_path, host_budget):
-    """Under KV pressure the engine pauses requests (snapshot to the host, or replay) and later restores them on
-    other pages; the drafter's context K/V moves with the target's pages (contract, metrics:
-    ninfer_context_transfer_bytes_total{resource,direction} counts "backend KV" payloads, here backend_kv), so
-    every proposal, before a pause and after, equals the drafter run from scratch over the whole sequence, and
-    output equals plain greedy decoding."""
+# four 60-token prompts decoding 40 tokens at once in a KV pool that cannot hold them all: pauses and restores. No
+# admission deadline: the point is the pauses, and a loaded CI machine runs this slowly
+_PRESSURE = dict(max_context=512, prefill_chunk=32, page_size=4, prefix_reuse=False, pending_timeout_ms=10**9)
+_PRESSURE_PROMPTS = [[(31 * i + 7 * s) % 700 + 60 for i in range(60)] for s in range(4)]
+
+
+def _run_under_pressure(engine) -> list[list[int]]:
+    """The pressure prompts at once through the engine, greedy (EOS off: random weights generate the full length)."""
     import asyncio
 
-    path = _block_drafter_artifact(tiny_qwen_path, tmp_path / "dflash", "dflash")
-    prompts = [[(31 * i + 7 * s) % 700 + 60 for i in range(60)] for s in range(4)]
-    # no admission deadline: the point is the pauses, and a loaded CI machine runs this slowly
-    common = dict(max_context=512, prefill_chunk=32, page_size=4, prefix_reuse=False, pending_timeout_ms=10**9)
+    engine.settings.eos_ids = set()
 
-    def run(engine):
-        engine.settings.eos_ids = set()  # random weights: generate the full length
+    async def main():
+        async def one(i):
+            return [e async for e in engine.stream(EngineRequest(f"s{i}", _PRESSURE_PROMPTS[i], max_tokens=40,
+                                                                   sampling=GREEDY))]
+        return await asyncio.gather(*(one(i) for i in range(4)))
+    return [token_ids(events) for events in asyncio.run(main())]
 
-        async def main():
-            async def one(i):
-                return [e async for e in engine.stream(EngineRequest(f"s{i}", prompts[i], max_tokens=40,
-                                                                       sampling=GREEDY))]
-            return await asyncio.gather(*(one(i) for i in range(4)))
-        return [token_ids(events) for events in asyncio.run(main())]
 
-    plain = load_engine(tiny_qwen_path, EngineSettings(**common, max_concurrency=1), device=CPU)
+def _plain_under_pressure(path) -> list[list[int]]:
+    """_run_under_pressure's output without speculation, one request at a time."""
+    plain = load_engine(path, EngineSettings(**_PRESSURE, max_concurrency=1), device=CPU)
     try:
-        want = run(plain)
+        return _run_under_pressure(plain)
     finally:
         plain.shutdown()
-    settings = EngineSettings(**common, max_concurrency=4, kv_capacity=160, state_slots=8, draft_tokens=4,
-                              spec="dflash", host_context_bytes=host_budget)
+
+
+def _drafted_under_pressure(path, spec: str, draft_tokens: int, host_budget, prepare=None):
+    """_run_under_pressure through an engine drafting with `spec` (pause snapshots within host_budget; 0: replay),
+    `prepare(engine)` first: (output, the stopped engine, every proposal: the sequence so far, its drafts, the
+    budget)."""
+    settings = EngineSettings(**_PRESSURE, max_concurrency=4, kv_capacity=160, state_slots=8,
+                              draft_tokens=draft_tokens, spec=spec, host_context_bytes=host_budget)
     engine = load_engine(path, settings, device=CPU)
-    seen = []
-    propose = engine.proposer.propose
+    if prepare is not None:
+        prepare(engine)
+    seen, propose = [], engine.proposer.propose
 
     def recording(works, budgets):
         propose(works, budgets)
@@ -730,9 +735,21 @@ def test_block_drafter_context_travels_with_paused_requests(tiny_qwen_path, tmp_
 
     engine.proposer.propose = recording
     try:
-        got = run(engine)
+        return _run_under_pressure(engine), engine, seen
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("host_budget", [None, 0], ids=["snapshot", "replay"])
+def test_block_drafter_context_travels_with_paused_requests(tiny_qwen_path, tmp_path, host_budget):
+    """Under KV pressure the engine pauses requests (snapshot to the host, or replay) and later restores them on
+    other pages; the drafter's context K/V moves with the target's pages (contract, metrics:
+    ninfer_context_transfer_bytes_total{resource,direction} counts "backend KV" payloads, here backend_kv), so
+    every proposal, before a pause and after, equals the drafter run from scratch over the whole sequence, and
+    output equals plain greedy decoding."""
+    path = _block_drafter_artifact(tiny_qwen_path, tmp_path / "dflash", "dflash")
+    want = _plain_under_pressure(tiny_qwen_path)
+    got, engine, seen = _drafted_under_pressure(path, "dflash", 4, host_budget)
     assert got == want
     c = engine.counters
     assert engine.scheduler.preemptions > 0
@@ -755,46 +772,17 @@ def test_mtp_rows_kept_and_caught_up_around_pauses(tiny_qwen_mtp_path, monkeypat
     runs after the next step's launch (s25), by when a request of it may be paused and its pages another's: a
     catch-up leaves it out. Every proposal equals the head run from scratch over the whole sequence, output equals
     plain greedy decoding, and no page leaks."""
-    import asyncio
     import itertools
 
     from ninfer.engine import mtp_proposer
 
     monkeypatch.setattr(mtp_proposer, "CAP", 2)
-    prompts = [[(31 * i + 7 * s) % 700 + 60 for i in range(60)] for s in range(4)]
-    common = dict(max_context=512, prefill_chunk=32, page_size=4, prefix_reuse=False, pending_timeout_ms=10**9)
+    want = _plain_under_pressure(tiny_qwen_mtp_path)
+    def every_third_step(engine):
+        steps, propose_step = itertools.count(), engine._propose
+        engine._propose = lambda plan: propose_step(plan) if next(steps) % 3 == 0 else None
 
-    def run(engine):
-        engine.settings.eos_ids = set()  # random weights: generate the full length
-
-        async def main():
-            async def one(i):
-                return [e async for e in engine.stream(EngineRequest(f"s{i}", prompts[i], max_tokens=40,
-                                                                       sampling=GREEDY))]
-            return await asyncio.gather(*(one(i) for i in range(4)))
-        return [token_ids(events) for events in asyncio.run(main())]
-
-    plain = load_engine(tiny_qwen_mtp_path, EngineSettings(**common, max_concurrency=1), device=CPU)
-    try:
-        want = run(plain)
-    finally:
-        plain.shutdown()
-    settings = EngineSettings(**common, max_concurrency=4, kv_capacity=160, state_slots=8, draft_tokens=3,
-                              spec="mtp", host_context_bytes=host_budget)
-    engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
-    steps, propose_step = itertools.count(), engine._propose
-    engine._propose = lambda plan: propose_step(plan) if next(steps) % 3 == 0 else None
-    seen, propose = [], engine.proposer.propose
-
-    def recording(works, budgets):
-        propose(works, budgets)
-        seen.extend((w.seq.tokens(0, w.seq.total_len), _proposed(w), b) for w, b in zip(works, budgets))
-
-    engine.proposer.propose = recording
-    try:
-        got = run(engine)
-    finally:
-        engine.shutdown()
+    got, engine, seen = _drafted_under_pressure(tiny_qwen_mtp_path, "mtp", 3, host_budget, every_third_step)
     assert got == want
     assert engine.scheduler.preemptions > 0
     c = engine.counters
