@@ -163,8 +163,9 @@ class MTPProposer:
         """The head over the step's new positions (module docstring): a prefill chunk's and a drafted row's now,
         a row without drafts kept until the sequence drafts again, or until some sequence keeps CAP rows. A plain
         decode step's (no prefill chunk, no drafts) is only deferred: the engine calls `observe_deferred` once the
-        next step's forward is launched, so its host work runs while the device computes (s25: on the H200 this
-        bookkeeping cost every plain step of a speculative engine ~0.06 ms more than an engine without drafts)."""
+        next step's forward is launched, so its host work runs while the device computes (s25, H100, C=8: with the
+        controller's cheaper sums, a speculative engine's decode-only step went from 11.65 to 11.20 ms, against 10.91
+        without speculation)."""
         self.observe_deferred()  # a step deferred before comes first: its rows precede this one's
         if plan.prefill is None and not any(w.draft_ids for w in plan.decode):
             self._deferred = (plan, output, committed)
