@@ -14,7 +14,8 @@
 # e2e_mma (MTP3 end to end at C=1, the speculative table and the plain one), verify27, gc27 (bench/gc_pause.py),
 # pytest_spec (the speculative CUDA tests), mtp_s22 (s21: MTP graphs at start-up, the NVFP4 head, C=8 adaptive),
 # probe_profile (where the adaptive engine's probe steps go at C=8), timeline_c1 (GPU idle per MTP round at C=1), pieces_spec (MTP rounds
-# with piecewise graphs), draft_head_nvfp4 (the proposal head in NVFP4), spec_c8
+# with piecewise graphs), draft_head_nvfp4 (the proposal head in NVFP4), spec_c8_512 / e2e_c1_256 (s25: C=8 adaptive
+# over 512 tokens, MTP3 at C=1 over 256), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
 # sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
@@ -162,6 +163,14 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     gc27)  # a full garbage collection over a 27B NVFP4 engine process, before and after the start-up freeze
       timeout $(( $(left) - 10 )) python3 bench/gc_pause.py --preset qwen3.6-27b --weights nvfp4 \
         > $out/gc_pause_27b.jsonl 2>&1 ;;
+    spec_c8_512)  # s25: adaptive MTP at C=8 over 512 tokens against an engine without speculation (~3 min)
+      timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
+        --draft-head 32768 --adaptive --concurrency 8 --acceptance 1.5 2.5 --settle 3 --max-tokens 512 --repeat 3 \
+        > $out/spec_c8_adaptive_512.log 2>&1 ;;
+    e2e_c1_256)  # s25: MTP3 at C=1 (NVFP4 head, k=3 every round) over 256 tokens: the 350 tok/s goal (~2 min)
+      timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
+        --draft-head 32768 --nvfp4-mtp --concurrency 1 --acceptance 3.0 3.5 --max-tokens 256 \
+        > $out/e2e_c1_256.log 2>&1 ;;
     spec_c8)  # 27B NVFP4 MTP speculation at real C = 8 with controlled acceptance (--settle), adaptive then k = 3
       for mode in --adaptive ""; do
         timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
