@@ -194,26 +194,40 @@ def test_a_verify_step_never_prices_below_a_plain_one():
     assert [c.drafts(4, rows) for _ in range(8)] == [0] * 8
 
 
+def _poorly_drafted_batch(times_ms) -> tuple[DraftController, list[str]]:
+    """A controller with these (width, ms) step times measured at batch size 8, and 8 rows whose drafts all fell
+    12 rounds running."""
+    c = DraftController(3)
+    for width, ms in times_ms:
+        _measured(c, 8, width, ms / 1000)
+    rows = [f"s{i}" for i in range(8)]
+    for r in rows:
+        for _ in range(12):
+            c.round(r, 1, 0)
+    return c, rows
+
+
+def _sampled_run(c: DraftController, rows: list[str], stands) -> tuple[list[int], int]:
+    """4 * PROBE_MAX decode steps of the batch, with a catch-up, and with it a sample of every row (row i's standing
+    where stands(i, step)), each 64 plain steps (mtp_proposer.CAP): (the steps that probed, that period)."""
+    probes, every = [], 64
+    for step in range(4 * spec_control.PROBE_MAX):
+        if c.drafts(8, rows):
+            probes.append(step)
+        elif step % every == every - 1:
+            for i, r in enumerate(rows):
+                c.sample(r, stands(i, step))
+    return probes, every
+
+
 def test_free_samples_stand_in_for_probes():
     """A frontier draft checked against a plain step's token (DraftController.sample, "Free samples" in
     spec_control's docstring) is what a one-draft probe would have learned: it counts as a round, a fallen one
     backs the sequence's probes off, and the batch's next explicit probe waits a full gap again, so with a sample
     every CAP plain steps the back-off's long gaps need no verify step at all; one that stands brings drafting back
     for that sequence."""
-    c = DraftController(3)
-    for width, ms in ((1, 10.0), (2, 14.0), (4, 20.0)):
-        _measured(c, 8, width, ms / 1000)
-    rows = [f"s{i}" for i in range(8)]
-    for r in rows:
-        for _ in range(12):
-            c.round(r, 1, 0)
-    probes, every = [], 64  # a catch-up, and with it a sample of every row, each 64 plain steps (mtp_proposer.CAP)
-    for step in range(4 * spec_control.PROBE_MAX):
-        if c.drafts(8, rows):
-            probes.append(step)
-        elif step % every == every - 1:
-            for r in rows:
-                c.sample(r, False)
+    c, rows = _poorly_drafted_batch(((1, 10.0), (2, 14.0), (4, 20.0)))
+    probes, every = _sampled_run(c, rows, lambda i, step: False)
     assert c.samples == 8 * len([s for s in range(4 * spec_control.PROBE_MAX) if s % every == every - 1
                                  and s not in probes])
     assert probes and max(probes) < 2 * every  # only the back-off's first, short gaps still probe
@@ -232,20 +246,9 @@ def test_samples_that_sometimes_stand_do_not_keep_probes_coming():
     """s25, H100, C=8 at acceptance 1.5: about a third of the samples stood; had each reset its row's back-off to
     PROBE_EVERY as a standing probe does, some row would always be due and the batch probed every gap (12 probe
     steps in 512, ~1.8 % of the time). A sample every CAP plain steps makes those probes redundant."""
-    c = DraftController(3)
-    for width, ms in ((1, 10.0), (2, 18.0), (3, 22.0), (4, 26.0)):  # the H100's C=8 step times, rounded
-        _measured(c, 8, width, ms / 1000)
-    rows = [f"s{i}" for i in range(8)]
-    for r in rows:
-        for _ in range(12):
-            c.round(r, 1, 0)
-    probes, every = [], 64
-    for step in range(4 * spec_control.PROBE_MAX):
-        if c.drafts(8, rows):
-            probes.append(step)
-        elif step % every == every - 1:
-            for i, r in enumerate(rows):
-                c.sample(r, (i + step // every) % 3 == 0)  # a third of them stand, a different third each time
+    # the H100's C=8 step times, rounded; a third of the samples stand, a different third each time
+    c, rows = _poorly_drafted_batch(((1, 10.0), (2, 18.0), (3, 22.0), (4, 26.0)))
+    probes, every = _sampled_run(c, rows, lambda i, step: (i + step // 64) % 3 == 0)
     assert probes and max(probes) < every, probes  # none once every row has had a sample
 
 
