@@ -767,7 +767,9 @@ def test_block_drafter_context_travels_with_paused_requests(tiny_qwen_path, tmp_
 
 @pytest.mark.parametrize("host_budget", [None, 0], ids=["snapshot", "replay"])
 def test_mtp_rows_kept_and_caught_up_around_pauses(tiny_qwen_mtp_path, monkeypatch, host_budget):
-    """The MTP head under KV pressure: requests are paused (snapshot or replay) and restored on other pages while
+    """The MTP head under KV pressure (contract: the startup example's --spec mtp, whose scheduler "can pause a request
+    and restore it later"; metrics ninfer_{preemptions,snapshot_restores,replay_restores}_total, counted here by
+    the engine's counters): requests are paused (snapshot or replay) and restored on other pages while
     they keep rows of plain steps (drafts every third step, catch-ups every 2 kept rows). A plain step's observe
     runs after the next step's launch (s25), by when a request of it may be paused and its pages another's: a
     catch-up leaves it out. Every proposal equals the head run from scratch over the whole sequence, output equals
