@@ -68,8 +68,8 @@ class OracleAfterMTP:
     def bind(self, runner):
         self.mtp.bind(runner)
 
-    def forget(self, seq):
-        self.mtp.forget(seq)
+    def forget(self, seq, retained=False):
+        self.mtp.forget(seq, retained=retained)
 
     def observe(self, plan, output, committed):
         if self.oracle.continuations:  # the run without drafts pays nothing for the head

@@ -15,7 +15,7 @@ from kernel_markers import needs_cuda
 from ninfer.engine.engine import EngineSettings
 from ninfer.engine.loader import load_engine
 from ninfer.engine.speculative import OracleProposer, accepted_prefix, stage_drafts
-from ninfer.engine.types import EngineRequest, FinishEvent, SamplingParams
+from ninfer.engine.types import EngineRequest, FinishEvent, FinishReason, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, presence_penalty=0.0, frequency_penalty=0.0)  # drafts need unpenalized rows
 
@@ -134,6 +134,54 @@ def test_max_tokens_and_stop_strings_inside_an_acceptedrun_all(tiny_qwen_path, q
     assert isinstance(limited[0][-1], FinishEvent)
 
 
+def _one(engine, request_id, prompt, max_tokens=12) -> list:
+    return run_all(engine, [EngineRequest(request_id, prompt, max_tokens=max_tokens, sampling=GREEDY)])[0]
+
+
+def _follow_up(prompt, output) -> list[int]:
+    """A next turn's prompt: the finished request's prompt and output, then new tokens."""
+    return prompt + output + [77, 78, 79]
+
+
+def _plain_follow_ups(path, prompts, outputs) -> list[list[int]]:
+    """Greedy outputs of the follow-ups from an engine that reuses nothing (prefix reuse off)."""
+    engine = load_engine(path, EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16,
+                                              prefix_reuse=False), device=CPU)
+    try:
+        return [token_ids(_one(engine, f"b{i}", _follow_up(p, o))) for i, (p, o) in enumerate(zip(prompts, outputs))]
+    finally:
+        engine.shutdown()
+
+
+def test_a_stop_inside_an_accepted_run_leaves_a_context_the_next_turn_reuses_exactly(tiny_qwen_path):
+    """Contract (speculative backends; prefix reuse): "If a stop truncates a multi-token MTP, DFlash or DFlash2
+    round, the Engine commits the exact accepted target prefix so a following compatible turn can reuse it", and
+    reuse requires matching recurrent state. Each request ends on an EOS inside a run of accepted drafts (every
+    draft stands, 6 tokens a round, the EOS at output 3, 4, 5 or 10), so its state slot, handed to the prefix
+    cache, must be rolled back like a live row's: the follow-up turn reuses that endpoint and decodes as an
+    engine that reuses nothing."""
+    prompts, ends = mixed_prompts(4), [3, 4, 5, 10]
+    first = [token_ids(e) for e in _baseline(tiny_qwen_path, max_tokens=16)][:4]
+    outputs = [f[:n] for f, n in zip(first, ends)]
+    assert all(o[-1] not in o[:-1] for o in outputs)  # the EOS ends each output where it stands
+    expected = _plain_follow_ups(tiny_qwen_path, prompts, outputs)
+    oracle = OracleProposer({f"a{i}": f for i, f in enumerate(first)}, vocab=900)
+    engine = load_engine(tiny_qwen_path, EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16,
+                                                        draft_tokens=5), proposer=oracle, device=CPU)
+    try:
+        for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+            engine.settings.eos_ids = {output[-1]}  # read as each request is prepared: this one's EOS
+            events = _one(engine, f"a{i}", prompt, max_tokens=40)
+            assert token_ids(events) == output and events[-1].reason is FinishReason.STOP
+            engine.settings.eos_ids = set()
+            events = _one(engine, f"b{i}", _follow_up(prompt, output))
+            assert events[-1].usage.cached_tokens == len(prompt) + len(output) - 1  # the endpoint, reused
+            assert token_ids(events) == expected[i]
+        assert engine.counters.spec_accepted_tokens > 0
+    finally:
+        engine.shutdown()
+
+
 def test_the_runner_returns_the_hidden_states_of_every_logit_row_when_asked():
     """Drafters read the target's final hidden states (ARCHITECTURE "Designed in now"): a prefill chunk
     gives its last token's row, a verify row all k+1; each row's logits are those hidden states through
@@ -219,9 +267,10 @@ def _run_recording_drafts(engine, oracle):
     return spec, engine.counters, seen
 
 
-def _reference_drafts(engine, tokens: list[int], k: int) -> list[int]:
-    """The MTP head's k greedy drafts after `tokens`, recomputed from scratch: the trunk over all but the last
-    token, the head over every position (paired with the next token) in a fresh cache, then its chain."""
+def _reference_head(engine, tokens: list[int], k: int):
+    """The MTP head recomputed from scratch after `tokens`: the trunk over all but the last token, the head over
+    every position (paired with the next token) in a fresh cache, then its chain. (its k greedy drafts, the
+    cache, the cache's pages for the sequence)"""
     from ninfer.forward import ForwardBatch, ModelCache
 
     runner, head = engine.runner, engine.proposer.head
@@ -232,7 +281,12 @@ def _reference_drafts(engine, tokens: list[int], k: int) -> list[int]:
         trunk = ForwardBatch.build([tokens[:n]], [0], [pages], 4, [0])
         hidden = runner.model(trunk, cache)
         batch = ForwardBatch.build([tokens[1:]], [0], [pages], 4, [0])
-        return head.propose(batch, cache, batch.input_ids, hidden, k)[0].tolist()
+        return head.propose(batch, cache, batch.input_ids, hidden, k)[0].tolist(), cache, pages
+
+
+def _reference_drafts(engine, tokens: list[int], k: int) -> list[int]:
+    """The MTP head's k greedy drafts after `tokens`, recomputed from scratch (_reference_head)."""
+    return _reference_head(engine, tokens, k)[0]
 
 
 @pytest.mark.parametrize("max_concurrency", [1, 3])
@@ -369,7 +423,8 @@ def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_p
     sequence's at once: through the verify-shaped graph of WINDOW rows a sequence where they fit (WINDOW 3),
     else of CAP rows, else in one eager forward (the graph paths as in the test above). Every draft equals the head run from
     scratch, and output equals plain greedy. A plain step's observe (its bookkeeping, a catch-up) runs only after the
-    next step's forward is launched, so the device does not wait for it (s25)."""
+    next step's forward is launched, so the device does not wait for it (s25), or when a finished sequence's context
+    is retained (its head KV complete for the next turn)."""
     import itertools
 
     from ninfer.engine import mtp_proposer
@@ -406,19 +461,24 @@ def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_p
         events.append(("propose", None))
         return propose_drafts(works, budgets)
 
-    propose_drafts = proposer.propose
+    def forget_now(seq, retained=False):  # a finished sequence's retained context: its rows observed first
+        events.append(("forget", None))
+        return forget(seq, retained=retained)
+
+    propose_drafts, forget = proposer.propose, proposer.forget
     proposer._observe_step, engine.runner.launch, proposer.propose = counted, launched, propose_now
+    proposer.forget = forget_now
     oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=5)
     spec, counters, seen = _run_recording_drafts(engine, oracle)
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert counters.spec_rounds > 0 and counters.spec_fallback_steps > counters.spec_rounds
-    # each plain step observed only after a later step's launch, or first thing when a later step drafts (events
-    # hold the plans: ids are not reused)
+    # each plain step observed only after a later step's launch, or first thing when a later step drafts or a
+    # sequence's context is retained (events hold the plans: ids are not reused)
     launches = [(i, plan) for i, (kind, plan) in enumerate(events) if kind == "launched"]
     for i, (kind, plan) in enumerate(events):
         if kind == "observed":
             own = next(j for j, p in launches if p is plan)
-            assert any(own < j < i for j, _ in launches) or events[i - 1][0] == "propose", i
+            assert any(own < j < i for j, _ in launches) or events[i - 1][0] in ("propose", "forget"), i
     if cap is None:
         assert plain and sum(plain) == 0  # three plain steps between drafts: fewer rows than CAP
     else:
@@ -431,6 +491,34 @@ def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_p
     for tokens, drafts, budget in seen:
         assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
     assert_no_leak(engine)
+
+
+def _kv_at(cache, pages: list[int], layer: int, n: int) -> torch.Tensor:
+    """Attention layer `layer`'s K and V at positions 0..n-1 of the sequence on `pages`."""
+    size = cache.page_size
+    slots = torch.tensor([pages[q // size] * size + q % size for q in range(n)])
+    return torch.stack([cache.k[layer, slots], cache.v[layer, slots]])
+
+
+def test_mtp_head_kv_of_a_retained_context_is_complete_for_the_next_turn(tiny_qwen_mtp_path):
+    """Contract (prefix reuse): reuse requires matching KV, hidden and selected-backend state. A request's last
+    step decodes without drafts (one output token left: no room for any), and the MTP head keeps such rows
+    unobserved until the sequence drafts again, which a finished one never does. So when its context goes to
+    the prefix cache, the head observes those rows first: the retained endpoint holds the head's KV at every
+    position, as the head run from scratch over the whole sequence writes it (a following turn's drafts read
+    it)."""
+    settings = EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16, draft_tokens=3, spec="mtp")
+    engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
+    try:
+        for i, prompt in enumerate(mixed_prompts(3)):
+            tokens = prompt + token_ids(_one(engine, f"a{i}", prompt, max_tokens=6))
+            endpoint = next(e for e in engine.cache.entries if e.kind == "endpoint" and e.tokens == tuple(tokens[:-1]))
+            _, reference, ref_pages = _reference_head(engine, tokens, 1)
+            layer, n = engine.proposer.head.kv_layer, len(tokens) - 1
+            torch.testing.assert_close(_kv_at(engine.runner.cache, endpoint.pages, layer, n),
+                                       _kv_at(reference, ref_pages, layer, n), rtol=1e-4, atol=1e-4)
+    finally:
+        engine.shutdown()
 
 
 def test_plain_steps_check_the_heads_frontier_draft_as_a_free_sample(tiny_qwen_mtp_path, monkeypatch):

@@ -55,7 +55,8 @@ class DFlashProposer:
         """Caches numbered like the target's pages, whose pages move with them (ninfer.engine.context_ops)."""
         return [self.cache]
 
-    def forget(self, seq: Sequence) -> None:
+    def forget(self, seq: Sequence, retained: bool = False) -> None:
+        """Drop a finished sequence (its context entries are written as its steps commit, retained or not)."""
         self._frontier.pop(seq.request_id, None)
 
     @torch.inference_mode()

@@ -404,10 +404,8 @@ class Engine:
             finished, committed = self._commit(plan, output)
             if predicted:
                 self._sample(predicted, plan, output)
-            if any(w.draft_ids for w in plan.decode):
-                ending = {id(s) for s, _ in finished}  # released below: nothing to roll back
-                live = [w for w in plan.decode if id(w.seq) not in ending]
-                self.runner.rollback(live, [committed[id(w.seq)] for w in live])
+            if any(w.draft_ids for w in plan.decode):  # finished rows too: a retained endpoint keeps the state slot
+                self.runner.rollback(plan.decode, [committed[id(w.seq)] for w in plan.decode])
             self.scheduler.update(plan, output, committed)
             if hasattr(self.proposer, "observe"):  # the drafter's half-step over the committed positions
                 self.proposer.observe(plan, output, committed)
@@ -559,7 +557,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         if hasattr(self.proposer, "forget"):
-            self.proposer.forget(seq)
+            retained = reason not in (FinishReason.CANCELLED, FinishReason.ERROR) and self.kv.retains_endpoint(seq)
+            self.proposer.forget(seq, retained=retained)
         if self.drafts_control is not None:
             self.drafts_control.forget(seq.request_id)
         self.output.flush_tail(seq, reason)

@@ -137,11 +137,15 @@ class KVManager:
         self.cache.add(tokens, pages, slot, kind)
         return ContextOp("copy", seq, src_slot=seq.state_slot, dst_slot=slot) if slot is not None else None
 
+    def retains_endpoint(self, seq: Sequence) -> bool:
+        """Whether `retain_endpoint` would hand this request's context to the cache."""
+        return bool(self.cache.enabled and seq.request.retain_endpoint and seq.num_computed > 0 and seq.pages)
+
     def retain_endpoint(self, seq: Sequence) -> None:
         """Hand a finished request's pages and state slot to the cache (no copy)."""
-        n = seq.num_computed
-        if not (self.cache.enabled and seq.request.retain_endpoint and n > 0 and seq.pages):
+        if not self.retains_endpoint(seq):
             return
+        n = seq.num_computed
         keep = self.pages_for(n)
         self.pages.release(seq.pages[keep:])
         pages, slot = seq.pages[:keep], seq.state_slot

@@ -148,7 +148,13 @@ class MTPProposer:
         self.capture_seconds = time.perf_counter() - started
         log.info("MTP head: %d CUDA graphs captured in %.2f s", len(self._graphs), self.capture_seconds)
 
-    def forget(self, seq: Sequence) -> None:
+    def forget(self, seq: Sequence, retained: bool = False) -> None:
+        """Drop a finished sequence. retained: its context goes to the prefix cache, so the head first observes
+        the rows it kept (a following turn that reuses the context drafts from the head's KV there too)."""
+        if retained:
+            with torch.inference_mode():
+                self.observe_deferred()
+                self._observe([seq])
         self._frontier.pop(seq.request_id, None)
         self._pending.pop(seq.request_id, None)
 
