@@ -131,6 +131,40 @@ class StepLog:
         return {"steps": len(rounds), **{k: round(v, 3) for k, v in out.items()}}
 
 
+class HostLog:
+    """--host-breakdown: the engine loop's parts (scheduling, the proposer's halves, launch, the device wait, commit,
+    rollback, ...), each wrapped in a timer, as microseconds per decode step: where a round's host time goes. Parts
+    nest (`propose` and `launch` run inside the step; `observe_deferred` also inside `propose`), so they do not add
+    up to the round."""
+
+    PARTS = {"schedule": ("scheduler", "schedule"), "propose": (None, "_propose"), "launch": ("runner", "launch"),
+             "observe_deferred": ("proposer", "observe_deferred"), "collect": ("runner", "collect"),
+             "commit": (None, "_commit"), "rollback": ("runner", "rollback"), "update": ("scheduler", "update"),
+             "observe": ("proposer", "observe"), "finish": (None, "_finish")}
+
+    def __init__(self, engine, enabled: bool):
+        self.seconds: dict[str, float] = {}
+        self.enabled = enabled
+        for name, (owner, attr) in self.PARTS.items() if enabled else ():
+            target = engine if owner is None else getattr(engine, owner)
+            if target is not None and hasattr(target, attr):
+                setattr(target, attr, self._timed(name, getattr(target, attr)))
+
+    def _timed(self, name: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        return timed
+
+    def take(self, steps: int) -> dict:
+        out = {k: round(1e6 * v / max(steps, 1), 1) for k, v in self.seconds.items()}
+        self.seconds = {}
+        return out
+
+
 class DraftLog:
     """With --adaptive: how many drafts the controller chose at each batch size (k: steps), the free samples it
     took (drafts checked against plain steps' tokens), and its step-time table (ms by "batch x width") and
@@ -229,6 +263,8 @@ def main() -> None:
                         "the server's default); without it every round drafts --drafts tokens")
     p.add_argument("--no-free-samples", action="store_true",
                    help="with --with-mtp --adaptive: no free acceptance samples (DraftController.sample), as before s24")
+    p.add_argument("--host-breakdown", action="store_true",
+                   help="time the engine loop's parts (HostLog) and print them per decode step as host_us")
     p.add_argument("--fast-verify", action="store_true",
                    help="verify rows as one matmul pass (EngineSettings.exact_verify=False)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -281,6 +317,7 @@ def main() -> None:
     engine = engine_from_preset(args.shape, settings, device=device, weights=args.weights, proposer=proposer)
     steplog = StepLog(engine)
     choices = DraftLog(engine)
+    hostlog = HostLog(engine, args.host_breakdown)
     greedy = SamplingParams(temperature=0.0, presence_penalty=0.0, frequency_penalty=0.0)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(args.prompt_len)] for _ in range(lanes)]
@@ -351,6 +388,7 @@ def main() -> None:
         before = {k: getattr(engine.counters, k) for k in ("spec_rounds", "spec_drafted_tokens",
                                                           "spec_accepted_tokens", "decode_steps")}
         work_before, log_before = engine.work.snapshot(), len(steplog.steps)
+        hostlog.take(1)  # what ran before (another run's tail) is not this run's
         events = [queue.SimpleQueue() for _ in range(c)]
         for i in range(c):
             engine.submit(EngineRequest(f"r{i}", prompts[i], sampling=greedy, max_tokens=args.max_tokens),
@@ -371,6 +409,8 @@ def main() -> None:
         counts = {k: getattr(engine.counters, k) - v for k, v in before.items()}
         counts["step_ms"] = step_ms(work_before, engine.work.snapshot(), counts["decode_steps"])
         counts["round_ms"] = steplog.round_ms(log_before)
+        if hostlog.enabled:
+            counts["host_us"] = hostlog.take(counts["decode_steps"])
         if choices.enabled:
             counts["control"] = choices.take()
         return outs, rate, counts
