@@ -546,7 +546,8 @@ def test_plain_steps_check_the_heads_frontier_draft_as_a_free_sample(tiny_qwen_m
         engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
         outcomes = []
         sample = engine.drafts_control.sample
-        engine.drafts_control.sample = lambda rid, stood: (outcomes.append(stood), sample(rid, stood))[1]
+        engine.drafts_control.sample = (lambda rid, stood, outcomes=outcomes, sample=sample:
+                                        (outcomes.append(stood), sample(rid, stood))[1])
         try:
             spec = run_all(engine, _requests(24))
         finally:
@@ -895,3 +896,119 @@ def test_a_staged_table_wider_than_the_verify_rows_places_what_fits():
     ids = torch.zeros(2, 3, dtype=torch.long)
     StagedDrafts([None], table, [1], [0]).place(ids, lambda v, dtype: torch.tensor(v, dtype=dtype))
     assert ids.tolist() == [[0, 0, 0], [0, 1, 2]]
+
+
+# ---- a demanding user's workload: every feature at once, with and without drafts ----------------------------------
+
+_SYSTEM = [(17 * i) % 500 + 80 for i in range(24)]  # a shared system prompt
+
+
+def _workload_waves(seed: int):
+    """A seeded multi-turn workload in three waves: opening turns (some sharing the system prompt, with an
+    input checkpoint after it; some in a session; some thinking with a budget; greedy, greedy with a presence
+    penalty (rows that never draft) or seeded sampling), then follow-up turns of earlier answers and new
+    openings. Yields (wave, build) pairs: build(outputs) turns the finished outputs by request id into the
+    wave's requests."""
+    import random
+
+    rng = random.Random(seed)
+
+    def opening(rid: str) -> EngineRequest:
+        shared = rng.random() < 0.6
+        prompt = (_SYSTEM if shared else []) + [rng.randint(60, 800) for _ in range(rng.randint(2, 30))]
+        extra, max_tokens = {}, rng.randint(1, 40)
+        if shared:
+            extra["checkpoints"] = [len(_SYSTEM)]
+        if rng.random() < 0.3:  # the budget's closing suffix (24 tokens) and an answer fit, or the output ends first
+            budget = rng.choice([2, 5, 9])
+            extra.update(thinking=True, thinking_budget=budget)
+            max_tokens = rng.choice([budget, budget + 25 + rng.randint(0, 8)])
+        return EngineRequest(rid, prompt, max_tokens=max_tokens, sampling=_workload_sampling(rng), **extra)
+
+    def follow_up(rid: str, earlier: EngineRequest, output: list[int]) -> EngineRequest:
+        prompt = earlier.prompt_ids + output + [rng.randint(60, 800) for _ in range(rng.randint(1, 6))]
+        return EngineRequest(rid, prompt, max_tokens=rng.randint(1, 40), sampling=_workload_sampling(rng),
+                             session_key=earlier.session_key or (f"s{rid}" if rng.random() < 0.5 else None))
+
+    requests: dict[str, EngineRequest] = {}
+    for wave in range(3):
+        def build(outputs, wave=wave) -> list[EngineRequest]:
+            batch = [opening(f"w{wave}-n{i}") for i in range(rng.randint(2, 4) if wave else 5)]
+            earlier = [rid for rid in requests if rid in outputs]
+            for i, rid in enumerate(rng.sample(earlier, min(len(earlier), 4)) if wave else []):
+                batch.append(follow_up(f"w{wave}-f{i}", requests[rid], outputs[rid]))
+            rng.shuffle(batch)
+            requests.update((r.request_id, r) for r in batch)
+            return batch
+        yield wave, build
+
+
+def _workload_sampling(rng) -> SamplingParams:
+    draw = rng.random()
+    if draw < 0.6:
+        return GREEDY
+    if draw < 0.75:
+        return dataclasses.replace(GREEDY, presence_penalty=0.7)
+    return dataclasses.replace(SAMPLED, seed=rng.randint(0, 1000))
+
+
+@pytest.mark.parametrize("spec, seed, adaptive, kv_capacity, host_budget", [
+    ("mtp", 1, False, 320, None), ("mtp", 2, True, 160, None), ("mtp", 3, False, 160, 0), ("dflash", 4, False, 320, None),
+    ("dflash2", 5, False, 160, None)], ids=["mtp-roomy", "mtp-paused-adaptive", "mtp-paused-replay", "dflash-roomy",
+                                             "dflash2-paused"])
+def test_a_multi_turn_workload_decodes_as_without_drafts(tiny_qwen_path, tiny_qwen_mtp_path, tmp_path, spec, seed,
+                                                          adaptive, kv_capacity, host_budget):
+    """Contract (speculative backends; prefix reuse; pause/restore): speculation changes speed, never output.
+    A seeded workload of three waves (_workload_waves: shared system prompts with input checkpoints, sessions,
+    follow-up turns that reuse earlier endpoints, thinking budgets, penalized rows that do not draft, seeded
+    sampling, output limits from 1 token) runs through an engine with a drafter (the MTP head, DFlash or DFlash2; the oracle's drafts, a
+    share corrupted, verified in place of the random drafter's) and prefix reuse on; in a roomy KV pool follow-ups
+    read their earlier turn's endpoint from the cache, in a small one requests are paused (snapshots, or
+    replay) and restored on other pages. Every request's events equal those of an engine without drafts that reuses nothing and
+    serves one request at a time; each head proposal sampled equals the drafter run from scratch; nothing leaks."""
+    if spec == "mtp":
+        path, k, reference = tiny_qwen_mtp_path, 3, lambda engine, tokens: _reference_drafts(engine, tokens, 3)
+    else:
+        path, k, reference = _block_drafter_artifact(tiny_qwen_path, tmp_path / spec, spec), 4, _reference_block
+    settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, page_size=4, kv_capacity=kv_capacity,
+                              state_slots=10, draft_tokens=k, spec=spec, adaptive_drafts=adaptive,
+                              host_context_bytes=host_budget, pending_timeout_ms=10**9)
+    engine = load_engine(path, settings, device=CPU)
+    plain = load_engine(path, EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16, prefix_reuse=False),
+                        device=CPU)
+    oracle = OracleProposer({}, corrupt=0.3, vocab=900, seed=seed)
+    seen, propose = [], engine.proposer.propose
+
+    def recording(works, budgets):
+        propose(works, budgets)
+        seen.extend((w.seq.tokens(0, w.seq.total_len), _proposed(w), b) for w, b in zip(works, budgets))
+        oracle.propose(works, budgets)
+
+    engine.proposer.propose = recording
+    outputs: dict[str, list[int]] = {}
+    reused = 0
+    try:
+        for wave, build in _workload_waves(seed):
+            batch = build(outputs)
+            want = [run_all(plain, [r])[0] for r in batch]  # one at a time, nothing reused
+            oracle.continuations.update((r.request_id, token_ids(e)) for r, e in zip(batch, want))
+            got = run_all(engine, batch)
+            for request, g, w in zip(batch, got, want):
+                assert token_ids(g) == token_ids(w), (wave, request)
+                assert [e.text for e in g if not isinstance(e, FinishEvent)] == \
+                    [e.text for e in w if not isinstance(e, FinishEvent)]
+                assert (g[-1].reason, g[-1].usage.completion_tokens) == (w[-1].reason, w[-1].usage.completion_tokens)
+                outputs[request.request_id] = token_ids(g)
+                reused += g[-1].usage.cached_tokens > 0
+    finally:
+        engine.shutdown()
+        plain.shutdown()
+    c = engine.counters
+    assert c.spec_rounds > 0 and (adaptive or c.spec_accepted_tokens > c.spec_rounds // 2)  # adaptive: its choice
+    if kv_capacity > 256:
+        assert reused >= 4
+    else:
+        assert (c.snapshot_restores if host_budget is None else c.replay_restores) > 0
+    for tokens, drafts, budget in seen[:: max(1, len(seen) // 8)]:
+        assert drafts == reference(engine, tokens)[:budget]
+    assert_no_leak(engine)
