@@ -905,10 +905,10 @@ _SYSTEM = [(17 * i) % 500 + 80 for i in range(24)]  # a shared system prompt
 
 def _workload_waves(seed: int):
     """A seeded multi-turn workload in three waves: opening turns (some sharing the system prompt, with an
-    input checkpoint after it; some in a session; some thinking with a budget; greedy, greedy with a presence
-    penalty (rows that never draft) or seeded sampling), then follow-up turns of earlier answers and new
-    openings. Yields (wave, build) pairs: build(outputs) turns the finished outputs by request id into the
-    wave's requests."""
+    input checkpoint after it; some with stop strings; some thinking with a budget; greedy, greedy with a
+    presence penalty (rows that never draft) or seeded sampling), then follow-up turns of earlier answers (some
+    in a session) and new openings. Yields (wave, build) pairs: build(outputs) turns the finished outputs by
+    request id into the wave's requests."""
     import random
 
     rng = random.Random(seed)
@@ -919,6 +919,8 @@ def _workload_waves(seed: int):
         extra, max_tokens = {}, rng.randint(1, 40)
         if shared:
             extra["checkpoints"] = [len(_SYSTEM)]
+        if rng.random() < 0.3:  # letters the random model's tokens often hold: stops inside drafted runs
+            extra["stop"] = rng.sample(["e", "an", "s", "o"], 2)
         if rng.random() < 0.3:  # the budget's closing suffix (24 tokens) and an answer fit, or the output ends first
             budget = rng.choice([2, 5, 9])
             extra.update(thinking=True, thinking_budget=budget)
@@ -986,7 +988,7 @@ def test_a_multi_turn_workload_decodes_as_without_drafts(tiny_qwen_path, tiny_qw
 
     engine.proposer.propose = recording
     outputs: dict[str, list[int]] = {}
-    reused = 0
+    reused = stopped = 0
     try:
         for wave, build in _workload_waves(seed):
             batch = build(outputs)
@@ -1000,10 +1002,12 @@ def test_a_multi_turn_workload_decodes_as_without_drafts(tiny_qwen_path, tiny_qw
                 assert (g[-1].reason, g[-1].usage.completion_tokens) == (w[-1].reason, w[-1].usage.completion_tokens)
                 outputs[request.request_id] = token_ids(g)
                 reused += g[-1].usage.cached_tokens > 0
+                stopped += g[-1].stop_string is not None
     finally:
         engine.shutdown()
         plain.shutdown()
     c = engine.counters
+    assert stopped >= 2
     assert c.spec_rounds > 0 and (adaptive or c.spec_accepted_tokens > c.spec_rounds // 2)  # adaptive: its choice
     if kv_capacity > 256:
         assert reused >= 4
