@@ -46,6 +46,14 @@ def tiny_qwen_path(artifacts_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_mtp_path(artifacts_dir):
+    """tiny-qwen3.6 with a random MTP head (the `mtp` component): the speculative tests' artifact."""
+    from ninfer.artifact.presets import write_preset
+
+    return write_preset("tiny-qwen3.6", artifacts_dir / "tiny-qwen3.6-mtp.ninfer", seed=0, mtp=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen_moe_path(artifacts_dir):
     return _preset_artifact("tiny-qwen3.6-moe", artifacts_dir)
 

@@ -232,13 +232,6 @@ def test_greedy_output_with_drafts_equals_greedy_output_without_on_cuda(fixture,
 # ---- the MTP proposer (--spec mtp) ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen_mtp_path(artifacts_dir):
-    from ninfer.artifact.presets import write_preset
-
-    return write_preset("tiny-qwen3.6", artifacts_dir / "tiny-qwen3.6-mtp.ninfer", seed=0, mtp=True)
-
-
 def _proposed(work) -> list[int]:
     """A work's drafts right after the proposer ran: still on the device (staged: the table's row, cut to the
     row's budget), where the verify forward reads them, or already on the host."""
