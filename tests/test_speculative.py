@@ -981,7 +981,7 @@ def test_a_multi_turn_workload_decodes_as_without_drafts(tiny_qwen_path, tiny_qw
 
     engine.proposer.propose = recording
     outputs: dict[str, list[int]] = {}
-    reused = stopped = 0
+    reused = stopped = budgeted = 0
     try:
         for wave, build in _workload_waves(seed):
             batch = build(outputs)
@@ -996,11 +996,12 @@ def test_a_multi_turn_workload_decodes_as_without_drafts(tiny_qwen_path, tiny_qw
                 outputs[request.request_id] = token_ids(g)
                 reused += g[-1].usage.cached_tokens > 0
                 stopped += g[-1].stop_string is not None
+                budgeted += g[-1].thinking_budget_applied
     finally:
         engine.shutdown()
         plain.shutdown()
     c = engine.counters
-    assert stopped >= 2
+    assert stopped >= 2 and budgeted >= 1  # stop strings and a thinking budget's closing suffix, as without drafts
     assert c.spec_rounds > 0 and (adaptive or c.spec_accepted_tokens > c.spec_rounds // 2)  # adaptive: its choice
     if kv_capacity > 256:
         assert reused >= 4
