@@ -88,14 +88,17 @@ def _records(script: str, *args: str) -> list[dict]:
 
 def test_spec_e2e_dry_run_keeps_outputs_equal_at_every_acceptance_length():
     """bench/spec_e2e.py (issue 21 benchmark (b)): the oracle drafter at set acceptance lengths, MTP head drafting
-    too; every run's output equals the run without drafts (the benchmark's own check)."""
-    records = _records("spec_e2e.py", "--with-mtp", "--draft-head", "64", "--reference", "verify")
+    too; every run's output equals the run without drafts (the benchmark's own check). --host-breakdown times the
+    loop's parts over decode-only steps (its prefill steps left out)."""
+    records = _records("spec_e2e.py", "--with-mtp", "--draft-head", "64", "--reference", "verify", "--host-breakdown")
     assert next(r for r in records if r["kind"] == "spec_e2e_setup")["draft_head"] == 64
     summary = next(r for r in records if r["kind"] == "summary")
     assert set(summary["results"]) == {f"C{c}_L{a}" for c in (1, 2) for a in (1.5, 2.5, 3.5)}
     assert summary["all_outputs_equal"]
     measured = [r["acceptance_measured"] for r in records if r.get("acceptance_target")]
     assert measured and all(m >= 1.0 for m in measured)
+    drafted = [r for r in records if r.get("acceptance_target")]
+    assert all(0 < r["host_us"]["steps"] <= r["decode_steps"] and r["host_us"]["commit"] > 0 for r in drafted)
 
 
 def test_spec_phase_times_dry_run_times_the_drafting_calls():
