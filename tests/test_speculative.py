@@ -969,8 +969,9 @@ def test_a_multi_turn_workload_decodes_as_without_drafts(tiny_qwen_path, tiny_qw
                               state_slots=10, draft_tokens=k, spec=spec, adaptive_drafts=adaptive,
                               host_context_bytes=host_budget, pending_timeout_ms=10**9)
     engine = load_engine(path, settings, device=CPU)
-    plain = load_engine(path, EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16, prefix_reuse=False),
-                        device=CPU)
+    # the same KV pool: a request longer than the pool ends where it fills (finish reason "context"), drafts or not
+    plain = load_engine(path, EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16, prefix_reuse=False,
+                                             kv_capacity=kv_capacity, page_size=4), device=CPU)
     oracle = OracleProposer({}, corrupt=0.3, vocab=900, seed=seed)
     seen, propose = [], engine.proposer.propose
 
