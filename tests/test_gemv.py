@@ -205,6 +205,23 @@ def test_cublas_env_and_cpu_route_to_f_linear(monkeypatch):
     assert not lin.takes_gemv(x, w)  # CPU tensors
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])])
+@pytest.mark.parametrize("like", [1, 2, 3])
+def test_rows_like_off_the_gemv_computes_each_position_as_the_plain_steps_product(like, device):
+    """Exact verification where the Triton GEMV does not run (here: float32 CPU tensors, F.linear): inside
+    rows_like(B), `linear` over B sequences' verify rows (sequence-major, w positions each) gives every row what
+    the plain decode step's product of those B sequences' rows gives, bit for bit (one product of all B*w rows
+    rounds differently on the CPU: s27). On CUDA float32 (cuBLAS) likewise."""
+    width = 5
+    x, w, b = _problem(like * width, 48, 64, True, seed=11, device=device)
+    with lin.rows_like(like):
+        together = lin.linear(x, w, b)
+    for j in range(width):
+        plain = F.linear(x[j::width].contiguous(), w, b)
+        assert torch.equal(together[j::width], plain), j
+    assert lin.rows_like.current is None and torch.equal(lin.linear(x[:1], w, b), F.linear(x[:1], w, b))
+
+
 # ---- CUDA -------------------------------------------------------------------------------------------
 
 

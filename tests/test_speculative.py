@@ -723,6 +723,34 @@ def test_seeded_sampled_output_with_drafts_equals_output_without(tiny_qwen_path)
     assert counters.spec_accepted_tokens > 0 and counters.spec_accepted_tokens < counters.spec_drafted_tokens
 
 
+def test_a_wide_verify_samples_each_position_as_a_plain_step_does(tiny_qwen_path):
+    """Exact verification on the CPU (ModelRunner.verify; kernels.linear.rows_like): a verify row of width 5 is a
+    product of 5 rows, which on the CPU does not round each row as its own product. A seeded sampled request
+    found by a sweep (s27; its input checkpoint splits the prefill, which sets the state this case needs: output
+    14 changed at widths 4 and 5) decodes as without drafts once each position's rows are one product of the
+    plain step's size; every draft is the target's own token, so every position of every round is checked."""
+    prompt = [80 + 17 * i for i in range(24)] + [80, 505, 73, 506, 425, 525, 418, 278, 747, 800, 106, 481, 537, 719,
+                                               223, 328, 195, 154, 743]
+    request = EngineRequest("w0-n1", prompt, max_tokens=20, sampling=dataclasses.replace(SAMPLED, seed=831),
+                            checkpoints=[24])
+    settings = EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16)
+    engine = load_engine(tiny_qwen_path, settings, device=CPU)
+    try:
+        engine.settings.eos_ids = set()
+        want = token_ids(run_all(engine, [request])[0])
+    finally:
+        engine.shutdown()
+    for k in (3, 4):
+        oracle = OracleProposer({"w0-n1": want}, vocab=900)
+        engine = load_engine(tiny_qwen_path, dataclasses.replace(settings, draft_tokens=k), proposer=oracle, device=CPU)
+        try:
+            engine.settings.eos_ids = set()
+            assert token_ids(run_all(engine, [request])[0]) == want, k
+            assert engine.counters.spec_accepted_tokens == engine.counters.spec_drafted_tokens > 0
+        finally:
+            engine.shutdown()
+
+
 def test_a_sampled_draft_is_accepted_with_the_target_probability(tiny_qwen_path):
     """Statistical check of the acceptance rule on sampled rows: one sequence, one draft d (the target's most
     likely token), verified under 600 seeds. The draft stands in a share of runs that matches the target's
