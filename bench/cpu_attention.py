@@ -67,7 +67,7 @@ def main() -> None:
             previous = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:
-                def step():
+                def step(caches=caches):
                     for k, v, sk, sv in caches:
                         cpu_native.decode_attention(q, k, v, batch.page_table, batch.seq_lens, page, d ** -0.5, sk, sv)
                 step()
