@@ -35,7 +35,7 @@ class rows_like:
 
     current: int | None = None
 
-    def __init__(self, rows: int | None):
+    def __init__(self, rows: int):
         self.rows = rows
 
     def __enter__(self) -> "rows_like":
@@ -68,34 +68,30 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight^T (+ bias): the Triton skinny GEMM for decode-sized x on CUDA, else F.linear (inside
-    rows_like, one product per verify position: `_by_position`)."""
+    rows_like on the CPU, one product per verify position: `_by_position`)."""
     if takes_gemv(x, weight) and (bias is None or bias.dtype == x.dtype):
         from ninfer.kernels import triton_gemv
 
         return triton_gemv.gemv(x, weight, bias, rows_like=rows_like.current)
     like = rows_like.current
-    if like and x.dim() == 2 and x.shape[0] > like and x.shape[0] % like == 0:
+    if like and not x.is_cuda and x.dim() == 2 and x.shape[0] > like and x.shape[0] % like == 0:
         return _by_position(x, weight, bias, like)
     return F.linear(x, weight, bias)
 
 
 def _by_position(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, like: int) -> torch.Tensor:
-    """rows_like where the Triton GEMV does not run (the CPU, float32, more rows than it takes): the verify rows
-    of `like` sequences (sequence-major, `width` positions each) as one product of `like` rows per position, so
-    each rounds as the plain decode step's product of `like` rows does. One product of all rows rounds
-    differently (on the CPU, F.linear of 2+ rows is not bitwise each row's own product: s27 found a seeded sampled
-    request whose output changed at width 4). On the CPU the positions go through one batched product (its
-    entries are bitwise the separate products: tests/test_gemv.py checks it; a loop of F.linear cost ~7x as much a
-    call); on CUDA each position's product takes the path the plain step's takes."""
+    """rows_like on the CPU: the verify rows of `like` sequences (sequence-major, `width` positions each) as one
+    product of `like` rows per position, so each rounds as the plain decode step's product of `like` rows does.
+    One F.linear of all rows rounds differently there (a product of 2+ rows is not bitwise each row's own: s27
+    found a seeded sampled request whose output changed at width 4). The positions go through one batched product,
+    whose entries are bitwise the separate products (tests/test_gemv.py checks it) at the cost of one F.linear (a
+    loop of them cost ~7x). On CUDA the Triton GEMV's rows_like does this; past its 64 rows, or in float32, the
+    verify stays one product (faster at large batches, rounding may differ in the last bits)."""
     width = x.shape[0] // like
-    if not x.is_cuda:
-        xs = x.view(like, width, -1).transpose(0, 1).contiguous()  # [width, like, K]
-        ws = weight.t().expand(width, *weight.t().shape)
-        y = torch.bmm(xs, ws) if bias is None else torch.baddbmm(bias.expand(width, like, -1), xs, ws)
-        return y.transpose(0, 1).reshape(x.shape[0], -1)
-    with rows_like(None):
-        parts = [linear(x[j::width].contiguous(), weight, bias) for j in range(width)]
-    return torch.stack(parts, dim=1).reshape(x.shape[0], -1)
+    xs = x.reshape(like, width, -1).transpose(0, 1).contiguous()  # [width, like, K]
+    ws = weight.t().expand(width, *weight.t().shape)
+    y = torch.bmm(xs, ws) if bias is None else torch.baddbmm(bias.expand(width, like, -1), xs, ws)
+    return y.transpose(0, 1).reshape(x.shape[0], -1)
 
 
 class DecodeLinear(nn.Linear):
