@@ -493,6 +493,38 @@ def _kv_at(cache, pages: list[int], layer: int, n: int) -> torch.Tensor:
     return torch.stack([cache.k[layer, slots], cache.v[layer, slots]])
 
 
+def test_mtp_rows_with_smaller_budgets_chain_only_as_far_as_their_pages(tiny_qwen_mtp_path):
+    """A row near its max_tokens may carry fewer drafts than the rows beside it (speculation never takes pages
+    it did not reserve): the MTP head's chain writes its KV one position further per draft, so a row of budget b
+    chains b - 1 steps, not the batch's widest. s27: a sweep found a step that failed (IndexError past a
+    row's page table) when the row with the most pages neared its end beside a full-budget row; the failed
+    step ended both requests with an error. Here a long prompt ends at several lengths beside a short one."""
+    long_prompt, short_prompt = mixed_prompts(4)[3], mixed_prompts(4)[0]
+    plain = load_engine(tiny_qwen_mtp_path, EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16,
+                                                           page_size=4), device=CPU)
+    settings = EngineSettings(max_context=256, max_concurrency=2, prefill_chunk=16, page_size=4, draft_tokens=5,
+                              spec="mtp")
+    engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
+    oracle = OracleProposer({}, vocab=900)
+    propose = engine.proposer.propose
+    engine.proposer.propose = lambda works, budgets: (propose(works, budgets), oracle.propose(works, budgets))
+    try:
+        for n in range(6, 14):
+            plain.settings.eos_ids = engine.settings.eos_ids = set()
+            batch = [EngineRequest(f"a{n}", long_prompt, max_tokens=n, sampling=GREEDY),
+                     EngineRequest(f"b{n}", short_prompt, max_tokens=30, sampling=GREEDY)]
+            want = [run_all(plain, [r])[0] for r in batch]
+            oracle.continuations.update((r.request_id, token_ids(e)) for r, e in zip(batch, want))
+            got = run_all(engine, batch)
+            assert [e[-1].reason for e in got] == [FinishReason.LENGTH] * 2, [e[-1].error for e in got]
+            assert [token_ids(e) for e in got] == [token_ids(e) for e in want]
+        assert engine.counters.spec_accepted_tokens > 0
+    finally:
+        engine.shutdown()
+        plain.shutdown()
+    assert_no_leak(engine)
+
+
 def test_mtp_head_kv_of_a_retained_context_is_complete_for_the_next_turn(tiny_qwen_mtp_path):
     """Contract (prefix reuse): reuse requires matching KV, hidden and selected-backend state. A request's last
     step decodes without drafts (one output token left: no room for any), and the MTP head keeps such rows

@@ -356,22 +356,39 @@ class MTPProposer:
                  and speculates(w.seq)]
         if not ready:
             return
+        # one chain per budget: a chain of k - 1 steps writes the head's KV at k - 1 positions past each row's
+        # frontier, and a row with a smaller budget has pages reserved for fewer (s27: a row near its
+        # max_tokens beside full-budget rows indexed past its page table and failed the step)
+        budgets_by_row = [b for _, b, _ in ready]
+        k = max(budgets_by_row)
+        table = None
+        for b in sorted(set(budgets_by_row), reverse=True):
+            rows = [i for i, rb in enumerate(budgets_by_row) if rb == b]
+            part = self._drafts([ready[i] for i in rows], b)
+            if len(rows) == len(ready):
+                table = part
+                break
+            if table is None:
+                table = torch.zeros(len(ready), k, dtype=part.dtype, device=part.device)
+            table[self.runner._tensor(rows, torch.long), :b] = part
+        stage_drafts([w for w, _, _ in ready], budgets_by_row, table)  # read back with the verify's
+
+    def _drafts(self, ready: list, b: int) -> torch.Tensor:
+        """Drafts [rows, b] of (work, budget b, frontier) rows: the frontier's draft, then a chain of b - 1 steps
+        (one CUDA graph when b is the whole window, else eager)."""
         runner = self.runner
-        k = max(b for _, b, _ in ready)
         seqs = [w.seq for w, _, _ in ready]
         starts = [f.position for _, _, f in ready]
         first = torch.stack([f.draft for _, _, f in ready])
         hidden = torch.stack([f.hidden for _, _, f in ready])
         positions = [s.positions(p, p + 1) for s, p in zip(seqs, starts)]
-        if k == 1:
-            table = first[:, None]
-        elif k == runner.draft_tokens and self._graphable(seqs, positions):
-            table = self._replay(seqs, starts, first, hidden, k - 1)
-        else:
-            base = upload_batch(ForwardBatch.build([[0]] * len(seqs), starts, [s.pages for s in seqs],
-                                                   runner.page_size, device="cpu", positions=positions), runner)
-            table = torch.cat([first[:, None], self._chain(base, first, hidden, k - 1)], dim=1)
-        stage_drafts([w for w, _, _ in ready], [b for _, b, _ in ready], table)  # read back with the verify's
+        if b == 1:
+            return first[:, None]
+        if b == runner.draft_tokens and self._graphable(seqs, positions):
+            return self._replay(seqs, starts, first, hidden, b - 1)
+        base = upload_batch(ForwardBatch.build([[0]] * len(seqs), starts, [s.pages for s in seqs],
+                                               runner.page_size, device="cpu", positions=positions), runner)
+        return torch.cat([first[:, None], self._chain(base, first, hidden, b - 1)], dim=1)
 
     def _chain(self, base: ForwardBatch, draft: torch.Tensor, hidden: torch.Tensor, steps: int) -> torch.Tensor:
         """Drafts 2..steps+1 [B, steps]: each step one token per sequence, one position past `base`'s."""
