@@ -22,7 +22,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 import test_speculative as ts  # noqa: E402
 import torch  # noqa: E402
-from engine_helpers import assert_no_leak, run_all, token_ids  # noqa: E402
+from engine_helpers import assert_no_leak, token_ids  # noqa: E402
 
 from ninfer.artifact.presets import write_preset  # noqa: E402
 from ninfer.engine.engine import EngineSettings  # noqa: E402
@@ -57,17 +57,12 @@ def one(seed: int, paths: dict[str, Path]) -> str:
     oracle = OracleProposer({}, corrupt=rng.choice([0.0, 0.2, 0.5]), vocab=900, seed=seed)
     propose = engine.proposer.propose
     engine.proposer.propose = lambda works, budgets: (propose(works, budgets), oracle.propose(works, budgets))
-    outputs: dict[str, list[int]] = {}
+    fits = lambda request: len(request.prompt_ids) <= settings.kv_capacity  # noqa: E731 (longer ones: refused)
     try:
-        for wave, build in ts._workload_waves(seed):
-            batch = [r for r in build(outputs) if len(r.prompt_ids) <= settings.kv_capacity]  # longer ones: refused
-            want = [run_all(plain, [r])[0] for r in batch]
-            oracle.continuations.update((r.request_id, token_ids(e)) for r, e in zip(batch, want))
-            for request, got, expected in zip(batch, run_all(engine, batch), want):
-                assert isinstance(got[-1], FinishEvent) and got[-1].error is None, (wave, request, got[-1])
-                assert token_ids(got) == token_ids(expected), (wave, request, token_ids(got), token_ids(expected))
-                assert got[-1].reason == expected[-1].reason, (wave, request, got[-1], expected[-1])
-                outputs[request.request_id] = token_ids(got)
+        for wave, request, got, expected in ts._run_workload(engine, plain, oracle, seed, fits):
+            assert isinstance(got[-1], FinishEvent) and got[-1].error is None, (wave, request, got[-1])
+            assert token_ids(got) == token_ids(expected), (wave, request, token_ids(got), token_ids(expected))
+            assert got[-1].reason == expected[-1].reason, (wave, request, got[-1], expected[-1])
     finally:
         engine.shutdown()
         plain.shutdown()

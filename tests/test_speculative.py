@@ -998,6 +998,20 @@ def _workload_waves(seed: int):
         yield wave, build
 
 
+def _run_workload(engine, plain, oracle: OracleProposer, seed: int, fits=lambda request: True):
+    """_workload_waves(seed): each wave's requests (those that `fits`) through `plain` one at a time (the expected
+    events, which become the oracle's continuations), then through `engine` at once; the next wave is built from
+    the engine's outputs. Yields (wave, request, its events, the expected events)."""
+    outputs: dict[str, list[int]] = {}
+    for wave, build in _workload_waves(seed):
+        batch = [r for r in build(outputs) if fits(r)]
+        want = [run_all(plain, [r])[0] for r in batch]
+        oracle.continuations.update((r.request_id, token_ids(e)) for r, e in zip(batch, want))
+        for request, got, expected in zip(batch, run_all(engine, batch), want):
+            outputs[request.request_id] = token_ids(got)
+            yield wave, request, got, expected
+
+
 def _workload_sampling(rng) -> SamplingParams:
     draw = rng.random()
     if draw < 0.6:
@@ -1041,23 +1055,16 @@ def test_a_multi_turn_workload_decodes_as_without_drafts(tiny_qwen_path, tiny_qw
         oracle.propose(works, budgets)
 
     engine.proposer.propose = recording
-    outputs: dict[str, list[int]] = {}
     reused = stopped = budgeted = 0
     try:
-        for wave, build in _workload_waves(seed):
-            batch = build(outputs)
-            want = [run_all(plain, [r])[0] for r in batch]  # one at a time, nothing reused
-            oracle.continuations.update((r.request_id, token_ids(e)) for r, e in zip(batch, want))
-            got = run_all(engine, batch)
-            for request, g, w in zip(batch, got, want):
-                assert token_ids(g) == token_ids(w), (wave, request)
-                assert [e.text for e in g if not isinstance(e, FinishEvent)] == \
-                    [e.text for e in w if not isinstance(e, FinishEvent)]
-                assert (g[-1].reason, g[-1].usage.completion_tokens) == (w[-1].reason, w[-1].usage.completion_tokens)
-                outputs[request.request_id] = token_ids(g)
-                reused += g[-1].usage.cached_tokens > 0
-                stopped += g[-1].stop_string is not None
-                budgeted += g[-1].thinking_budget_applied
+        for wave, request, g, w in _run_workload(engine, plain, oracle, seed):
+            assert token_ids(g) == token_ids(w), (wave, request)
+            assert [e.text for e in g if not isinstance(e, FinishEvent)] == \
+                [e.text for e in w if not isinstance(e, FinishEvent)]
+            assert (g[-1].reason, g[-1].usage.completion_tokens) == (w[-1].reason, w[-1].usage.completion_tokens)
+            reused += g[-1].usage.cached_tokens > 0
+            stopped += g[-1].stop_string is not None
+            budgeted += g[-1].thinking_budget_applied
     finally:
         engine.shutdown()
         plain.shutdown()
