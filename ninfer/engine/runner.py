@@ -201,6 +201,7 @@ class ModelRunner:
                            and hasattr(model, "graph_cuts") and layers is not None else frozenset())
         self._decode_inputs: DecodeInputs | None = None
         self.last_verify_width = 0  # the last verify forward's tokens per sequence (rollback reads it)
+        self.last_verify_ids: torch.Tensor | None = None  # [B, width] input ids of the last verify forward
         self._staged: StagedDrafts | None = None  # the launched verify's device drafts (collect reads them)
         self.last_all_hidden: torch.Tensor | None = None  # the last forward's every-token hidden states
         self._token_rows: list[torch.Tensor] | None = None  # a prefill's, while plan.want_prefill_hidden
@@ -458,6 +459,7 @@ class ModelRunner:
             entry.graph.replay()
             self.graph_replays += 1
             self.last_hidden, self.last_all_hidden = entry.hidden, entry.all_hidden
+            self.last_verify_ids = entry.inputs.i64[: len(seqs) * width].view(len(seqs), width)
             return entry.logits
         if len(seqs) != 1:
             return None
@@ -573,7 +575,8 @@ class ModelRunner:
                 self._keep_hidden(plan, rows=len(rows) * width, width=width, lens=[len(r) for r in rows])
                 per_row = [s for s in seqs for _ in range(width)]
                 steps = [len(s.output_ids) + j for s in seqs for j in range(width)]
-                launched.append(self._real_rows(self.sample(per_row, logits, steps=steps), rows, width))
+                launched.append(self._real_rows(self.sample(per_row, logits, steps=steps, window=self.last_verify_ids),
+                                                rows, width))
         return launched
 
     def _real_rows(self, tokens: torch.Tensor, rows: list[list[int]], width: int) -> torch.Tensor:
@@ -617,6 +620,7 @@ class ModelRunner:
             entry.graph.replay()
             self.graph_replays += 1
             self.last_hidden, self.last_all_hidden = entry.hidden, entry.all_hidden
+            self.last_verify_ids = entry.inputs.i64[: len(seqs) * width].view(len(seqs), width)
             return entry.logits
         self.eager_steps += 1
         batch = ForwardBatch.for_verify(h)
@@ -626,6 +630,7 @@ class ModelRunner:
                 setattr(batch, name, self._upload(getattr(batch, name)))
         if drafts is not None:
             drafts.place(batch.input_ids.view(len(seqs), width), self._tensor)
+        self.last_verify_ids = batch.input_ids.view(len(seqs), width)
         with self._verify_shapes(len(seqs)):
             return self._logits(batch)
 
@@ -716,18 +721,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, graphs: bool = True,
-               steps: list[int] | None = None) -> torch.Tensor:
+               steps: list[int] | None = None, window: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [rows] on the device, row i drawn with seqs[i]'s settings as its output token number
         steps[i] (default: its next one; verification rows of one sequence take consecutive numbers, so a
         seeded draw at an output position is the same with and without speculation). From a sampler graph
         they are its static output: read them before the next call. graphs=False: never the sampler
-        graph (benchmarks compare the two)."""
+        graph (benchmarks compare the two).
+
+        window: a verify batch's input ids [B, width] on the device (each sequence's last token, then its
+        drafts; the rows are seqs' in that order): a penalised row counts the drafts before its position
+        as generated tokens, as plain decoding would have counted them had they been sampled."""
         params = [s.sampling for s in seqs]
         width = min(self.vocab_size, logits.shape[1])  # drop padded embedding rows past the tokenizer
-        if all(p.temperature <= 0 and not p.presence_penalty and not p.frequency_penalty for p in params):
+        penalised = any(p.presence_penalty or p.frequency_penalty for p in params)
+        if not penalised and all(p.temperature <= 0 for p in params):
             # all greedy, nothing to penalise: the sampler's answer is this argmax; skipping its two
             # uploads and its kernels shortens the step's tail (the GPU idles through it)
             return logits[:, :width].argmax(dim=-1)
+        if window is not None and penalised and window.shape[1] > 1:
+            batch, lanes = self._upload_sampling(seqs, steps)
+            return self._sample_rows(logits[:, :width], batch, lanes, counts=self._window_counts(lanes, window))
         graph = self.sampler_graphs.get((len(seqs), 1)) if graphs else None
         if graph is not None and logits is self.graphs[(len(seqs), 1)].logits:  # a decode graph's logits
             floats, longs = self._sampling_rows(seqs, steps)
@@ -737,14 +750,34 @@ class ModelRunner:
             return graph[1]
         return self._sample_rows(logits[:, :width], *self._upload_sampling(seqs, steps))
 
-    def _sample_rows(self, logits: torch.Tensor, batch: SamplingBatch, lanes: torch.Tensor) -> torch.Tensor:
+    def _sample_rows(self, logits: torch.Tensor, batch: SamplingBatch, lanes: torch.Tensor,
+                     counts: torch.Tensor | None = None) -> torch.Tensor:
         """The sampler on [B, width] logits: the fused Triton kernels when they passed their start-up
-        check on this device, else the torch sampler over the rows' gathered penalty counts."""
+        check on this device, else the torch sampler over the rows' gathered penalty counts. counts: the
+        rows' own counts [B, >= width] instead of their lanes' (a verify window's, `_window_counts`)."""
+        if counts is not None:
+            lanes = torch.arange(counts.shape[0], device=counts.device)
+        else:
+            counts = self.counts
         if self.fused_sampler:
             from ninfer.kernels.triton_sampler import fused_sample
 
-            return fused_sample(logits, batch, self.counts, lanes)
-        return sample(logits, batch, self.counts[lanes, : logits.shape[1]])
+            return fused_sample(logits, batch, counts, lanes)
+        return sample(logits, batch, counts[lanes, : logits.shape[1]])
+
+    def _window_counts(self, lanes: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """Penalty counts of a verify batch's rows [B * width, V]: position j of a sequence's window counts
+        its lane's committed tokens and the drafts at window indices 1..j (index 0, the last committed
+        token, is counted already). Those are the tokens a plain step at that output position follows when
+        the drafts stand; past a rejected draft the row's sample is not used. Device ops only."""
+        b, w = window.shape
+        counts = self.counts[lanes].view(b, w, -1)  # a copy: the lanes' own rows stay as they are
+        ids = window.to(torch.long)
+        for i in range(1, w):
+            rows = w - i
+            counts[:, i:].scatter_add_(2, ids[:, i].view(b, 1, 1).expand(b, rows, 1),
+                                       torch.ones(b, rows, 1, dtype=counts.dtype, device=counts.device))
+        return counts.view(b * w, -1)
 
     @staticmethod
     def _sampling_rows(seqs: list[Sequence], steps: list[int] | None = None) -> tuple[list[list[float]], list[list[int]]]:

@@ -16,9 +16,10 @@ accepted with probability p(d), and a rejection leaves the target's sample, dist
 d, renormalised (= max(p - q, 0), normalised). So the committed tokens are the target's own samples:
 with exact verification, seeded output is identical with and without drafts.
 
-Rows that do not speculate: penalized ones (presence/frequency penalties read the counts of the
-tokens before each position, which drafts would change mid-window) and rows inside a forced
-thinking-budget suffix.
+Penalized rows (presence/frequency) speculate as well: each verify position's penalty counts the
+row's committed tokens plus the drafts before that position in its window (ModelRunner._window_counts),
+which is what plain decoding counts at that output position whenever the drafts stand. Rows inside a
+forced thinking-budget suffix do not speculate (the suffix is known; nothing is sampled).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Proposer(Protocol):
 
 def speculates(seq: Sequence) -> bool:
     """Whether this row may carry drafts (the module docstring says why the others do not)."""
-    return not seq.sampling.penalized and not seq.forced
+    return not seq.forced
 
 
 def computed_rows(plan: StepPlan, output: RunnerOutput, committed: dict[int, int]) -> list[tuple[Sequence, int, object]]:
