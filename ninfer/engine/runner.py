@@ -459,7 +459,6 @@ class ModelRunner:
             entry.graph.replay()
             self.graph_replays += 1
             self.last_hidden, self.last_all_hidden = entry.hidden, entry.all_hidden
-            self.last_verify_ids = entry.inputs.i64[: len(seqs) * width].view(len(seqs), width)
             return entry.logits
         if len(seqs) != 1:
             return None
