@@ -295,6 +295,9 @@ def main() -> None:
                    help="profile the last run of each concurrency with CPU and CUDA activity (no stack sampler) and "
                         "print where the GPU idles per decode step, by engine phase and host op (bench/gpu_timeline.py)")
     p.add_argument("--trace-dir", default=None, help="with --timeline: keep each gzipped chrome trace here")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="every request greedy with this presence penalty (s28: penalized rows draft; the full "
+                        "sampler runs and each verify position counts the drafts before it)")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, short outputs")
     args = p.parse_args()
     if args.dry_run:
@@ -339,7 +342,7 @@ def main() -> None:
     steplog = StepLog(engine)
     choices = DraftLog(engine)
     hostlog = HostLog(engine, args.host_breakdown)
-    greedy = SamplingParams(temperature=0.0, presence_penalty=0.0, frequency_penalty=0.0)
+    greedy = SamplingParams(temperature=0.0, presence_penalty=args.presence_penalty, frequency_penalty=0.0)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(args.prompt_len)] for _ in range(lanes)]
 
