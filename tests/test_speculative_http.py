@@ -142,6 +142,22 @@ def test_streamed_and_anthropic_answers_equal_the_plain_servers(served):
     assert got.usage.output_tokens == want.usage.output_tokens
 
 
+def test_a_penalized_request_drafts_and_answers_as_the_plain_server(served):
+    """Presence and frequency penalties (serving.md, sampling) with speculation: the request drafts (each verify
+    position counts the drafts before it) and its answer equals the plain server's."""
+    plain, spec, _ = served
+
+    def chat(server):
+        return _openai(server).chat.completions.create(
+            model=server.ctx.model_id, temperature=0, presence_penalty=1.5, frequency_penalty=0.5, max_tokens=MAX_TOKENS,
+            messages=[{"role": "user", "content": "Penalties: list rivers, never the same twice."}])
+
+    want, got = chat(plain), chat(spec)
+    assert got.choices[0].message.model_dump() == want.choices[0].message.model_dump()
+    timings = got.model_extra["timings"]
+    assert timings["draft_n"] >= 1 and timings["draft_n_accepted"] >= 1
+
+
 def test_metrics_and_request_log_report_the_same_draft_work(served):
     """The engine's counters, /metrics and the request log's per-request speculative objects agree."""
     plain, spec, log = served
