@@ -1061,6 +1061,50 @@ def _run_workload(engine, plain, oracle: OracleProposer, seed: int, fits=lambda 
             yield wave, request, got, expected
 
 
+@pytest.mark.parametrize("system_len", [16, 18], ids=["page-aligned", "mid-page"])
+def test_mtp_drafts_after_a_reused_input_checkpoint_equal_a_from_scratch_head(tiny_qwen_mtp_path, system_len):
+    """Prefix reuse (serving.md, context reuse: input checkpoints) under MTP: the head's KV at a checkpoint's last
+    position pairs it with the next token, which the request reusing the checkpoint has its own of. It gets a
+    private copy of that page (also a full one) and the head observes the position again with its token
+    (MTPProposer._boundary_rows): at every round its head KV rows and drafts equal the head run from scratch
+    (without the rewrite the row at the checkpoint's last position is the first request's)."""
+    settings = EngineSettings(max_context=256, max_concurrency=2, prefill_chunk=16, page_size=4, draft_tokens=3,
+                              spec="mtp")
+    engine = load_engine(tiny_qwen_mtp_path, settings, device=CPU)
+    seen, head_kv, propose = [], [], engine.proposer.propose
+    layer, cache = engine.proposer.head.kv_layer, engine.runner.cache
+
+    def recording(works, budgets):
+        propose(works, budgets)
+        for w, b in zip(works, budgets):
+            tokens = w.seq.tokens(0, w.seq.total_len)
+            seen.append((w.seq.request_id, tokens, _proposed(w), b))
+            _, ref, ref_pages = _reference_head(engine, tokens, 3)
+            for pos in range(w.seq.num_computed):  # the head's KV rows so far, each against the from-scratch one
+                mine = w.seq.pages[pos // 4] * 4 + pos % 4
+                theirs = ref_pages[pos // 4] * 4 + pos % 4
+                head_kv.append(torch.allclose(cache.k[layer, mine], ref.k[layer, theirs], atol=1e-5)
+                               and torch.allclose(cache.v[layer, mine], ref.v[layer, theirs], atol=1e-5))
+
+    engine.proposer.propose = recording
+    system = _SYSTEM[:system_len]
+    try:
+        first = _one_request(engine, "first", system + [300, 301, 302], system_len)
+        second = _one_request(engine, "second", system + [400, 401], system_len)
+    finally:
+        engine.shutdown()
+    assert first[-1].usage.cached_tokens == 0 and second[-1].usage.cached_tokens == system_len
+    assert {rid for rid, *_ in seen} == {"first", "second"} and head_kv and all(head_kv)
+    for rid, tokens, drafts, budget in seen:
+        assert drafts == _reference_drafts(engine, tokens, 3)[:budget], rid
+    assert_no_leak(engine)
+
+
+def _one_request(engine, request_id, prompt, checkpoint):
+    return run_all(engine, [EngineRequest(request_id, prompt, max_tokens=10, sampling=GREEDY,
+                                          checkpoints=[checkpoint])])[0]
+
+
 def _workload_sampling(rng) -> SamplingParams:
     draw = rng.random()
     if draw < 0.6:
@@ -1100,10 +1144,7 @@ def test_a_multi_turn_workload_decodes_as_without_drafts(tiny_qwen_path, tiny_qw
 
     def recording(works, budgets):
         propose(works, budgets)
-        # left out: rows after a reused input checkpoint (the system prompt's), whose head KV at the checkpoint's
-        # last position pairs it with the next token of the request that made it (mtp_proposer's docstring)
-        seen.extend((w.seq.tokens(0, w.seq.total_len), _proposed(w), b) for w, b in zip(works, budgets)
-                    if w.seq.cached_tokens != len(_SYSTEM))
+        seen.extend((w.seq.tokens(0, w.seq.total_len), _proposed(w), b) for w, b in zip(works, budgets))
         oracle.propose(works, budgets)
 
     engine.proposer.propose = recording

@@ -160,7 +160,8 @@ class Engine:
         # caches paged like the model's (a block drafter's context): their pages are copied and paused with it
         companions = tuple(self.proposer.companion_caches()) if hasattr(self.proposer, "companion_caches") else ()
         self.kv = KVManager(pages, slots, prefix_reuse=settings.prefix_reuse, host_budget=host_budget,
-                            snapshot_bytes=lambda n, state: transfers.snapshot_bytes(model_cache, n, state, companions))
+                            snapshot_bytes=lambda n, state: transfers.snapshot_bytes(model_cache, n, state, companions),
+                            private_boundary=getattr(self.proposer, "rewrites_boundary", False))
         self.cache = self.kv.cache  # the retained checkpoints (an index; the KV manager owns their pages)
         self.scheduler = Scheduler(max_concurrency=settings.max_concurrency, prefill_chunk=settings.prefill_chunk,
                                    kv=self.kv, draft_tokens=settings.draft_tokens if proposer else 0,

@@ -19,8 +19,12 @@ from ninfer.engine.sequence import Sequence
 
 class KVManager:
     def __init__(self, pages: PagePool, slots: SlotPool | None, *, prefix_reuse: bool = False,
-                 host_budget: int = 0, snapshot_bytes=None):
-        """snapshot_bytes(num_pages, has_state): host bytes of a pause snapshot (None: no snapshots)."""
+                 host_budget: int = 0, snapshot_bytes=None, private_boundary: bool = False):
+        """snapshot_bytes(num_pages, has_state): host bytes of a pause snapshot (None: no snapshots).
+        private_boundary: a request reusing an input checkpoint gets its own copy of the page holding the
+        checkpoint's last position, also when that page is full (the MTP head's KV there pairs the position
+        with the next token, which is the request's own: MTPProposer rewrites it)."""
+        self.private_boundary = private_boundary
         self.pages = pages
         self.slots = slots
         self.hybrid = slots is not None
@@ -105,17 +109,22 @@ class KVManager:
             return 0, None
         entry, page_size = match.checkpoint, self.page_size
         full = match.length // page_size
+        boundary = self.private_boundary and entry.kind == "input"
+        if boundary and not match.length % page_size:  # the full page ending there: a copy, if a page is free
+            full -= 1 if self.pages.free_pages > 0 else 0
         shared = entry.pages[:full]
         self.pages.share(shared)
         op = ContextOp("copy", seq)
         tail: list[int] = []
-        if match.length % page_size:  # a partly filled page: this request writes into it, so copy it
+        if full * page_size < match.length:  # a partly filled page (this request writes into it) or the boundary's
             try:
                 tail = self.pages.allocate(1)
             except PoolExhausted:
                 self.pages.release(shared)
                 return 0, None
             op.src_pages, op.dst_pages = [entry.pages[full]], tail
+            if boundary:
+                seq.private_boundary = match.length
         if entry.state_slot is not None:
             op.src_slot, op.dst_slot = entry.state_slot, seq.state_slot
         seq.pages = shared + tail

@@ -1,7 +1,9 @@
 """The MTP proposer: drafts for every speculating decode row from the model's MTP head.
 
 The head's KV rides in the trunk's cache as one more attention layer (same pages, page tables and
-slots), so pauses, snapshots, prefix reuse and page copies carry it with the trunk's.
+slots), so pauses, snapshots, prefix reuse and page copies carry it with the trunk's. One entry of a
+reused input checkpoint is request-specific (its last position's, paired with the token after it):
+`_boundary_rows` rewrites it in the reusing request's own copy of that page.
 
 Per step, two halves (ninfer.models.mtp says what the head computes):
 - `observe` (after the step's tokens are committed): the head over every position whose trunk hidden
@@ -43,10 +45,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from ninfer.engine.context_cache import MAX_CHECKPOINTS
 from ninfer.engine.graphs import DecodeInputs, VerifyInputs, capture
 from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
 from ninfer.engine.sequence import Sequence, Status
@@ -86,6 +90,7 @@ class _Pending:
 class MTPProposer:
     name = "mtp"
     wants_prefill_hidden = True
+    rewrites_boundary = True  # the KV manager copies an input checkpoint's last page for a request reusing it
 
     def __init__(self, head: torch.nn.Module, draft_head: torch.nn.Module | None = None):
         """head: an MTPHead attached to the trunk, built with kv_layer = trunk.num_attn_layers; draft_head:
@@ -96,6 +101,8 @@ class MTPProposer:
         self._frontier: dict[str, _Frontier] = {}
         self._pending: dict[str, list[_Pending]] = {}  # request id -> contiguous unobserved decode rows
         self._deferred: tuple | None = None  # a plain step's (plan, output, committed), observed after the next launch
+        # input checkpoints' last trunk hidden rows [H], by the prefix's cache key (see _boundary_rows)
+        self._boundaries: OrderedDict[int, torch.Tensor] = OrderedDict()
         # ("chain" | "observe", batch size) or ("observe_verify", batch size, width) -> (graph, its output)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: tuple[DecodeInputs, torch.Tensor, torch.Tensor] | None = None  # base rows, hidden, draft
@@ -197,6 +204,8 @@ class MTPProposer:
         drafted = {id(w.seq) for w in plan.decode if w.draft_ids}
         now, kept, full = [], [], False
         for seq, start, hidden in rows:
+            if seq is prefill:
+                self._boundary_rows(seq, start, hidden)
             self._keep(seq, start, hidden, 0 if seq is prefill else width)
             if seq is prefill or id(seq) in drafted:
                 now.append(seq)
@@ -205,6 +214,26 @@ class MTPProposer:
                 chunks = self._pending[seq.request_id]
                 full = full or chunks[-1].end - chunks[0].start >= CAP
         self._observe(now + kept if full else now)
+
+    def _boundary_rows(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """Input checkpoints (prefix reuse): the head's KV at a checkpoint's last position pairs it with the token
+        after it, which differs between the request that made the checkpoint and those reusing it. A prefill chunk
+        ending at a checkpoint leaves its last hidden row here; a request that reused that checkpoint, with the page
+        holding its last position a copy of its own (KVManager, private_boundary), observes that position again,
+        with its own next token, before its first chunk. Without the row (evicted, or made before a restart) its
+        drafts attend to the maker's entry there: still verified, so output is unchanged."""
+        end = start + hidden.shape[0]
+        if end in seq.checkpoints:
+            key = hash(tuple(seq.cache_key(0, end)))
+            self._boundaries[key] = hidden[-1].clone()
+            self._boundaries.move_to_end(key)
+            while len(self._boundaries) > MAX_CHECKPOINTS:
+                self._boundaries.popitem(last=False)
+        if seq.private_boundary == start and not self._pending.get(seq.request_id):
+            seq.private_boundary = None
+            row = self._boundaries.get(hash(tuple(seq.cache_key(0, start))))
+            if row is not None:
+                self._keep(seq, start - 1, row[None], 0)
 
     def predictions(self, plan: StepPlan) -> list[tuple[Sequence, torch.Tensor]]:
         """The plan's rows without drafts whose frontier draft predicts the token this step samples (the head has

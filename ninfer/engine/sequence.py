@@ -43,6 +43,9 @@ class Sequence:
     snapshot: object | None = None  # HostSnapshot while paused with host backing
     match: object | None = None  # context-cache Match chosen at admission, applied by the engine
     prefix_path: str = "root"  # "checkpoint" when admission reused a retained prefix
+    # an input checkpoint's length reused with the page holding its last position this request's own copy:
+    # the MTP head may rewrite its KV there, paired with this request's next token (MTPProposer)
+    private_boundary: int | None = None
     preemptions: int = 0
     drafted: int = 0  # speculative drafts proposed for this request, and those the target accepted
     draft_accepted: int = 0
