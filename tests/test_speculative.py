@@ -1084,8 +1084,9 @@ def test_mtp_drafts_after_a_reused_input_checkpoint_equal_a_from_scratch_head(ti
             for pos in range(w.seq.num_computed):  # the head's KV rows so far, each against the from-scratch one
                 mine = w.seq.pages[pos // 4] * 4 + pos % 4
                 theirs = ref_pages[pos // 4] * 4 + pos % 4
-                head_kv.append(torch.allclose(cache.k[layer, mine], ref.k[layer, theirs].to(device), atol=1e-4)
-                               and torch.allclose(cache.v[layer, mine], ref.v[layer, theirs].to(device), atol=1e-4))
+                diff = max((cache.k[layer, mine] - ref.k[layer, theirs]).abs().max().item(),
+                           (cache.v[layer, mine] - ref.v[layer, theirs]).abs().max().item())
+                head_kv.append((w.seq.request_id, w.seq.num_computed, pos, diff))
 
     engine.proposer.propose = recording
     system = _SYSTEM[:system_len]
@@ -1095,7 +1096,8 @@ def test_mtp_drafts_after_a_reused_input_checkpoint_equal_a_from_scratch_head(ti
     finally:
         engine.shutdown()
     assert first[-1].usage.cached_tokens == 0 and second[-1].usage.cached_tokens == system_len
-    assert {rid for rid, *_ in seen} == {"first", "second"} and head_kv and all(head_kv)
+    assert {rid for rid, *_ in seen} == {"first", "second"} and head_kv
+    assert [row for row in head_kv if row[3] > 1e-4] == []
     for rid, tokens, drafts, budget in seen:
         assert drafts == _reference_drafts(engine, tokens, 3)[:budget], rid
     assert_no_leak(engine)
