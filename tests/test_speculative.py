@@ -1097,7 +1097,10 @@ def test_mtp_drafts_after_a_reused_input_checkpoint_equal_a_from_scratch_head(ti
         engine.shutdown()
     assert first[-1].usage.cached_tokens == 0 and second[-1].usage.cached_tokens == system_len
     assert {rid for rid, *_ in seen} == {"first", "second"} and head_kv
-    assert [row for row in head_kv if row[3] > 1e-4] == []
+    # CUDA's kernels (16-token prefill chunks, decode steps) against one from-scratch prefill differ by ~3e-4 in
+    # fp32; the entry the rewrite replaces differs by O(1) (another token's embedding went into it)
+    tolerance = 1e-4 if device.type == "cpu" else 1e-2
+    assert [row for row in head_kv if row[3] > tolerance] == []
     for rid, tokens, drafts, budget in seen:
         assert drafts == _reference_drafts(engine, tokens, 3)[:budget], rid
     assert_no_leak(engine)
