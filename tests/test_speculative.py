@@ -728,6 +728,15 @@ def test_drafters_in_the_cuda_engine_keep_greedy_output(variant, tiny_qwen_path,
 
 # ---- sampled rows ------------------------------------------------------------------------------------------------
 
+def _without_drafts(path, settings: EngineSettings, requests: list[EngineRequest], device=CPU) -> list:
+    """The requests' events from an engine without a drafter (the reference speculative runs must equal)."""
+    engine = load_engine(path, settings, device=device)
+    try:
+        return run_all(engine, requests)
+    finally:
+        engine.shutdown()
+
+
 SAMPLED = SamplingParams(temperature=1.3, top_p=0.9, top_k=12, min_p=0.01, presence_penalty=0.0,
                          frequency_penalty=0.0)
 
@@ -741,11 +750,7 @@ def test_seeded_sampled_output_with_drafts_equals_output_without(tiny_qwen_path)
                 for i, p in enumerate(mixed_prompts(5))]
 
     settings = EngineSettings(max_context=256, max_concurrency=3, prefill_chunk=16)
-    engine = load_engine(tiny_qwen_path, settings, device=CPU)
-    try:
-        base = run_all(engine, requests())
-    finally:
-        engine.shutdown()
+    base = _without_drafts(tiny_qwen_path, settings, requests())
     oracle = OracleProposer({f"s{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.4, vocab=900, seed=2)
     engine = load_engine(tiny_qwen_path, dataclasses.replace(settings, draft_tokens=3), proposer=oracle, device=CPU)
     try:
@@ -776,12 +781,7 @@ def test_penalized_rows_draft_and_decode_as_without_drafts(tiny_qwen_path, devic
                 for i, (p, s) in enumerate(zip(mixed_prompts(len(PENALIZED)), PENALIZED))]
 
     settings = EngineSettings(max_context=256, max_concurrency=5, prefill_chunk=16)
-    engine = load_engine(tiny_qwen_path, settings, device=device)
-    try:
-        base = run_all(engine, requests())
-    finally:
-        engine.shutdown()
-    outputs = [token_ids(e) for e in base]
+    outputs = [token_ids(e) for e in _without_drafts(tiny_qwen_path, settings, requests(), device)]
     # the windows matter: some output repeats a token within 4 positions (a draft then changes the next counts)
     assert any(out[i] in out[i + 1: i + 4] for out in outputs[:4] for i in range(len(out)))
     oracle = OracleProposer({f"p{i}": out for i, out in enumerate(outputs)}, corrupt=0.2, vocab=900, seed=5)
