@@ -3,7 +3,8 @@
 Each seed draws engine settings (drafter: MTP, DFlash or DFlash2; drafts 1-5; concurrency 1-6; page size; KV pool;
 state slots; snapshot or replay pauses; prefix reuse; adaptive drafts; how many oracle drafts are corrupted) and
 runs the multi-turn workload of tests/test_speculative.py (`_workload_waves`) through it; every request must decode
-as through an engine without drafts, one request at a time, over the same KV pool. s27 found two engine bugs with
+as through an engine without drafts, one request at a time, over the same KV pool, and every MTP head proposal must
+equal the head run from scratch. s27 found two engine bugs with
 it (an MTP chain past a row's pages; CPU verify rows rounding as one product), each now a test of its own.
 
     .venv/bin/python tests/spec_sweep.py 0 40    # seeds 0..39, one line each; ~15 s a seed on two cores
@@ -55,8 +56,15 @@ def one(seed: int, paths: dict[str, Path]) -> str:
                                                     prefix_reuse=False, kv_capacity=settings.kv_capacity,
                                                     page_size=settings.page_size), device=CPU)
     oracle = OracleProposer({}, corrupt=rng.choice([0.0, 0.2, 0.5]), vocab=900, seed=seed)
-    propose = engine.proposer.propose
-    engine.proposer.propose = lambda works, budgets: (propose(works, budgets), oracle.propose(works, budgets))
+    propose, proposals = engine.proposer.propose, []
+
+    def drafting(works, budgets):
+        propose(works, budgets)
+        if spec == "mtp":  # the head's own drafts, checked against a from-scratch head below
+            proposals.extend((w.seq.tokens(0, w.seq.total_len), ts._proposed(w), b) for w, b in zip(works, budgets))
+        oracle.propose(works, budgets)
+
+    engine.proposer.propose = drafting
     fits = lambda request: len(request.prompt_ids) <= settings.kv_capacity  # noqa: E731 (longer ones: refused)
     try:
         for wave, request, got, expected in ts._run_workload(engine, plain, oracle, seed, fits):
@@ -67,6 +75,8 @@ def one(seed: int, paths: dict[str, Path]) -> str:
         engine.shutdown()
         plain.shutdown()
     assert_no_leak(engine)
+    for tokens, drafts, budget in proposals:
+        assert drafts == ts._reference_drafts(engine, tokens, k)[:budget], ("head drafts", len(tokens), drafts)
     c = engine.counters
     return (f"{spec} k={k} C={settings.max_concurrency} page={settings.page_size} pool={settings.kv_capacity} "
             f"adaptive={settings.adaptive_drafts} reuse={settings.prefix_reuse} rounds={c.spec_rounds} "
