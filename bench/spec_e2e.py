@@ -342,7 +342,7 @@ def main() -> None:
     steplog = StepLog(engine)
     choices = DraftLog(engine)
     hostlog = HostLog(engine, args.host_breakdown)
-    greedy = SamplingParams(temperature=0.0, presence_penalty=args.presence_penalty, frequency_penalty=0.0)
+    sampling = SamplingParams(temperature=0.0, presence_penalty=args.presence_penalty, frequency_penalty=0.0)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(args.prompt_len)] for _ in range(lanes)]
 
@@ -415,7 +415,7 @@ def main() -> None:
         hostlog.take()  # what ran before (another run's tail) is not this run's
         events = [queue.SimpleQueue() for _ in range(c)]
         for i in range(c):
-            engine.submit(EngineRequest(f"r{i}", prompts[i], sampling=greedy, max_tokens=args.max_tokens),
+            engine.submit(EngineRequest(f"r{i}", prompts[i], sampling=sampling, max_tokens=args.max_tokens),
                           events[i].put)
         outs, rate = [], 0.0
         for q in events:

@@ -38,15 +38,21 @@ _BASELINES: dict = {}
 CPU = torch.device("cpu")
 
 
+def _without_drafts(path, settings: EngineSettings, requests: list[EngineRequest], device=CPU) -> list:
+    """The requests' events from an engine without a drafter (the reference speculative runs must equal)."""
+    engine = load_engine(path, settings, device=device)
+    try:
+        return run_all(engine, requests)
+    finally:
+        engine.shutdown()
+
+
 def _baseline(path, max_tokens=16, stop=None, device=CPU):
     """Greedy output without speculation (computed once per artifact, request shape and device)."""
     key = (str(path), max_tokens, tuple(stop or []), str(device))
     if key not in _BASELINES:
-        engine = load_engine(path, EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16), device=device)
-        try:
-            _BASELINES[key] = run_all(engine, _requests(max_tokens, stop))
-        finally:
-            engine.shutdown()
+        _BASELINES[key] = _without_drafts(path, EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16),
+                                          _requests(max_tokens, stop), device)
     return _BASELINES[key]
 
 
@@ -727,15 +733,6 @@ def test_drafters_in_the_cuda_engine_keep_greedy_output(variant, tiny_qwen_path,
 
 
 # ---- sampled rows ------------------------------------------------------------------------------------------------
-
-def _without_drafts(path, settings: EngineSettings, requests: list[EngineRequest], device=CPU) -> list:
-    """The requests' events from an engine without a drafter (the reference speculative runs must equal)."""
-    engine = load_engine(path, settings, device=device)
-    try:
-        return run_all(engine, requests)
-    finally:
-        engine.shutdown()
-
 
 SAMPLED = SamplingParams(temperature=1.3, top_p=0.9, top_k=12, min_p=0.01, presence_penalty=0.0,
                          frequency_penalty=0.0)

@@ -110,8 +110,8 @@ class KVManager:
         entry, page_size = match.checkpoint, self.page_size
         full = match.length // page_size
         boundary = self.private_boundary and entry.kind == "input"
-        if boundary and not match.length % page_size:  # the full page ending there: a copy, if a page is free
-            full -= 1 if self.pages.free_pages > 0 else 0
+        if boundary and not match.length % page_size and self.pages.free_pages > 0:
+            full -= 1  # the full page ending at the checkpoint: copied below like a partly filled one
         shared = entry.pages[:full]
         self.pages.share(shared)
         op = ContextOp("copy", seq)

@@ -771,11 +771,9 @@ class ModelRunner:
         the drafts stand; past a rejected draft the row's sample is not used. Device ops only."""
         b, w = window.shape
         counts = self.counts[lanes].view(b, w, -1)  # a copy: the lanes' own rows stay as they are
-        ids = window.to(torch.long)
-        for i in range(1, w):
-            rows = w - i
-            counts[:, i:].scatter_add_(2, ids[:, i].view(b, 1, 1).expand(b, rows, 1),
-                                       torch.ones(b, rows, 1, dtype=counts.dtype, device=counts.device))
+        ids, ones = window.to(torch.long), torch.ones(b, w, 1, dtype=counts.dtype, device=counts.device)
+        for i in range(1, w):  # draft i counts at positions i..w-1
+            counts[:, i:].scatter_add_(2, ids[:, i].view(b, 1, 1).expand(b, w - i, 1), ones[:, i:])
         return counts.view(b * w, -1)
 
     @staticmethod
