@@ -1061,8 +1061,9 @@ def _run_workload(engine, plain, oracle: OracleProposer, seed: int, fits=lambda 
 @pytest.mark.parametrize("system_len", [16, 18], ids=["page-aligned", "mid-page"])
 def test_mtp_drafts_after_a_reused_input_checkpoint_equal_a_from_scratch_head(tiny_qwen_mtp_path, system_len,
                                                                              device=CPU):
-    """Checkpoint reuse (serving.md, usage: cached_tokens is the exact checkpoint-proven prefix) under MTP: the head's KV at a checkpoint's last
-    position pairs it with the next token, which the request reusing the checkpoint has its own of. It gets a
+    """Checkpoint reuse (serving.md, usage: cached_tokens is the exact checkpoint-proven prefix) under MTP: the
+    head's KV at a checkpoint's last position pairs it with the next token, which the request reusing the
+    checkpoint has its own of. It gets a
     private copy of that page (also a full one) and the head observes the position again with its token
     (MTPProposer._boundary_rows): at every round its head KV rows and drafts equal the head run from scratch
     (without the rewrite the row at the checkpoint's last position is the first request's)."""
