@@ -78,6 +78,10 @@ class OracleAfterMTP:
     def observe_deferred(self):
         self.mtp.observe_deferred()
 
+    def draft_ahead(self, plan, samples):
+        if self.oracle.continuations:
+            self.mtp.draft_ahead(plan, samples)
+
     def propose(self, works, budgets):
         if self.oracle.continuations:
             self.mtp.propose(works, budgets)
@@ -405,6 +409,8 @@ def main() -> None:
     if args.timeline:
         profiled = timelined  # noqa: F811
 
+    mtp = engine.proposer.mtp if args.with_mtp else None  # kept: a run without speculation detaches the proposer
+
     def run(c: int) -> tuple[list[list[int]], float, dict]:
         """c requests at once; their outputs, summed decode tok/s and the engine's speculative counts."""
         import queue
@@ -412,6 +418,7 @@ def main() -> None:
         before = {k: getattr(engine.counters, k) for k in ("spec_rounds", "spec_drafted_tokens",
                                                           "spec_accepted_tokens", "decode_steps")}
         work_before, log_before = engine.work.snapshot(), len(steplog.steps)
+        ahead_before = mtp.ahead_rounds if mtp is not None else 0
         hostlog.take()  # what ran before (another run's tail) is not this run's
         events = [queue.SimpleQueue() for _ in range(c)]
         for i in range(c):
@@ -433,6 +440,8 @@ def main() -> None:
         counts = {k: getattr(engine.counters, k) - v for k, v in before.items()}
         counts["step_ms"] = step_ms(work_before, engine.work.snapshot(), counts["decode_steps"])
         counts["round_ms"] = steplog.round_ms(log_before)
+        if mtp is not None:  # rows whose drafts the head queued behind the verify (MTPProposer.draft_ahead)
+            counts["ahead_rows"] = mtp.ahead_rounds - ahead_before
         if hostlog.enabled:
             counts["host_us"] = hostlog.take()
         if choices.enabled:
@@ -444,7 +453,8 @@ def main() -> None:
          nvfp4_mtp=args.nvfp4_mtp, nvfp4_draft_head=args.nvfp4_draft_head, adaptive=args.adaptive, reference=args.reference,
          free_samples=args.with_mtp and args.adaptive and not args.no_free_samples,
          graph_status=engine.runner.graph_status, nvfp4_gemv=engine.runner.nvfp4_status,
-         **({"mtp_graphs": len(engine.proposer.mtp._graphs), "mtp_capture_s": round(engine.proposer.mtp.capture_seconds, 3)}
+         **({"mtp_graphs": len(engine.proposer.mtp._graphs), "mtp_capture_s": round(engine.proposer.mtp.capture_seconds, 3),
+             "mtp_drafts_ahead": engine.proposer.mtp.drafts_ahead}
             if args.with_mtp else {}))
     summary = {}
     try:

@@ -308,6 +308,7 @@ def test_mtp_drafts_equal_a_from_scratch_head_and_output_equals_plain_greedy(tin
     assert counters.spec_rounds > 0 and len(seen) >= counters.spec_rounds
     assert counters.spec_accepted_tokens > counters.spec_rounds // 2  # multi-token commits happened
     assert all(e[-1].timings.draft_n is not None for e in spec if len(token_ids(e)) > 2)
+    assert engine.proposer.ahead_rounds > 0  # rounds whose drafts the head queued behind the verify (draft_ahead)
     checked = 0
     for tokens, drafts, budget in seen[:: max(1, len(seen) // 12)]:  # a sample of rounds, every stage
         assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
@@ -380,8 +381,10 @@ def test_mtp_draft_chain_graph_path_drafts_as_the_head_from_scratch(tiny_qwen_mt
     spec, counters, seen = _run_recording_drafts(engine, oracle)
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert captured and engine.proposer.graph_replays > 0
-    # the observe graphs: of plain steps (all drafts rejected: one token a row) and of verify steps
-    assert {k[0] for k in engine.proposer._graphs} == {"chain", "observe", "observe_verify"}
+    # the observe graphs: of plain steps (all drafts rejected: one token a row) and of verify steps; the next
+    # round's drafts queued behind a verify forward (draft_ahead)
+    assert {k[0] for k in engine.proposer._graphs} == {"chain", "observe", "observe_verify", "ahead"}
+    assert engine.proposer.ahead_rounds > 0
     for tokens, drafts, budget in seen:  # every round: few follow a step the observe graph took
         assert drafts == _reference_drafts(engine, tokens, 3)[:budget]
 
@@ -405,7 +408,8 @@ def test_mtp_graphs_are_captured_when_the_proposer_is_bound(tiny_qwen_mtp_path, 
     proposer = engine.proposer
     widths = sorted({2, 3, 4, mtp_proposer.WINDOW, mtp_proposer.CAP})
     expected = {key for b in (1, 2, 3) for key in
-                [("chain", b), ("observe", b)] + [("observe_verify", b, w) for w in widths]}
+                [("chain", b), ("observe", b)] + [("observe_verify", b, w) for w in widths]
+                + [("ahead", b, w) for w in (2, 3, 4)]}
     assert set(proposer._graphs) == expected and len(captured) == len(expected)
     oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=5)
     spec, counters, seen = _run_recording_drafts(engine, oracle)
@@ -728,8 +732,33 @@ def test_drafters_in_the_cuda_engine_keep_greedy_output(variant, tiny_qwen_path,
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert counters.spec_rounds > 0 and seen and all(len(d) == b for _, d, b in seen)
     if variant == "mtp":
-        assert {("chain", 4), ("observe", 1), ("observe_verify", 4, 4)} <= graphs
+        assert {("chain", 4), ("observe", 1), ("observe_verify", 4, 4), ("ahead", 4, 4)} <= graphs
         assert engine.proposer.graph_replays > 0 and set(engine.proposer._graphs) == graphs
+        assert engine.proposer.ahead_rounds > 0
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_mtp_drafts_ahead_equal_the_drafts_proposed_after_the_read_back_on_cuda(tiny_qwen_mtp_path):
+    """MTPProposer.draft_ahead on CUDA (bf16, head graphs): the next round's drafts, computed on the device behind
+    the verify forward (the accepted count compared there, the frontier picked at the accepted row, the chain
+    from it), are the drafts the head proposes when it runs after the verify's tokens are read back
+    (NINFER_DRAFT_AHEAD=0), round for round, and the output is plain greedy's. One request at a time, so both
+    engines run the same batch shapes and the same kernels."""
+    cuda = torch.device("cuda")
+    base = _baseline(tiny_qwen_mtp_path, device=cuda)
+    runs = []
+    for ahead in (False, True):
+        settings = EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16, spec="mtp", draft_tokens=3)
+        engine = load_engine(tiny_qwen_mtp_path, settings, device=cuda)
+        engine.proposer.drafts_ahead = ahead
+        oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.3, vocab=900, seed=6)
+        spec, counters, seen = _run_recording_drafts(engine, oracle)
+        assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
+        assert (engine.proposer.ahead_rounds > 0) == ahead
+        runs.append(seen)
+    assert len(runs[0]) == len(runs[1]) > 10
+    assert runs[0] == runs[1]
 
 
 # ---- sampled rows ------------------------------------------------------------------------------------------------
@@ -1177,6 +1206,8 @@ def test_a_multi_turn_workload_decodes_as_without_drafts(tiny_qwen_path, tiny_qw
     c = engine.counters
     assert stopped >= 2 and budgeted >= 1  # stop strings and a thinking budget's closing suffix, as without drafts
     assert c.spec_rounds > 0 and (adaptive or c.spec_accepted_tokens > c.spec_rounds // 2)  # adaptive: its choice
+    if spec == "mtp":  # rounds whose drafts the head queued behind the verify before (MTPProposer.draft_ahead)
+        assert engine.proposer.ahead_rounds > 0
     if kv_capacity > 256:
         assert reused >= 4
     else:

@@ -165,7 +165,8 @@ class Engine:
         self.cache = self.kv.cache  # the retained checkpoints (an index; the KV manager owns their pages)
         self.scheduler = Scheduler(max_concurrency=settings.max_concurrency, prefill_chunk=settings.prefill_chunk,
                                    kv=self.kv, draft_tokens=settings.draft_tokens if proposer else 0,
-                                   max_context=settings.max_context)
+                                   max_context=settings.max_context,
+                                   draft_reach=drafts - 1 if hasattr(self.proposer, "draft_ahead") else 0)
         self.thinking = thinking or ThinkingControl(think_end_id=None)
         self.counters = Counters()
         self.context = ContextExecutor(self.kv, model_cache, self.counters, companions)
@@ -395,6 +396,8 @@ class Engine:
             # drafts after the copies and restores: a drafter reads its context from the pages they fill
             self._propose(plan)
             launched = self.runner.launch(plan)
+            if hasattr(self.proposer, "draft_ahead") and plan.decode and launched:  # next round's drafts, queued now
+                self.proposer.draft_ahead(plan, launched[-1])
             if hasattr(self.proposer, "observe_deferred"):  # the last plain step's observe, under this forward
                 self.proposer.observe_deferred()
             predicted = self._predicted(plan)

@@ -44,6 +44,7 @@ are the target's own: a point-mass proposal makes that the lossless rejection ru
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -54,11 +55,12 @@ from ninfer.engine.context_cache import MAX_CHECKPOINTS
 from ninfer.engine.graphs import DecodeInputs, VerifyInputs, capture
 from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
 from ninfer.engine.sequence import Sequence, Status
-from ninfer.engine.speculative import computed_rows, speculates, stage_drafts, upload_batch
-from ninfer.forward import CacheSpec, ForwardBatch, host_inputs, verify_inputs
+from ninfer.engine.speculative import accepted_prefix, computed_rows, speculates, stage_drafts, upload_batch
+from ninfer.forward import CacheSpec, DeviceOnlyLengths, ForwardBatch, host_inputs, verify_inputs
 from ninfer.models.mtp import chain_batch
 
 log = logging.getLogger("ninfer.engine")
+DRAFT_AHEAD_ENV = "NINFER_DRAFT_AHEAD"  # =0: no drafting ahead (MTPProposer.draft_ahead), for A/B benchmarks
 WINDOW = 8  # kept rows up to this many a sequence are observed through one verify-shaped graph of this width
 CAP = 64  # kept rows a sequence may hold: then every sequence of the step catches up, through the graph of CAP rows
 
@@ -87,6 +89,17 @@ class _Pending:
         return self.start + self.hidden.shape[0]
 
 
+@dataclass
+class _Ahead:
+    """What `draft_ahead` queued behind a verify forward, per decode row i of `plan`: the head's output at the row's
+    accepted position (last[i]), its draft (first[i]) and the next round's drafts (table[i], [k])."""
+
+    plan: StepPlan
+    table: torch.Tensor
+    last: torch.Tensor
+    first: torch.Tensor
+
+
 class MTPProposer:
     name = "mtp"
     wants_prefill_hidden = True
@@ -101,6 +114,12 @@ class MTPProposer:
         self._frontier: dict[str, _Frontier] = {}
         self._pending: dict[str, list[_Pending]] = {}  # request id -> contiguous unobserved decode rows
         self._deferred: tuple | None = None  # a plain step's (plan, output, committed), observed after the next launch
+        self._ahead: _Ahead | None = None  # the last verify step's drafts ahead (draft_ahead), until it is observed
+        self._ready_ahead: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> (table, row): next round's drafts
+        self._ahead_statics: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by verify width: its samples, drafts
+        self._ahead_out: tuple[torch.Tensor, torch.Tensor] | None = None  # the ahead graphs' last rows and drafts
+        self.ahead_rounds = 0  # decode rows whose drafts came from draft_ahead
+        self.drafts_ahead = os.environ.get(DRAFT_AHEAD_ENV, "1") != "0"
         # input checkpoints' last trunk hidden rows [H], by the prefix's cache key (see _boundary_rows)
         self._boundaries: OrderedDict[int, torch.Tensor] = OrderedDict()
         # ("chain" | "observe", batch size) or ("observe_verify", batch size, width) -> (graph, its output)
@@ -129,8 +148,8 @@ class MTPProposer:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         """Capture every head graph a run can replay (module docstring), for batch sizes 1..the runner's
-        decode graphs': the chain of k-1 steps, the head over one row a sequence, and over verify-shaped
-        rows of every verify width, of WINDOW and of CAP."""
+        decode graphs': the chain of k-1 steps, the head over one row a sequence, over verify-shaped
+        rows of every verify width, of WINDOW and of CAP, and drafting ahead from every verify width."""
         runner, started = self.runner, time.perf_counter()
         like, k = runner.decode_graph_inputs, runner.draft_tokens
         # shaped like the trunk's hidden states, which the graphs' static rows are copied from
@@ -149,6 +168,9 @@ class MTPProposer:
             for width, (vin, vh, vd) in verify.items():
                 if self._head_graph(("observe_verify", b, width), vin, b, vh[: b * width], vd[:b],
                                     self._picks()) is None:
+                    return
+            for width in range(2, k + 2) if self.drafts_ahead else ():
+                if self._ahead_graph(b, width, hidden) is None:
                     return
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
@@ -179,6 +201,10 @@ class MTPProposer:
         next step's forward is launched, so its host work runs while the device computes (s25, H100, C=8: with the
         controller's cheaper sums, a speculative engine's decode-only step went from 11.65 to 11.20 ms, against 10.91
         without speculation)."""
+        ahead, self._ahead = self._ahead, None
+        self._ready_ahead = {}
+        if ahead is not None and ahead.plan is plan:
+            committed = self._take_ahead(ahead, plan, output, committed)
         self.observe_deferred()  # a step deferred before comes first: its rows precede this one's
         if plan.prefill is None and not any(w.draft_ids for w in plan.decode):
             self._deferred = (plan, output, committed)
@@ -375,6 +401,139 @@ class MTPProposer:
         self.observe_replays += 1
         return entry[1], drafts
 
+    # ---- drafting ahead: the next round's drafts queued behind a verify forward ---------------------
+    @torch.inference_mode()
+    def draft_ahead(self, plan: StepPlan, samples: torch.Tensor) -> None:
+        """Right after a verify forward is launched (every decode row drafted, all of one width w, text rows with
+        pages for the chain): queue on the device, behind it, what `observe` and the next `propose` would run once
+        its tokens are back: the head over all w rows of each sequence (row j paired with the target's token there,
+        samples[i, j]), the accepted count (the drafts' agreeing prefix with those tokens, computed on the device),
+        the frontier picked at the accepted row and the chain of k-1 steps from it. The host then finds the next
+        round's drafts ready (`_take_ahead`, `propose`) instead of launching the head between the verify's read
+        back and the next verify (s28, H100, C=1 MTP3: ~1.1 ms of host a round the device waited through).
+        Rows where the accepted count is not the commit (a stop, max_tokens, a thinking budget) are observed as
+        before. Head rows past the accepted one write KV at positions the next round rewrites before any head
+        step reads them, as the chain's rejected drafts always did."""
+        self._ahead = None
+        works, runner = plan.decode, self.runner
+        if not self.drafts_ahead or plan.prefill is not None or not works or not all(w.draft_ids for w in works):
+            return
+        width, k, b = len(works[0].tokens), runner.draft_tokens, len(works)
+        seqs, starts = [w.seq for w in works], [w.start for w in works]
+        positions = [s.positions(p, p + 1) for s, p in zip(seqs, starts)]
+        if (any(len(w.tokens) != width for w in works) or any(p is not None for p in positions)
+                or any(len(s.pages) * runner.page_size < p + width + k - 1 for s, p in zip(seqs, starts))):
+            return  # ragged widths, MRoPE rows, or the chain would write past a row's pages
+        drafts = runner.last_verify_ids[:, 1:]
+        if self._graphable(seqs, positions) and b <= runner.decode_graph_inputs.max_batch:
+            result = self._ahead_replay(seqs, starts, samples, drafts, width)
+        elif runner.device.type == "cpu":  # the same computation, eagerly (CPU tests and the embedded model)
+            batch = ForwardBatch.for_verify(verify_inputs([[0] * width] * b, starts, [s.pages for s in seqs],
+                                                          runner.page_size, [0] * b, [[0] * (width - 1)] * b, width))
+            result = self._ahead_forward(batch, b, width, samples.reshape(-1).long(),
+                                         runner.last_hidden[: b * width], drafts)
+        else:
+            return
+        if result is not None:
+            self._ahead = _Ahead(plan, *result)
+
+    def _ahead_forward(self, batch: ForwardBatch, b: int, width: int, ids: torch.Tensor, hidden: torch.Tensor,
+                       drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """draft_ahead's device work over a verify-shaped batch (rows at the verify's positions) with the target's
+        tokens `ids` [b * width] and hidden rows, and the verified drafts [b, width-1]: (next drafts [b, k], the
+        head's output at each accepted row [b, H], its draft [b]). Device ops only: a CUDA graph captures it."""
+        k = self.runner.draft_tokens
+        out = self.head(batch, self.runner.cache, ids, hidden)
+        accepted = (drafts == ids.view(b, width)[:, : width - 1]).long().cumprod(1).sum(1)
+        rows = torch.arange(b, device=ids.device) * width + accepted
+        last = out[rows]
+        first = self._argmax(last)
+        if k == 1:
+            return first[:, None], last, first
+        seq_lens = (batch.seq_lens - (width - 1) + accepted).to(torch.int32)  # through the accepted position
+        host = batch.seq_lens_cpu  # a graph's are on the device only; the CPU reference kernels read host lengths
+        base = ForwardBatch(
+            input_ids=ids[rows], positions=batch.positions[rows],
+            query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=ids.device), seq_lens=seq_lens,
+            page_table=batch.page_table, slot_mapping=batch.slot_mapping[rows], state_slots=batch.state_slots,
+            query_lens_cpu=[1] * b, seq_lens_cpu=host if isinstance(host, DeviceOnlyLengths) else seq_lens.tolist())
+        return torch.cat([first[:, None], self._chain(base, first, last, k - 1)], dim=1), last, first
+
+    def _ahead_static(self, width: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ahead graphs' static inputs of this verify width: the target's tokens [max_batch * width] and the
+        verified drafts [max_batch, width-1] (their hidden rows and positions: _verify_static's)."""
+        static = self._ahead_statics.get(width)
+        if static is None:
+            mb, device = self.runner.decode_graph_inputs.max_batch, self.runner.device
+            static = self._ahead_statics[width] = (torch.zeros(mb * width, dtype=torch.long, device=device),
+                                                   torch.zeros(mb, width - 1, dtype=torch.long, device=device))
+        if self._ahead_out is None:
+            mb = self.runner.decode_graph_inputs.max_batch
+            self._ahead_out = (torch.zeros(mb, like.shape[-1], dtype=like.dtype, device=self.runner.device),
+                               torch.zeros(mb, dtype=torch.long, device=self.runner.device))
+        return static
+
+    def _ahead_graph(self, b: int, width: int, like: torch.Tensor) -> tuple | None:
+        """The graph of _ahead_forward for b sequences of this verify width over the static inputs (captured now
+        if it is not yet); its output the next drafts [b, k], the last rows and drafts in `_ahead_out`."""
+        vin, vh, _ = self._verify_static(width, like)
+        ids, drafts = self._ahead_static(width, like)
+        last, first = self._ahead_out
+
+        def run() -> torch.Tensor:
+            table, rows, draft = self._ahead_forward(vin.batch(b), b, width, ids[: b * width], vh[: b * width],
+                                                     drafts[:b])
+            last[:b].copy_(rows)
+            first[:b].copy_(draft)
+            return table
+
+        return self._graph(("ahead", b, width), run)
+
+    def _ahead_replay(self, seqs: list[Sequence], starts: list[int], samples: torch.Tensor, drafts: torch.Tensor,
+                      width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """draft_ahead through its graph: the verify's rows (positions, pages; their tokens are the samples), hidden
+        states and drafts copied into the static inputs, on the device. Copies of the outputs: the next verify step
+        replays the graph again before this one's drafts are read back."""
+        runner, b = self.runner, len(seqs)
+        vin, vh, _ = self._verify_static(width, runner.last_hidden)
+        ids, static_drafts = self._ahead_static(width, runner.last_hidden)
+        vin.load(verify_inputs([[0] * width] * b, starts, [s.pages for s in seqs], runner.page_size, [0] * b,
+                               [[0] * (width - 1)] * b, width))
+        vh[: b * width].copy_(runner.last_hidden[: b * width])
+        ids[: b * width].copy_(samples.reshape(-1))
+        static_drafts[:b].copy_(drafts)
+        entry = self._ahead_graph(b, width, runner.last_hidden)
+        if entry is None:
+            return None
+        entry[0].replay()
+        self.observe_replays += 1
+        last, first = self._ahead_out
+        return entry[1].clone(), last[:b].clone(), first[:b].clone()
+
+    def _take_ahead(self, ahead: _Ahead, plan: StepPlan, output: RunnerOutput,
+                    committed: dict[int, int]) -> dict[int, int]:
+        """After the verify step that drafted ahead is committed: a row whose committed tokens are the target's
+        own takes its frontier (at the accepted row) and next drafts from `ahead`, its head KV already written;
+        when the commit stopped short of the accepted run (the request finished, or a thinking budget ended it)
+        the row has no frontier (later rows are kept and observed as usual). A row whose committed tokens are not
+        the samples (a forced suffix) is left to `_observe_step`. Returns `committed` without the rows taken."""
+        rest = dict(committed)
+        offset = len(plan.works) - len(plan.decode)
+        for i, work in enumerate(plan.decode):
+            seq, c = work.seq, committed.get(id(work.seq), 0)
+            sampled = output.sampled[offset + i]
+            if not c or seq.output_ids[len(seq.output_ids) - c:] != sampled[:c]:
+                continue
+            rest[id(seq)] = 0
+            self._pending.pop(seq.request_id, None)
+            accepted = accepted_prefix(work.draft_ids, sampled)
+            if c == accepted + 1:
+                self._frontier[seq.request_id] = _Frontier(work.start + accepted, ahead.last[i], ahead.first[i])
+                self._ready_ahead[seq.request_id] = (ahead.table, i)
+            else:
+                self._frontier.pop(seq.request_id, None)
+        return rest
+
     # ---- before a step: the chain of drafts ---------------------------------------------------------
     @torch.inference_mode()
     def propose(self, works: list[SeqWork], budgets: list[int]) -> None:
@@ -383,16 +542,24 @@ class MTPProposer:
         ready = [(w, b, self._frontier.get(w.seq.request_id)) for w, b in zip(works, budgets)]
         ready = [(w, b, f) for w, b, f in ready if f is not None and f.position == w.seq.num_computed - 1
                  and speculates(w.seq)]
+        ahead, self._ready_ahead = self._ready_ahead, {}
         if not ready:
+            return
+        budgets_by_row = [b for _, b, _ in ready]
+        k = max(budgets_by_row)
+        early = [ahead.get(w.seq.request_id) for w, _, _ in ready]
+        if all(e is not None for e in early) and all(e[0] is early[0][0] for e in early):  # no head work at all
+            self.ahead_rounds += len(ready)
+            stage_drafts([w for w, _, _ in ready], budgets_by_row, early[0][0], [e[1] for e in early])
             return
         # one chain per budget: a chain of k - 1 steps writes the head's KV at k - 1 positions past each row's
         # frontier, and a row with a smaller budget has pages reserved for fewer (s27: a row near its
         # max_tokens beside full-budget rows indexed past its page table and failed the step)
-        budgets_by_row = [b for _, b, _ in ready]
-        k = max(budgets_by_row)
         table = None
         for b in sorted(set(budgets_by_row), reverse=True):
-            rows = [i for i, rb in enumerate(budgets_by_row) if rb == b]
+            rows = [i for i, rb in enumerate(budgets_by_row) if rb == b and early[i] is None]
+            if not rows:
+                continue
             part = self._drafts([ready[i] for i in rows], b)
             if len(rows) == len(ready):
                 table = part
@@ -400,6 +567,12 @@ class MTPProposer:
             if table is None:
                 table = torch.zeros(len(ready), k, dtype=part.dtype, device=part.device)
             table[self.runner._tensor(rows, torch.long), :b] = part
+        if table is None:
+            table = torch.zeros(len(ready), k, dtype=torch.long, device=self.runner.device)
+        for i, e in enumerate(early):  # rows whose drafts are ready (a new request joined them)
+            if e is not None:
+                self.ahead_rounds += 1
+                table[i] = e[0][e[1], :k]
         stage_drafts([w for w, _, _ in ready], budgets_by_row, table)  # read back with the verify's
 
     def _drafts(self, ready: list, b: int) -> torch.Tensor:

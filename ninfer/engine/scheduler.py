@@ -27,10 +27,13 @@ BYPASS_LIMIT = 4  # fresh requests that may overtake a head that does not fit
 
 class Scheduler:
     def __init__(self, *, max_concurrency: int, prefill_chunk: int, kv: KVManager, draft_tokens: int = 0,
-                 max_context: int | None = None):
-        """draft_tokens: the most drafts a decode row may carry (speculative decoding; 0: none)."""
+                 max_context: int | None = None, draft_reach: int = 0):
+        """draft_tokens: the most drafts a decode row may carry (speculative decoding; 0: none). draft_reach:
+        positions past a drafting row's verify that its drafter writes before the next round is planned (the MTP
+        head drafting ahead: MTPProposer.draft_ahead); pages for them are reserved where free."""
         self.max_concurrency = max_concurrency
         self.draft_tokens = draft_tokens
+        self.draft_reach = draft_reach
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.kv = kv
@@ -266,6 +269,11 @@ class Scheduler:
             k -= 1
         if k > 0:
             self.kv.grow(seq, seq.num_computed + 1 + k)
+            reach = seq.num_computed + 1 + k + self.draft_reach
+            if self.max_context is not None:
+                reach = min(reach, self.max_context)
+            if self.kv.pages_for(reach) - len(seq.pages) <= self.kv.pages.free_pages:  # free pages only
+                self.kv.grow(seq, reach)
         return max(k, 0)
 
     def _plan_prefill(self, plan: StepPlan) -> None:

@@ -72,13 +72,13 @@ def upload_batch(batch, runner):
     return batch
 
 
-def stage_drafts(works: list[SeqWork], budgets: list[int], table) -> None:
-    """Give works[i] the first budgets[i] drafts of table[i] (a [rows, k] int64 tensor, on the device)
-    without reading them back: the verify forward copies them into its input ids on the device, and its
-    one read back brings them to the host with the sampled tokens (ModelRunner.collect). So a round
-    synchronizes once, and the host prepares and launches the verify while the drafter still runs."""
+def stage_drafts(works: list[SeqWork], budgets: list[int], table, rows: list[int] | None = None) -> None:
+    """Give works[i] the first budgets[i] drafts of table[rows[i]] (a [R, k] int64 tensor, on the device;
+    rows default 0..) without reading them back: the verify forward copies them into its input ids on the
+    device, and its one read back brings them to the host with the sampled tokens (ModelRunner.collect).
+    So a round synchronizes once, and the host prepares and launches the verify while the drafter still runs."""
     for i, (work, budget) in enumerate(zip(works, budgets)):
-        work.staged = (table, i)
+        work.staged = (table, i if rows is None else rows[i])
         work.draft_ids = [0] * budget  # placeholders: collect() writes the real ids
         work.tokens = work.tokens[:1] + work.draft_ids
 
