@@ -17,7 +17,7 @@
 # with piecewise graphs), draft_head_nvfp4 (the proposal head in NVFP4), spec_c8_512 / e2e_c1_256 (s25: C=8 adaptive
 # over 512 tokens, MTP3 at C=1 over 256), host_c1 (s26: C=1 MTP3 with the loop's parts timed), penalized_c1 (s28:
 # C=1 MTP3 greedy, then with a presence penalty), ahead_c1 / ahead_c8 (s29: e2e_c1_256 / spec_c8_512 without, then
-# with the MTP head drafting ahead), spec_c8
+# with the MTP head drafting ahead; ahead_c1_fp4: with the proposal head in NVFP4 too), host_c8 (s29: C=8 adaptive with the loop's parts timed), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
 # sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
@@ -185,12 +185,23 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
           --weights nvfp4 --with-mtp --draft-head 32768 --nvfp4-mtp --concurrency 1 --acceptance 3.0 3.5 \
           --max-tokens 256 > $out/ahead_c1_$ahead.log 2>&1
       done ;;
+    ahead_c1_fp4)  # s29: ahead_c1 with the proposal head in NVFP4 too, as the loader serves an NVFP4 MTP artifact
+      for ahead in 0 1; do
+        NINFER_DRAFT_AHEAD=$ahead timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b \
+          --weights nvfp4 --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 \
+          --acceptance 3.0 3.5 --max-tokens 256 > $out/ahead_c1_fp4_$ahead.log 2>&1
+      done ;;
     ahead_c8)  # s29: adaptive MTP at C=8 over 512 tokens (as spec_c8_512), without then with drafting ahead
       for ahead in 0 1; do
         NINFER_DRAFT_AHEAD=$ahead timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b \
           --weights nvfp4 --with-mtp --draft-head 32768 --adaptive --concurrency 8 --acceptance 1.5 2.5 --settle 3 \
           --max-tokens 512 --repeat 3 > $out/ahead_c8_$ahead.log 2>&1
       done ;;
+    host_c8)  # s29: adaptive MTP at C=8 (acceptance 1.5, 256 tokens) with the engine loop's parts timed: where the
+      # speculative engine's plain steps spend more than the plain engine's
+      timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
+        --draft-head 32768 --adaptive --concurrency 8 --acceptance 1.5 --settle 2 --max-tokens 256 --host-breakdown \
+        > $out/host_c8.log 2>&1 ;;
     host_c1)  # s26: MTP3 at C=1 (as e2e_c1_256, 128 tokens) with the engine loop's parts timed (--host-breakdown):
       # where a round's ~0.9 ms of host time goes
       timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \

@@ -146,7 +146,8 @@ class HostLog:
     PARTS = {"schedule": ("scheduler", "schedule"), "propose": (None, "_propose"), "launch": ("runner", "launch"),
              "observe_deferred": ("proposer", "observe_deferred"), "collect": ("runner", "collect"),
              "commit": (None, "_commit"), "rollback": ("runner", "rollback"), "update": ("scheduler", "update"),
-             "observe": ("proposer", "observe"), "finish": (None, "_finish")}
+             "observe": ("proposer", "observe"), "finish": (None, "_finish"), "draft_ahead": ("proposer", "draft_ahead"),
+             "predicted": (None, "_predicted"), "free_samples": (None, "_sample")}
 
     def __init__(self, engine, enabled: bool):
         self.seconds: dict[str, float] = {}  # decode-only steps' totals
