@@ -155,3 +155,36 @@ def test_a_request_restored_and_paused_again_in_one_step_keeps_its_snapshot():
     assert b.lane is None and b.pages == [] and b.snapshot is snapshot and b.num_computed == 3
     assert not [op for op in plan.before if op.kind == "restore"]
     assert [w.seq for w in plan.decode] == [a]
+
+
+def _decoding(s: Scheduler, prompt_len: int) -> Sequence:
+    """A request admitted and prefilled, its first token sampled: it decodes at the next schedule."""
+    x = seq(1, prompt_len)
+    s.waiting.append(x)
+    plan = s.schedule()
+    s.update(plan, RunnerOutput([[7]]))
+    x.output_ids.append(7)
+    return x
+
+
+def test_a_drafting_row_gets_pages_for_the_drafters_reach_while_they_are_free():
+    """Speculative decoding (contract: speculative sections): a decode row's drafts get pages (draft_budget), and
+    with a drafter that writes past the verify before the next round is planned (MTP drafting ahead: its chain
+    of draft_tokens - 1 head steps from the accepted position), pages for that reach too, from free pages only."""
+    s = make(pages=16, page_size=4, lanes=2)
+    s.draft_tokens, s.draft_reach = 3, 2
+    x = _decoding(s, 4)
+    work = s.schedule().decode[0]
+    assert work.draft_budget == 3
+    assert len(x.pages) == s.kv.pages_for(x.num_computed + 1 + 3 + 2)  # the verify's 4 tokens, then the chain's 2
+
+
+def test_the_drafters_reach_leaves_a_free_page_for_each_residents_next_token():
+    """The reach is best effort: taking the pool's last free pages would pause a younger request at its next
+    token, so a row reserves them only while a page per resident stays free."""
+    s = make(pages=3, page_size=4, lanes=2)
+    s.draft_tokens, s.draft_reach = 3, 2
+    x = _decoding(s, 4)  # 1 page for the prompt, 1 for the verify's tokens 4..7: 1 left, 1 resident
+    work = s.schedule().decode[0]
+    assert work.draft_budget == 3
+    assert len(x.pages) == 2 and s.kv.pages.free_pages == 1

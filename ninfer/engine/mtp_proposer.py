@@ -36,6 +36,12 @@ Per step, two halves (ninfer.models.mtp says what the head computes):
   (speculative.stage_drafts): the verify forward reads them there and brings them back with its sampled
   tokens, so the round's only host sync is the verify's.
 
+- `draft_ahead` (s29; right after a verify forward is launched, when every row carries as many drafts): the
+  observe of that step over all its rows and the next chain, queued on the device behind the verify, with the
+  accepted count compared there. `observe` then only takes the frontier and `propose` stages the drafts, so no
+  head work sits between a round's read back and the next verify (the method says how rows that commit less
+  than their accepted run are handled).
+
 Drafts are greedy (the head's argmax). With the target sampling each verified row as it would
 without drafts and a draft standing only where it equals the target's token, the committed tokens
 are the target's own: a point-mass proposal makes that the lossless rejection rule.

@@ -272,7 +272,8 @@ class Scheduler:
             reach = seq.num_computed + 1 + k + self.draft_reach
             if self.max_context is not None:
                 reach = min(reach, self.max_context)
-            if self.kv.pages_for(reach) - len(seq.pages) <= self.kv.pages.free_pages:  # free pages only
+            # free pages only, leaving one for each resident's next token (taking the last would pause someone)
+            if self.kv.pages_for(reach) - len(seq.pages) + len(self.resident) <= self.kv.pages.free_pages:
                 self.kv.grow(seq, reach)
         return max(k, 0)
 
