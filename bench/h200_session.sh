@@ -17,7 +17,8 @@
 # with piecewise graphs), draft_head_nvfp4 (the proposal head in NVFP4), spec_c8_512 / e2e_c1_256 (s25: C=8 adaptive
 # over 512 tokens, MTP3 at C=1 over 256), host_c1 (s26: C=1 MTP3 with the loop's parts timed), penalized_c1 (s28:
 # C=1 MTP3 greedy, then with a presence penalty), ahead_c1 / ahead_c8 (s29: e2e_c1_256 / spec_c8_512 without, then
-# with the MTP head drafting ahead; ahead_c1_fp4: with the proposal head in NVFP4 too), host_c8 (s29: C=8 adaptive with the loop's parts timed), spec_c8
+# with the MTP head drafting ahead; ahead_c1_fp4: with the proposal head in NVFP4 too), host_c8 (s29: C=8 adaptive with the loop's parts timed), fused_gdn (s29: a verify's GDN positions
+# in one launch, A/B), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
 # sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
@@ -190,6 +191,17 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
         NINFER_DRAFT_AHEAD=$ahead timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b \
           --weights nvfp4 --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 \
           --acceptance 3.0 3.5 --max-tokens 256 > $out/ahead_c1_fp4_$ahead.log 2>&1
+      done ;;
+    fused_gdn)  # s29: a verify's GDN positions in one launch per layer (NINFER_FUSED_VERIFY_STEPS): the kernels' bitwise
+      # CUDA test, then the verify step against a plain one and MTP3 at C=1 (NVFP4 heads), per-position launches then fused
+      timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_kernels.py -k verify_gdn_steps \
+        > $out/fused_gdn_test.log 2>&1
+      for fused in 0 1; do
+        NINFER_FUSED_VERIFY_STEPS=$fused timeout 150 python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 \
+          --concurrency 1 8 --drafts 1 3 > $out/fused_gdn_verify_$fused.log 2>&1
+        NINFER_FUSED_VERIFY_STEPS=$fused timeout 120 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
+          --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 \
+          --max-tokens 256 > $out/fused_gdn_c1_$fused.log 2>&1
       done ;;
     ahead_c8)  # s29: adaptive MTP at C=8 over 512 tokens (as spec_c8_512), without then with drafting ahead
       for ahead in 0 1; do

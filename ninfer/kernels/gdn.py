@@ -21,6 +21,7 @@ CUDA backends (`ninfer.kernels.backend` picks; NINFER_KERNELS=reference forces t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,9 @@ import torch.nn.functional as F
 from ninfer.forward import ForwardBatch
 from ninfer.kernels.backend import use_fla, use_triton
 
+# a verify batch's GDN positions in one launch per layer (triton_gdn.conv1d_steps, recurrent_gated_delta_rule_steps),
+# bit for bit the one-step kernels' results; NINFER_FUSED_VERIFY_STEPS=0 launches one kernel a position (A/B benchmarks)
+FUSED_VERIFY_STEPS = os.environ.get("NINFER_FUSED_VERIFY_STEPS", "1") != "0"
 CHUNK_SIZE = 64  # chunk length of the chunked delta rule (the FLA kernels use 64 as well)
 
 
@@ -55,6 +59,7 @@ class GDNMetadata:
     # a verify batch (ForwardBatch.verify_width): each sequence's tokens are stepped one position at a
     # time with the decode kernels; (state slot in, state slot out) of every position, [B] each
     verify_steps: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    verify_out_slots: torch.Tensor | None = None  # [width, B] int64: the slots out of verify_steps, for one launch
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch) -> "GDNMetadata":
@@ -67,10 +72,11 @@ class GDNMetadata:
         pos_in_seq = torch.arange(num_tokens, device=qsl.device) - qsl.long()[seq_idx]
         is_decode = batch.is_decode
         if batch.verify_width:
+            steps = _verify_steps(batch)
             return cls(cu_seqlens=qsl.to(torch.int32), state_slots=batch.state_slots.long(),
                        has_initial_state=(batch.seq_lens.long() - query_lens) > 0, seq_idx=seq_idx,
                        pos_in_seq=pos_in_seq, query_lens_cpu=list(batch.query_lens_cpu), is_decode=False,
-                       verify_steps=_verify_steps(batch))
+                       verify_steps=steps, verify_out_slots=torch.stack([out for _, out in steps]))
         valid = state_cu_seqlens = None
         if batch.num_valid is not None:
             valid = (torch.arange(num_tokens, device=qsl.device) < batch.num_valid)[:, None]
@@ -197,13 +203,16 @@ def _by_position(x: torch.Tensor, meta: GDNMetadata) -> torch.Tensor:
 
 
 def _conv_steps(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, meta: GDNMetadata) -> torch.Tensor:
-    """short_conv over a verify batch: one decode step per position (the decode step's kernel and
-    arithmetic, so a verified position computes what plain decoding computes there)."""
-    y = torch.empty_like(x)
-    xs, ys = _by_position(x, meta), _by_position(y, meta)
+    """short_conv over a verify batch: one decode step per position (the decode step's arithmetic, so a verified
+    position computes what plain decoding computes there); with Triton all positions in one launch."""
     triton = use_triton(x)
     if triton:
         from ninfer.kernels import triton_gdn
+
+        if FUSED_VERIFY_STEPS:
+            return triton_gdn.conv1d_steps(x, weight, conv_cache, meta.verify_steps[0][0], meta.verify_out_slots)
+    y = torch.empty_like(x)
+    xs, ys = _by_position(x, meta), _by_position(y, meta)
     for j, (slot_in, slot_out) in enumerate(meta.verify_steps):
         if triton:
             triton_gdn.conv1d_update(xs[:, j], weight, conv_cache, slot_in=slot_in, slot_out=slot_out, out=ys[:, j])
@@ -215,12 +224,17 @@ def _conv_steps(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,
 
 
 def _delta_rule_steps(q, k, v, g, beta, ssm_cache: torch.Tensor, meta: GDNMetadata) -> torch.Tensor:
-    """gated_delta_rule over a verify batch: one recurrent step per position, each state kept in its slot."""
-    o = torch.empty_like(v)
-    qs, ks, vs, gs, bs, os_ = (_by_position(t, meta) for t in (q, k, v, g, beta, o))
+    """gated_delta_rule over a verify batch: one recurrent step per position, each state kept in its slot (with
+    Triton all positions in one launch, each state read once)."""
     triton = use_triton(q)
     if triton:
         from ninfer.kernels import triton_gdn
+
+        if FUSED_VERIFY_STEPS:
+            return triton_gdn.recurrent_gated_delta_rule_steps(q, k, v, g, beta, ssm_cache, meta.verify_steps[0][0],
+                                                               meta.verify_out_slots)
+    o = torch.empty_like(v)
+    qs, ks, vs, gs, bs, os_ = (_by_position(t, meta) for t in (q, k, v, g, beta, o))
     for j, (slot_in, slot_out) in enumerate(meta.verify_steps):
         if triton:
             triton_gdn.recurrent_gated_delta_rule(qs[:, j], ks[:, j], vs[:, j], gs[:, j], bs[:, j], ssm_cache,

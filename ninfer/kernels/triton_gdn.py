@@ -5,6 +5,9 @@
   sequence with nothing cached reads as zero, whatever the slot holds).
 - `conv1d_varlen`: the conv + SiLU over a ragged prefill batch, with each sequence's window
   reaching back into its (gathered) initial state.
+- `conv1d_steps` / `recurrent_gated_delta_rule_steps`: a speculative verify batch's positions, each sequence's state
+  read once and carried through its positions in one launch (bit for bit what the one-step kernels compute position
+  by position, each position's state still written to its own slot for a rollback).
 - `recurrent_gated_delta_rule`: one token per sequence, state read from and written back to its
   slot in place. The math and program layout follow fla-core's `fused_recurrent_gated_delta_rule`
   (decay, delta-rule write, read after the update; value heads grouped over key heads), which we
@@ -143,6 +146,94 @@ def _recurrent_kernel(
     tl.store(H_OUT + slot_out * stride_hout_s + offs_h, h.to(H_OUT.dtype.element_ty), mask=hmask)
 
 
+@triton.jit
+def _conv_steps_kernel(
+    X, W, S, Y, SLOT_IN, SLOT_OUT,
+    C, B,
+    stride_xn, stride_yn, stride_wc, stride_s_s, stride_s_c,
+    STEPS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """_conv_update_kernel for STEPS positions of each sequence in one launch (a verify batch: rows n * STEPS + j):
+    the state is read once and carried in registers, rounded to the cache's dtype after each position as a store and
+    a reload would round it, and written to SLOT_OUT[j, n] after position j."""
+    pdl_enter(USE_PDL)
+    n = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    offs_w = tl.arange(0, BLOCK_W)
+    slot_in = tl.load(SLOT_IN + n).to(tl.int64)
+    state = tl.load(S + slot_in * stride_s_s + c[:, None] * stride_s_c + offs_w[None, :],
+                    mask=cmask[:, None] & (offs_w[None, :] < WIDTH), other=0.0)
+    w = tl.load(W + c[:, None] * stride_wc + offs_w[None, :], mask=cmask[:, None] & (offs_w[None, :] <= WIDTH),
+                other=0.0)
+    tl.debug_barrier()  # in place: the state is read before any position writes a slot
+    for j in tl.static_range(STEPS):
+        row = n * STEPS + j
+        x = tl.load(X + row * stride_xn + c, mask=cmask, other=0.0)
+        window = tl.where(offs_w[None, :] == WIDTH, x[:, None].to(state.dtype), state)
+        acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), 1)
+        y = acc * tl.sigmoid(acc)
+        tl.store(Y + row * stride_yn + c, y.to(Y.dtype.element_ty), mask=cmask)
+        slot_out = tl.load(SLOT_OUT + j * B + n).to(tl.int64)
+        shifted = tl.zeros_like(state)
+        for i in tl.static_range(WIDTH):
+            col = tl.sum(tl.where(offs_w[None, :] == i + 1, window, tl.zeros_like(window)), 1).to(S.dtype.element_ty)
+            tl.store(S + slot_out * stride_s_s + c * stride_s_c + i, col, mask=cmask)
+            shifted = tl.where(offs_w[None, :] == i, col[:, None].to(state.dtype), shifted)
+        state = shifted
+
+
+@triton.jit
+def _recurrent_steps_kernel(
+    Q, K, V, G, BETA, OP, H, SLOT_IN, SLOT_OUT,
+    scale, B,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_gn, stride_bn, stride_on, stride_oh, stride_h_s,
+    STEPS: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """_recurrent_kernel for STEPS positions of each sequence in one launch (rows n * STEPS + j): the state is read
+    once, kept in registers (rounded to the cache's dtype after each position, as a store and a reload would) and
+    written to SLOT_OUT[j, n] after position j, so each position's state is there for a rollback."""
+    pdl_enter(USE_PDL)
+    pid = tl.program_id(0).to(tl.int64)
+    i_v = tl.program_id(1)
+    n = pid // HV
+    hv = pid % HV
+    hk = hv // (HV // HK)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    kmask = offs_k < DK
+    vmask = offs_v < DV
+    hmask = kmask[:, None] & vmask[None, :]
+    offs_h = hv * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    slot_in = tl.load(SLOT_IN + n).to(tl.int64)
+    h = tl.load(H + slot_in * stride_h_s + offs_h, mask=hmask, other=0.0).to(tl.float32)
+    tl.debug_barrier()  # in place: the state is read before any position writes a slot
+    for j in tl.static_range(STEPS):
+        row = n * STEPS + j
+        q = tl.load(Q + row * stride_qn + hk * stride_qh + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        k = tl.load(K + row * stride_kn + hk * stride_kh + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q / tl.sqrt(tl.sum(q * q) + 1e-6)
+            k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+        q = q * scale
+        v = tl.load(V + row * stride_vn + hv * stride_vh + offs_v, mask=vmask, other=0.0).to(tl.float32)
+        g = tl.load(G + row * stride_gn + hv).to(tl.float32)
+        beta = tl.load(BETA + row * stride_bn + hv).to(tl.float32)
+        h = h * tl.exp(g)
+        v_new = (v - tl.sum(h * k[:, None], 0)) * beta
+        h = h + k[:, None] * v_new[None, :]
+        o = tl.sum(h * q[:, None], 0)
+        tl.store(OP + row * stride_on + hv * stride_oh + offs_v, o.to(OP.dtype.element_ty), mask=vmask)
+        slot_out = tl.load(SLOT_OUT + j * B + n).to(tl.int64)
+        kept = h.to(H.dtype.element_ty)
+        tl.store(H + slot_out * stride_h_s + offs_h, kept, mask=hmask)
+        h = kept.to(tl.float32)
+
+
 def _slots(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int64, device=device)
 
@@ -235,5 +326,59 @@ def recurrent_gated_delta_rule(
         g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state_in.stride(0), state_out.stride(0),
         HK=hk, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, L2NORM=use_qk_l2norm,
         USE_INIT_MASK=has_initial_state is not None, num_warps=num_warps, **pdl_launch(q.device),
+    )
+    return o
+
+
+def conv1d_steps(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slot_in: torch.Tensor,
+                 slot_out: torch.Tensor) -> torch.Tensor:
+    """A verify batch's conv: x [B * steps, C] (sequence n's positions at rows n * steps + j), each sequence's
+    state read at slot_in[n] and its state after position j written at slot_out[j, n] ([steps, B] int64).
+    Computes what `conv1d_update` computes position by position (bit for bit), in one launch. -> y [B * steps, C]."""
+    steps, b = slot_out.shape
+    channels, width = x.shape[1], state.shape[-1]
+    weight = weight.reshape(channels, -1)
+    assert x.shape[0] == b * steps and weight.shape[1] == width + 1 and slot_out.is_contiguous()
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and state.stride(2) == 1
+    y = torch.empty_like(x)
+    if b == 0:
+        return y
+    block_c = 256
+    _conv_steps_kernel[(b, triton.cdiv(channels, block_c))](
+        x, weight, state, y, slot_in, slot_out, channels, b,
+        x.stride(0), y.stride(0), weight.stride(0), state.stride(0), state.stride(1),
+        STEPS=steps, WIDTH=width, BLOCK_W=max(2, triton.next_power_of_2(width + 1)), BLOCK_C=block_c,
+        num_warps=4, **pdl_launch(x.device),
+    )
+    return y
+
+
+def recurrent_gated_delta_rule_steps(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    slot_in: torch.Tensor, slot_out: torch.Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
+    block_v: int = 32, num_warps: int = 4,
+) -> torch.Tensor:
+    """A verify batch's recurrent steps: q, k [B * steps, Hk, Dk], v [B * steps, Hv, Dv], g, beta [B * steps, Hv]
+    (sequence n's positions at rows n * steps + j); the state [S, Hv, Dk, Dv] read at slot_in[n], the state after
+    position j written at slot_out[j, n] ([steps, B] int64). Computes what `recurrent_gated_delta_rule` computes
+    position by position (bit for bit: the same program layout and arithmetic), in one launch and one read of each
+    state instead of one per position. -> o [B * steps, Hv, Dv] in v's dtype."""
+    steps, b = slot_out.shape
+    _, hk, dk = k.shape
+    hv, dv = v.shape[1], v.shape[2]
+    assert q.shape[0] == b * steps and slot_out.is_contiguous()
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and g.stride(1) == 1 and beta.stride(1) == 1
+    assert state.shape[1:] == (hv, dk, dv) and state[0].is_contiguous()
+    o = torch.empty((q.shape[0], hv, dv), dtype=v.dtype, device=v.device)
+    if b == 0:
+        return o
+    bv = min(block_v, triton.next_power_of_2(dv))
+    _recurrent_steps_kernel[(b * hv, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, o, state, slot_in, slot_out,
+        scale if scale is not None else dk**-0.5, b,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state.stride(0),
+        STEPS=steps, HK=hk, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, L2NORM=use_qk_l2norm,
+        num_warps=num_warps, **pdl_launch(q.device),
     )
     return o
