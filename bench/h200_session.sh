@@ -203,6 +203,13 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
           --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 \
           --max-tokens 256 > $out/fused_gdn_c1_$fused.log 2>&1
       done ;;
+    fused_gdn_c1)  # s29: fused_gdn's kernel test, then the verify step at C=1 only, twice each way (process noise)
+      timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_kernels.py -k verify_gdn_steps \
+        > $out/fused_gdn_test.log 2>&1
+      for fused in 0 1 0 1; do
+        NINFER_FUSED_VERIFY_STEPS=$fused timeout 100 python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 \
+          --concurrency 1 --drafts 3 >> $out/fused_gdn_verify_c1_$fused.log 2>&1
+      done ;;
     ahead_c8)  # s29: adaptive MTP at C=8 over 512 tokens (as spec_c8_512), without then with drafting ahead
       for ahead in 0 1; do
         NINFER_DRAFT_AHEAD=$ahead timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b \

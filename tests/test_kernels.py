@@ -129,7 +129,7 @@ def _verify_steps_case(device, dtype, b: int, steps: int, channels=96, hk=2, hv=
     from ninfer.kernels import triton_gdn
 
     gen = torch.Generator().manual_seed(b * 10 + steps)
-    slots = 24
+    slots = b * steps + 4  # each sequence's own slot and scratch slots, all distinct, and some unused
     own = torch.randperm(slots, generator=gen)[:b]
     rest = [s for s in torch.randperm(slots, generator=gen).tolist() if s not in own.tolist()]
     scratch = torch.tensor(rest[: b * (steps - 1)], dtype=torch.long).view(steps - 1, b)
