@@ -1206,8 +1206,8 @@ def test_a_multi_turn_workload_decodes_as_without_drafts(tiny_qwen_path, tiny_qw
     c = engine.counters
     assert stopped >= 2 and budgeted >= 1  # stop strings and a thinking budget's closing suffix, as without drafts
     assert c.spec_rounds > 0 and (adaptive or c.spec_accepted_tokens > c.spec_rounds // 2)  # adaptive: its choice
-    if spec == "mtp":  # rounds whose drafts the head queued behind the verify before (MTPProposer.draft_ahead)
-        assert engine.proposer.ahead_rounds > 0
+    if spec == "mtp" and not adaptive:  # rows whose drafts the head queued behind the verify (draft_ahead); the
+        assert engine.proposer.ahead_rounds > 0  # adaptive engine's widths vary by step, and its small pool is tight
     if kv_capacity > 256:
         assert reused >= 4
     else:
