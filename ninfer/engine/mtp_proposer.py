@@ -558,14 +558,13 @@ class MTPProposer:
             self.ahead_rounds += len(ready)
             stage_drafts([w for w, _, _ in ready], budgets_by_row, early[0][0], [e[1] for e in early])
             return
+        # otherwise every row chains from its frontier (drafting ahead left those, and the head's KV, as observe would)
         # one chain per budget: a chain of k - 1 steps writes the head's KV at k - 1 positions past each row's
         # frontier, and a row with a smaller budget has pages reserved for fewer (s27: a row near its
         # max_tokens beside full-budget rows indexed past its page table and failed the step)
         table = None
         for b in sorted(set(budgets_by_row), reverse=True):
-            rows = [i for i, rb in enumerate(budgets_by_row) if rb == b and early[i] is None]
-            if not rows:
-                continue
+            rows = [i for i, rb in enumerate(budgets_by_row) if rb == b]
             part = self._drafts([ready[i] for i in rows], b)
             if len(rows) == len(ready):
                 table = part
@@ -573,12 +572,6 @@ class MTPProposer:
             if table is None:
                 table = torch.zeros(len(ready), k, dtype=part.dtype, device=part.device)
             table[self.runner._tensor(rows, torch.long), :b] = part
-        if table is None:
-            table = torch.zeros(len(ready), k, dtype=torch.long, device=self.runner.device)
-        for i, e in enumerate(early):  # rows whose drafts are ready (a new request joined them)
-            if e is not None:
-                self.ahead_rounds += 1
-                table[i] = e[0][e[1], :k]
         stage_drafts([w for w, _, _ in ready], budgets_by_row, table)  # read back with the verify's
 
     def _drafts(self, ready: list, b: int) -> torch.Tensor:
