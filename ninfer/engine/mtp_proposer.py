@@ -123,7 +123,7 @@ class MTPProposer:
         self._ahead: _Ahead | None = None  # the last verify step's drafts ahead (draft_ahead), until it is observed
         self._ready_ahead: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> (table, row): next round's drafts
         self._ahead_statics: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by verify width: its samples, drafts
-        self._ahead_out: tuple[torch.Tensor, torch.Tensor] | None = None  # the ahead graphs' last rows and drafts
+        self._ahead_out: tuple[torch.Tensor, torch.Tensor] | None = None  # _ahead_outputs
         self.ahead_rounds = 0  # decode rows whose drafts came from draft_ahead
         self.drafts_ahead = os.environ.get(DRAFT_AHEAD_ENV, "1") != "0"
         # input checkpoints' last trunk hidden rows [H], by the prefix's cache key (see _boundary_rows)
@@ -465,7 +465,7 @@ class MTPProposer:
             query_lens_cpu=[1] * b, seq_lens_cpu=host if isinstance(host, DeviceOnlyLengths) else seq_lens.tolist())
         return torch.cat([first[:, None], self._chain(base, first, last, k - 1)], dim=1), last, first
 
-    def _ahead_static(self, width: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ahead_static(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ahead graphs' static inputs of this verify width: the target's tokens [max_batch * width] and the
         verified drafts [max_batch, width-1] (their hidden rows and positions: _verify_static's)."""
         static = self._ahead_statics.get(width)
@@ -473,18 +473,23 @@ class MTPProposer:
             mb, device = self.runner.decode_graph_inputs.max_batch, self.runner.device
             static = self._ahead_statics[width] = (torch.zeros(mb * width, dtype=torch.long, device=device),
                                                    torch.zeros(mb, width - 1, dtype=torch.long, device=device))
-        if self._ahead_out is None:
-            mb = self.runner.decode_graph_inputs.max_batch
-            self._ahead_out = (torch.zeros(mb, like.shape[-1], dtype=like.dtype, device=self.runner.device),
-                               torch.zeros(mb, dtype=torch.long, device=self.runner.device))
         return static
+
+    def _ahead_outputs(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ahead graphs' static outputs besides the drafts, shared by every width: each sequence's head output
+        at its accepted row [max_batch, H] (like `like`'s rows) and the draft it gives [max_batch]."""
+        if self._ahead_out is None:
+            mb, device = self.runner.decode_graph_inputs.max_batch, self.runner.device
+            self._ahead_out = (torch.zeros(mb, like.shape[-1], dtype=like.dtype, device=device),
+                               torch.zeros(mb, dtype=torch.long, device=device))
+        return self._ahead_out
 
     def _ahead_graph(self, b: int, width: int, like: torch.Tensor) -> tuple | None:
         """The graph of _ahead_forward for b sequences of this verify width over the static inputs (captured now
-        if it is not yet); its output the next drafts [b, k], the last rows and drafts in `_ahead_out`."""
+        if it is not yet); its output the next drafts [b, k], the last rows and drafts in `_ahead_outputs`."""
         vin, vh, _ = self._verify_static(width, like)
-        ids, drafts = self._ahead_static(width, like)
-        last, first = self._ahead_out
+        ids, drafts = self._ahead_static(width)
+        last, first = self._ahead_outputs(like)
 
         def run() -> torch.Tensor:
             table, rows, draft = self._ahead_forward(vin.batch(b), b, width, ids[: b * width], vh[: b * width],
@@ -502,7 +507,7 @@ class MTPProposer:
         replays the graph again before this one's drafts are read back."""
         runner, b = self.runner, len(seqs)
         vin, vh, _ = self._verify_static(width, runner.last_hidden)
-        ids, static_drafts = self._ahead_static(width, runner.last_hidden)
+        ids, static_drafts = self._ahead_static(width)
         vin.load(verify_inputs([[0] * width] * b, starts, [s.pages for s in seqs], runner.page_size, [0] * b,
                                [[0] * (width - 1)] * b, width))
         vh[: b * width].copy_(runner.last_hidden[: b * width])
@@ -513,7 +518,7 @@ class MTPProposer:
             return None
         entry[0].replay()
         self.observe_replays += 1
-        last, first = self._ahead_out
+        last, first = self._ahead_outputs(runner.last_hidden)
         return entry[1].clone(), last[:b].clone(), first[:b].clone()
 
     def _take_ahead(self, ahead: _Ahead, plan: StepPlan, output: RunnerOutput,
