@@ -125,7 +125,9 @@ def test_triton_kernels_in_interpreter_fp32():
 def _verify_steps_case(device, dtype, b: int, steps: int, channels=96, hk=2, hv=4, dk=32, dv=32) -> None:
     """A verify batch's GDN positions in one launch (conv1d_steps, recurrent_gated_delta_rule_steps) against the
     one-step kernels run position by position as before: outputs and every state slot equal bit for bit (exact
-    verification rests on a verified position computing what a plain decode step computes)."""
+    verification rests on a verified position computing what a plain decode step computes; serving.md: speculative
+    backends preserve protocol output, and a stop inside a round commits the exact accepted target prefix, which
+    needs each position's state in its slot)."""
     from ninfer.kernels import triton_gdn
 
     gen = torch.Generator().manual_seed(b * 10 + steps)

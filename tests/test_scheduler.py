@@ -168,7 +168,8 @@ def _decoding(s: Scheduler, prompt_len: int) -> Sequence:
 
 
 def test_a_drafting_row_gets_pages_for_the_drafters_reach_while_they_are_free():
-    """Speculative decoding (contract: speculative sections): a decode row's drafts get pages (draft_budget), and
+    """Speculative decoding (serving.md: --spec, --draft-tokens): a decode row's
+    drafts get pages (draft_budget), and
     with a drafter that writes past the verify before the next round is planned (MTP drafting ahead: its chain
     of draft_tokens - 1 head steps from the accepted position), pages for that reach too, from free pages only."""
     s = make(pages=16, page_size=4, lanes=2)

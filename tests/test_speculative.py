@@ -740,7 +740,8 @@ def test_drafters_in_the_cuda_engine_keep_greedy_output(variant, tiny_qwen_path,
 @needs_cuda
 @pytest.mark.cuda
 def test_mtp_drafts_ahead_equal_the_drafts_proposed_after_the_read_back_on_cuda(tiny_qwen_mtp_path):
-    """MTPProposer.draft_ahead on CUDA (bf16, head graphs): the next round's drafts, computed on the device behind
+    """Contract (speculative backends preserve output; --spec mtp): MTPProposer.draft_ahead on CUDA (bf16, head
+    graphs): the next round's drafts, computed on the device behind
     the verify forward (the accepted count compared there, the frontier picked at the accepted row, the chain
     from it), are the drafts the head proposes when it runs after the verify's tokens are read back
     (NINFER_DRAFT_AHEAD=0), round for round, and the output is plain greedy's. One request at a time, so both

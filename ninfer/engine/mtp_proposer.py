@@ -431,12 +431,13 @@ class MTPProposer:
                 or any(len(s.pages) * runner.page_size < p + width + k - 1 for s, p in zip(seqs, starts))):
             return  # ragged widths, MRoPE rows, or the chain would write past a row's pages
         drafts = runner.last_verify_ids[:, 1:]
+        # the verify's rows (positions, pages); the head reads its tokens from the samples, not these ids
+        rows = verify_inputs([[0] * width] * b, starts, [s.pages for s in seqs], runner.page_size, [0] * b,
+                             [[0] * (width - 1)] * b, width)
         if self._graphable(seqs, positions) and b <= runner.decode_graph_inputs.max_batch:
-            result = self._ahead_replay(seqs, starts, samples, drafts, width)
+            result = self._ahead_replay(rows, b, samples, drafts, width)
         elif runner.device.type == "cpu":  # the same computation, eagerly (CPU tests and the embedded model)
-            batch = ForwardBatch.for_verify(verify_inputs([[0] * width] * b, starts, [s.pages for s in seqs],
-                                                          runner.page_size, [0] * b, [[0] * (width - 1)] * b, width))
-            result = self._ahead_forward(batch, b, width, samples.reshape(-1).long(),
+            result = self._ahead_forward(ForwardBatch.for_verify(rows), b, width, samples.reshape(-1).long(),
                                          runner.last_hidden[: b * width], drafts)
         else:
             return
@@ -500,16 +501,15 @@ class MTPProposer:
 
         return self._graph(("ahead", b, width), run)
 
-    def _ahead_replay(self, seqs: list[Sequence], starts: list[int], samples: torch.Tensor, drafts: torch.Tensor,
+    def _ahead_replay(self, rows, b: int, samples: torch.Tensor, drafts: torch.Tensor,
                       width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """draft_ahead through its graph: the verify's rows (positions, pages; their tokens are the samples), hidden
-        states and drafts copied into the static inputs, on the device. Copies of the outputs: the next verify step
-        replays the graph again before this one's drafts are read back."""
-        runner, b = self.runner, len(seqs)
+        """draft_ahead through its graph: the verify's rows (host inputs: positions, pages; their tokens are the
+        samples), hidden states and drafts copied into the static inputs, on the device. Copies of the outputs: the
+        next verify step replays the graph again before this one's drafts are read back."""
+        runner = self.runner
         vin, vh, _ = self._verify_static(width, runner.last_hidden)
         ids, static_drafts = self._ahead_static(width)
-        vin.load(verify_inputs([[0] * width] * b, starts, [s.pages for s in seqs], runner.page_size, [0] * b,
-                               [[0] * (width - 1)] * b, width))
+        vin.load(rows)
         vh[: b * width].copy_(runner.last_hidden[: b * width])
         ids[: b * width].copy_(samples.reshape(-1))
         static_drafts[:b].copy_(drafts)
