@@ -193,6 +193,14 @@ MMA_STAGING_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8)]
                        + [dict(kind="mma", TILES=1, WARPS=8, DEPTH=d, UNROLL=d) for d in (3, 2)])
 
 
+# Steps a lane's weight loads cover (s30): GROUP 1 is the s17 layout (a lane's blocks one step apart, an 8-byte load
+# of words and a 1-byte load of its scale a step); the table's default (triton_nvfp4_mma.default_group: 4 or 2) gives
+# a lane consecutive blocks, loaded 16 bytes and 2-4 scale bytes at a time. DEPTH counts groups.
+MMA_GROUP_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8, GROUP=1), dict(kind="mma", TILES=1, WARPS=8)]
+                     + [dict(kind="mma", TILES=1, WARPS=8, DEPTH=d) for d in (1, 2, 3)]
+                     + [dict(kind="mma", TILES=2, WARPS=8), dict(kind="mma", TILES=1, WARPS=4)])
+
+
 def check_mma_staging(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8), configs=None) -> dict:
     """Each staging / prefetch config against the plain mma launch of its warps (TILES 1, no staging), bit for
     bit (neither may change a result): {"shape_mM_config": true when equal}; a config the compiler refuses maps
@@ -355,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the tensor-core GEMV: checks, its tiles at M = 1..32 and the table's kernels at M = 1..8")
     parser.add_argument("--sweep-mma-wide", action="store_true",
                         help="only the tensor-core GEMV at 8..32 rows (verification): bitwise check and times")
+    parser.add_argument("--sweep-mma-group", action="store_true",
+                        help="only the tensor-core GEMV by steps a weight load covers: reference and row checks of the "
+                             "table's launch, then times of MMA_GROUP_CONFIGS at M = 1, 4, 8, 32")
     parser.add_argument("--sweep-mma-staging", action="store_true",
                         help="only the tensor-core GEMV with shared-memory staging / L2 prefetch: bitwise against the "
                              "table's launch, then times at M = 1, 2, 4, 8 beside the table's kernels")
@@ -378,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         result["check_mma_staging"] = check_mma_staging("cuda")
         result["sweep_table"] = sweep_gemv_configs("cuda", ms=(1, 2, 4, 8), configs=[None])
         result["sweep_mma_staging"] = sweep_gemv_configs("cuda", ms=(1, 2, 4, 8), configs=MMA_STAGING_CONFIGS)
+    elif args.sweep_mma_group:
+        result["check_mma"] = check_nvfp4("cuda", torch.bfloat16, ms=(1, 3, 8, 17, 32), configs=MMA_GROUP_CONFIGS[:2])
+        result["check_mma_rows"] = check_mma_rows("cuda", cfg=MMA_GROUP_CONFIGS[1])
+        result["sweep_mma_group"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 32), configs=MMA_GROUP_CONFIGS)
     elif args.sweep_mma_wide:
         result["check_mma_wide"] = check_mma_wide("cuda")
         result["sweep_mma_wide"] = sweep_gemv_configs("cuda", ms=(8, 16, 24, 32), configs=MMA_WIDE_CONFIGS)

@@ -228,8 +228,19 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
     assert (full.float() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item()
     for m in range(1, 8):
         assert torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *q, config=cfg), full[:m]), m
-    for ahead in (dict(DEPTH=1, UNROLL=1), dict(DEPTH=3, UNROLL=2), dict(STAGES=3)):
+    for ahead in (dict(DEPTH=1, UNROLL=1), dict(DEPTH=3, UNROLL=2)):
         assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | ahead), full), ahead
+    # Steps a weight load covers (GROUP; the table's default_group) choose which blocks meet in one mma: each
+    # group is a layout of its own, correct and row-consistent; staging runs GROUP 1's layout
+    steps = k // triton_nvfp4_mma.K_STEP // warps
+    for group in (g for g in (1, 2, 4) if steps % g == 0):
+        mine = triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | {"GROUP": group})
+        assert (mine.float() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item(), group
+        assert torch.equal(triton_nvfp4.nvfp4_gemv(x[:3], *q, config=cfg | {"GROUP": group}), mine[:3]), group
+        if group == 1:
+            assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | {"STAGES": 3}), mine)
+    assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | {"GROUP": triton_nvfp4_mma.default_group(k, warps)}),
+                       full)
     # Up to four tiles of 8 tokens share a launch (speculative verification): every token equals its
     # one-tile launch bit for bit, whatever the tile it lands in, the last tile ragged
     wide = torch.cat([x, torch.randn(19, k, generator=gen).to(torch.bfloat16)])

@@ -54,12 +54,13 @@ K_STEP = 64  # codes of every row one warp takes per step: 4 scale blocks, one a
 MAX_ROWS = 32  # rows of x a launch takes: four tiles of 8 tokens share each decoded block
 
 
-def _decode_asm() -> str:
+def _decode_asm(byte: int = 0) -> str:
     """PTX: a lane's block of weight rows g and g + 8 ($16, $17: row g's two words, $18, $19 row g + 8's;
-    $20, $21 their E4M3 scale bytes) -> the A fragments of the step's four mma, scaled, in
-    $4i .. $4i + 3 for mma i: (row g, row g + 8) at its k = 2t, 2t + 1, then at k = 2t + 8, 2t + 9."""
+    $20, $21 their E4M3 scale bytes, byte `byte` of each) -> the A fragments of the step's four mma, scaled,
+    in $4i .. $4i + 3 for mma i: (row g, row g + 8) at its k = 2t, 2t + 1, then at k = 2t + 8, 2t + 9."""
+    sel = f"0x{4 + byte}{4 + byte}{byte}{byte}"  # bytes (g, g, g + 8, g + 8) of the two scales
     lines = ["{", ".reg .b32 e, o, u, z, sc, sg, sh, p<8>, q<8>;", ".reg .b16 c0, c1;", "mov.b32 z, 0;",
-             "prmt.b32 sc, $20, $21, 0x4400; mov.b32 {c0, c1}, sc; "
+             f"prmt.b32 sc, $20, $21, {sel}; mov.b32 {{c0, c1}}, sc; "
              "cvt.rn.f16x2.e4m3x2 sg, c0; cvt.rn.f16x2.e4m3x2 sh, c1;"]
     lines += decode_word_ptx("$16", ["p0", "p1", "p2", "p3"])
     lines += decode_word_ptx("$17", ["p4", "p5", "p6", "p7"])
@@ -73,15 +74,30 @@ def _decode_asm() -> str:
     return "\n".join(lines)
 
 
-_DECODE = tl.constexpr(_decode_asm())
+_DECODE = tl.constexpr(_decode_asm())  # a group's step 0 (and every step of GROUP = 1)
+_DECODE1 = tl.constexpr(_decode_asm(1))
+_DECODE2 = tl.constexpr(_decode_asm(2))
+_DECODE3 = tl.constexpr(_decode_asm(3))
 _MMA = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
                     "{$8, $9}, {$10, $11, $12, $13};")
 
 
 @triton.jit
-def _decode(wag, wbg, wah, wbh, sg, sh):
-    a = tl.inline_asm_elementwise(_DECODE, "=r," * 16 + "r,r,r,r,r,r", [wag, wbg, wah, wbh, sg, sh],
-                                  dtype=(tl.int32,) * 16, is_pure=True, pack=1)
+def _decode(wag, wbg, wah, wbh, sg, sh, BYTE: tl.constexpr = 0):
+    """BYTE: which byte of sg and sh holds the step's scales (a group's step, GROUP > 1)."""
+    args = [wag, wbg, wah, wbh, sg, sh]
+    if BYTE == 0:  # a static choice (a constexpr chosen by a conditional expression does not compile)
+        a = tl.inline_asm_elementwise(_DECODE, "=r," * 16 + "r,r,r,r,r,r", args, dtype=(tl.int32,) * 16,
+                                      is_pure=True, pack=1)
+    elif BYTE == 1:
+        a = tl.inline_asm_elementwise(_DECODE1, "=r," * 16 + "r,r,r,r,r,r", args, dtype=(tl.int32,) * 16,
+                                      is_pure=True, pack=1)
+    elif BYTE == 2:
+        a = tl.inline_asm_elementwise(_DECODE2, "=r," * 16 + "r,r,r,r,r,r", args, dtype=(tl.int32,) * 16,
+                                      is_pure=True, pack=1)
+    else:
+        a = tl.inline_asm_elementwise(_DECODE3, "=r," * 16 + "r,r,r,r,r,r", args, dtype=(tl.int32,) * 16,
+                                      is_pure=True, pack=1)
     res = ()
     for c in tl.static_range(16):  # a plain tuple, which the interpreter can concatenate
         res = res + (a[c],)
@@ -97,13 +113,46 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 
 @triton.jit
-def _load_w(wrows, srows, blk):
-    """Block `blk` ([L]) of every weight row: (word a, word b, scale byte as int32) a row, flat."""
+def _load_w(wrows, srows, blk, GROUP: tl.constexpr = 1):
+    """Blocks blk .. blk + GROUP - 1 ([L], blk a multiple of GROUP) of every weight row, flat per row: GROUP
+    (word a, word b) pairs, then their GROUP scale bytes in one int32 (byte i: block blk + i). One 16-byte load
+    a row for two blocks, one 2- or 4-byte load for their scales."""
     ws = ()
     for j in tl.static_range(len(wrows)):
-        wa, wb = tl.split(tl.load(wrows[j][:, None] + (2 * blk)[:, None] + tl.arange(0, 2)[None, :]))
-        ws = ws + (wa, wb, tl.load(srows[j] + blk).to(tl.int32))
+        wp = wrows[j] + 2 * blk
+        if GROUP == 1:
+            wa, wb = tl.split(tl.load(wp[:, None] + tl.arange(0, 2)[None, :]))
+            ws = ws + (wa, wb, tl.load(srows[j] + blk).to(tl.int32))
+        else:
+            for h in tl.static_range(GROUP // 2):
+                ws = ws + _words4(wp + 4 * h)
+            if GROUP == 2:
+                sp = (srows[j] + blk).to(tl.pointer_type(tl.int16), bitcast=True)
+            else:
+                sp = (srows[j] + blk).to(tl.pointer_type(tl.int32), bitcast=True)
+            ws = ws + (tl.load(sp).to(tl.int32),)
     return ws
+
+
+@triton.jit
+def _words4(ptr):
+    """16 bytes per lane ([L] int32 pointers, 16-byte aligned) -> four [L] int32 words, in order."""
+    v = tl.load(ptr[:, None] + tl.arange(0, 4)[None, :])
+    a, b = tl.split(tl.reshape(v, [v.shape[0], 2, 2]))
+    w0, w2 = tl.split(a)
+    w1, w3 = tl.split(b)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _group_step(ws, i: tl.constexpr, GROUP: tl.constexpr, TILES: tl.constexpr):
+    """Step i of a loaded group (_load_w's values of the 2 TILES weight rows) in _step's layout: per tile
+    (word a, word b, scales) of row g, then of row g + 8 (the scales' byte i is the step's)."""
+    per: tl.constexpr = 2 * GROUP + 1
+    out = ()
+    for r in tl.static_range(2 * TILES):
+        out = out + (ws[per * r + 2 * i], ws[per * r + 2 * i + 1], ws[per * r + 2 * GROUP])
+    return out
 
 
 @triton.jit
@@ -148,15 +197,16 @@ def _load_x(xrows, xoks, blk):
 
 
 @triton.jit
-def _step(accs, ws, xw, TILES: tl.constexpr, XT: tl.constexpr):
-    """accs (row tile i, token tile j's four at 4 (XT i + j)) += one step of every row tile."""
+def _step(accs, ws, xw, TILES: tl.constexpr, XT: tl.constexpr, BYTE: tl.constexpr = 0):
+    """accs (row tile i, token tile j's four at 4 (XT i + j)) += one step of every row tile (its scales in byte
+    BYTE of ws' scale values)."""
     xp = ()
     for j in tl.static_range(XT):  # fp16 pairs (x0, x2), (x4, x6), (x1, x3), (x5, x7), then of x8 ..
         xp = xp + _x_pairs(xw[8 * j], xw[8 * j + 1], xw[8 * j + 2], xw[8 * j + 3])
         xp = xp + _x_pairs(xw[8 * j + 4], xw[8 * j + 5], xw[8 * j + 6], xw[8 * j + 7])
     out = ()
     for i in tl.static_range(TILES):
-        a = _decode(ws[6 * i], ws[6 * i + 1], ws[6 * i + 3], ws[6 * i + 4], ws[6 * i + 2], ws[6 * i + 5])
+        a = _decode(ws[6 * i], ws[6 * i + 1], ws[6 * i + 3], ws[6 * i + 4], ws[6 * i + 2], ws[6 * i + 5], BYTE)
         for j in tl.static_range(XT):
             d0 = accs[4 * (XT * i + j)]
             d1 = accs[4 * (XT * i + j) + 1]
@@ -185,7 +235,7 @@ def _gemv_mma_kernel(
     M, N, stride_x32, stride_ym,
     KW: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr, XT: tl.constexpr,
     DEPTH: tl.constexpr, UNROLL: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    STAGES: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0, GROUP: tl.constexpr = 1,
 ):
     """One program per 16 * TILES weight rows and all of K, its WARPS warps interleaving steps of 4
     blocks; M <= 8 XT rows of x (X32: bf16 pairs as int32). W32: rows of KW words; S8: rows of KW / 2
@@ -198,11 +248,13 @@ def _gemv_mma_kernel(
     KB: tl.constexpr = KW // 2
     SB: tl.constexpr = 4 * WARPS  # blocks per step of all warps
     STEPS: tl.constexpr = KB // SB
-    NW: tl.constexpr = 6 * TILES  # loaded values a step: (word a, word b, scale) of 2 TILES rows
+    GB: tl.constexpr = SB * GROUP  # blocks per group of steps of all warps
+    GROUPS: tl.constexpr = STEPS // GROUP
+    NG: tl.constexpr = (2 * GROUP + 1) * 2 * TILES  # loaded values a group: _load_w's of 2 TILES rows
     idx = tl.arange(0, LANES)
     lane = idx % 32
     g = lane // 4
-    blk = (idx // 32) * 4 + lane % 4  # this lane's block at step 0
+    blk = (idx // 32) * 4 * GROUP + lane % 4 * GROUP  # this lane's block at step 0 (its group's first)
     n0 = tl.program_id(0) * (16 * TILES)
     wrows = ()
     srows = ()
@@ -230,26 +282,36 @@ def _gemv_mma_kernel(
             accs = _step(accs, ws, xw, TILES, XT)
     else:
         queue = ()
-        for s in tl.static_range(DEPTH):  # the first steps' weights before waiting on the kernel before
-            queue = queue + _load_w(wrows, srows, blk + s * SB)
-        for s in tl.static_range(PREFETCH):
+        for d in tl.static_range(DEPTH):  # the first groups' weights before waiting on the kernel before
+            queue = queue + _load_w(wrows, srows, blk + d * GB, GROUP)
+        for s in tl.static_range(PREFETCH):  # (GROUP = 1 only)
             _prefetch_w(wrows, srows, blk + (DEPTH + s) * SB, KB)
         pdl_wait(USE_PDL)
         xw = _load_x(xrows, xoks, blk)
-        for s in tl.range(0, STEPS - DEPTH, loop_unroll_factor=UNROLL):  # load step s + DEPTH's weights, s + 1's x; compute step s
+        for q in tl.range(0, GROUPS - DEPTH, loop_unroll_factor=UNROLL):  # load group q + DEPTH; compute group q
             if PREFETCH > 0:
-                _prefetch_w(wrows, srows, blk + (s + DEPTH + PREFETCH) * SB, KB)
-            nxt = _load_w(wrows, srows, blk + (s + DEPTH) * SB)
-            xw_next = _load_x(xrows, xoks, blk + (s + 1) * SB)
-            accs = _step(accs, _part(queue, 0, NW), xw, TILES, XT)
-            queue = _part(queue, NW, NW * (DEPTH - 1)) + nxt
-            xw = xw_next
-        for s in tl.static_range(DEPTH):  # the last DEPTH steps, loaded already
-            if s + 1 < DEPTH:
-                xw_next = _load_x(xrows, xoks, blk + (STEPS - DEPTH + s + 1) * SB)
-            accs = _step(accs, _part(queue, NW * s, NW), xw, TILES, XT)
-            if s + 1 < DEPTH:
+                _prefetch_w(wrows, srows, blk + (q + DEPTH + PREFETCH) * SB, KB)
+            nxt = _load_w(wrows, srows, blk + (q + DEPTH) * GB, GROUP)
+            cur = _part(queue, 0, NG)
+            for i in tl.static_range(GROUP):  # x one step ahead: the group's next block, or the next group's first
+                if i + 1 < GROUP:
+                    xw_next = _load_x(xrows, xoks, blk + q * GB + i + 1)
+                else:
+                    xw_next = _load_x(xrows, xoks, blk + (q + 1) * GB)
+                accs = _step(accs, _group_step(cur, i, GROUP, TILES), xw, TILES, XT, i)
                 xw = xw_next
+            queue = _part(queue, NG, NG * (DEPTH - 1)) + nxt
+        for d in tl.static_range(DEPTH):  # the last DEPTH groups, loaded already
+            cur = _part(queue, NG * d, NG)
+            for i in tl.static_range(GROUP):
+                if d * GROUP + i + 1 < DEPTH * GROUP:  # (inline: a constexpr kept in a variable is a runtime value)
+                    if i + 1 < GROUP:
+                        xw_next = _load_x(xrows, xoks, blk + (GROUPS - DEPTH + d) * GB + i + 1)
+                    else:
+                        xw_next = _load_x(xrows, xoks, blk + (GROUPS - DEPTH + d + 1) * GB)
+                accs = _step(accs, _group_step(cur, i, GROUP, TILES), xw, TILES, XT, i)
+                if d * GROUP + i + 1 < DEPTH * GROUP:
+                    xw = xw_next
     # sum the warps' steps; lane l = 4 g + t holds rows g, g + 8 and tokens 2t, 2t + 1 of each tile
     rl = tl.arange(0, 32)
     rg = rl // 4
@@ -281,26 +343,38 @@ def default_depth(xt: int, k: int = 0) -> int:
     return (4, 3, 2, 2)[xt - 1]
 
 
+def default_group(k: int, warps: int) -> int:
+    """Steps a lane's weight loads cover (GROUP): 4 where the steps a warp takes divide by 4, else 2 where by 2,
+    else 1 (shape only, so every M of a shape sums in the same order)."""
+    steps = k // K_STEP // warps
+    return 4 if steps % 4 == 0 else 2 if steps % 2 == 0 else 1
+
+
 def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles: int, warps: int,
               launch: dict, depth: int | None = None, unroll: int | None = None, prefetch: int = 0,
-              stages: int = 0) -> None:
+              stages: int = 0, group: int | None = None) -> None:
     """y[:m] = x @ W^T: x32 the bf16 rows of x as int32 pairs, words / sbytes W's codes and scale bytes
     (contiguous rows), launch: the PDL launch options (ninfer.kernels.pdl). Neither `tiles` (16-row
-    tiles a program), `depth`, `unroll` (the K loop's), `prefetch` (L2 prefetch distance in steps; none
-    under the interpreter, which has no L2) nor `stages` (shared-memory staging instead of the register
-    queue) changes a result."""
+    tiles a program), `depth` (groups of steps loaded ahead), `unroll` (the K loop's), `prefetch` (L2 prefetch
+    distance in steps; none under the interpreter, which has no L2) nor `stages` (shared-memory staging instead
+    of the register queue) changes a result; `group` (steps per weight load, default_group) and `warps` do: they
+    choose which blocks meet in one mma."""
     if not mma_fits(m, k, warps):
         raise ValueError(f"the mma GEMV takes 1..{MAX_ROWS} rows of x and K a multiple of {K_STEP * warps}; "
                          f"got M={m}, K={k}")
     xt = triton.cdiv(m, 8)
     steps = k // K_STEP // warps
-    depth = max(1, min(depth or default_depth(xt, k), steps))
-    unroll = unroll or (1 if stages else depth)  # the queue of loaded steps then rotates by renaming registers, not moving them
+    group = 1 if stages or prefetch else (group or default_group(k, warps))
+    if steps % group:
+        raise ValueError(f"the mma GEMV's group of {group} steps does not divide a warp's {steps} steps")
+    groups = steps // group
+    depth = max(1, min(depth or -(-default_depth(xt, k) // group), groups))
+    unroll = unroll or (1 if stages else depth)  # the queue of loaded groups then rotates by renaming registers
     grid = (triton.cdiv(n, 16 * tiles),)
     _gemv_mma_kernel[grid](x32, words, sbytes.view(torch.uint8), row_scale, y, m, n, x32.stride(0), y.stride(0),
                             KW=k // 8, TILES=tiles, WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, DEPTH=depth,
-                            UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, num_warps=warps,
-                            num_stages=max(stages, 1), **launch)
+                            UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, GROUP=group,
+                            num_warps=warps, num_stages=max(stages, 1), **launch)
 
 
 def check_against_reference(device: torch.device) -> str | None:
