@@ -33,6 +33,41 @@ fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
 
 
 @triton.jit
+def _conv_window(state, x, w, offs_w, WIDTH: tl.constexpr):
+    """One causal-conv position: the window [state_0 .. state_{W-1}, x] (in the state's dtype, as the reference
+    concatenates it) and the SiLU of its dot with the taps, fp32."""
+    window = tl.where(offs_w[None, :] == WIDTH, x[:, None].to(state.dtype), state)
+    acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), 1)
+    return window, acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _window_col(window, offs_w, i: tl.constexpr):
+    """Column i of the window (the next state's column i - 1)."""
+    return tl.sum(tl.where(offs_w[None, :] == i, window, tl.zeros_like(window)), 1)
+
+
+@triton.jit
+def _delta_rule_step(h, Q, K, V, G, BETA, row, hk, hv, offs_k, offs_v, kmask, vmask, scale,
+                     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn,
+                     L2NORM: tl.constexpr):
+    """One gated delta rule position of value head hv (fp32 state h [BK, BV]): the updated state and the output."""
+    q = tl.load(Q + row * stride_qn + hk * stride_qh + offs_k, mask=kmask, other=0.0).to(tl.float32)
+    k = tl.load(K + row * stride_kn + hk * stride_kh + offs_k, mask=kmask, other=0.0).to(tl.float32)
+    if L2NORM:  # eps inside the sqrt, as fla and transformers do
+        q = q / tl.sqrt(tl.sum(q * q) + 1e-6)
+        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+    q = q * scale
+    v = tl.load(V + row * stride_vn + hv * stride_vh + offs_v, mask=vmask, other=0.0).to(tl.float32)
+    g = tl.load(G + row * stride_gn + hv).to(tl.float32)
+    beta = tl.load(BETA + row * stride_bn + hv).to(tl.float32)
+    h = h * tl.exp(g)  # decay before the delta read
+    v_new = (v - tl.sum(h * k[:, None], 0)) * beta
+    h = h + k[:, None] * v_new[None, :]
+    return h, tl.sum(h * q[:, None], 0)  # the output reads the state after the update
+
+
+@triton.jit
 def _conv_update_kernel(
     X, W, S_IN, S_OUT, Y, SLOT_IN, SLOT_OUT, HAS_INIT,
     C,
@@ -54,16 +89,13 @@ def _conv_update_kernel(
     if USE_INIT_MASK:
         keep = tl.load(HAS_INIT + n) != 0
         state = tl.where(keep, state, tl.zeros_like(state))
-    # window [state_0 .. state_{W-1}, x] in the input dtype, as the reference concatenates it
-    window = tl.where(offs_w[None, :] == WIDTH, x[:, None].to(state.dtype), state)
     w = tl.load(W + c[:, None] * stride_wc + offs_w[None, :], mask=cmask[:, None] & (offs_w[None, :] <= WIDTH),
                 other=0.0)
-    acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), 1)
-    y = acc * tl.sigmoid(acc)
+    window, y = _conv_window(state, x, w, offs_w, WIDTH)
     tl.store(Y + n * stride_yn + c, y.to(Y.dtype.element_ty), mask=cmask)
     tl.debug_barrier()  # every read of the old state happens before any write of the new one
     for j in tl.static_range(WIDTH):
-        col = tl.sum(tl.where(offs_w[None, :] == j + 1, window, tl.zeros_like(window)), 1)
+        col = _window_col(window, offs_w, j + 1)
         tl.store(S_OUT + slot_out * stride_sout_s + c * stride_sout_c + j, col.to(S_OUT.dtype.element_ty),
                  mask=cmask)
 
@@ -119,16 +151,6 @@ def _recurrent_kernel(
     offs_v = i_v * BV + tl.arange(0, BV)
     kmask = offs_k < DK
     vmask = offs_v < DV
-    q = tl.load(Q + n * stride_qn + hk * stride_qh + offs_k, mask=kmask, other=0.0).to(tl.float32)
-    k = tl.load(K + n * stride_kn + hk * stride_kh + offs_k, mask=kmask, other=0.0).to(tl.float32)
-    if L2NORM:  # eps inside the sqrt, as fla and transformers do
-        q = q / tl.sqrt(tl.sum(q * q) + 1e-6)
-        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-    q = q * scale
-    v = tl.load(V + n * stride_vn + hv * stride_vh + offs_v, mask=vmask, other=0.0).to(tl.float32)
-    g = tl.load(G + n * stride_gn + hv).to(tl.float32)
-    beta = tl.load(BETA + n * stride_bn + hv).to(tl.float32)
-
     slot_in = tl.load(SLOT_IN + n).to(tl.int64)
     slot_out = tl.load(SLOT_OUT + n).to(tl.int64)
     hmask = kmask[:, None] & vmask[None, :]
@@ -137,10 +159,9 @@ def _recurrent_kernel(
     if USE_INIT_MASK:
         keep = tl.load(HAS_INIT + n) != 0
         h = tl.where(keep, h, tl.zeros_like(h))  # a fresh sequence's slot may hold anything, even NaN
-    h = h * tl.exp(g)  # decay before the delta read
-    v_new = (v - tl.sum(h * k[:, None], 0)) * beta
-    h = h + k[:, None] * v_new[None, :]
-    o = tl.sum(h * q[:, None], 0)  # read after the update
+    h, o = _delta_rule_step(h, Q, K, V, G, BETA, n, hk, hv, offs_k, offs_v, kmask, vmask, scale,
+                            stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn,
+                            L2NORM)
     tl.store(OP + n * stride_on + hv * stride_oh + offs_v, o.to(OP.dtype.element_ty), mask=vmask)
     tl.debug_barrier()  # in place: every read of the old state before any write
     tl.store(H_OUT + slot_out * stride_hout_s + offs_h, h.to(H_OUT.dtype.element_ty), mask=hmask)
@@ -171,14 +192,12 @@ def _conv_steps_kernel(
     for j in tl.static_range(STEPS):
         row = n * STEPS + j
         x = tl.load(X + row * stride_xn + c, mask=cmask, other=0.0)
-        window = tl.where(offs_w[None, :] == WIDTH, x[:, None].to(state.dtype), state)
-        acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), 1)
-        y = acc * tl.sigmoid(acc)
+        window, y = _conv_window(state, x, w, offs_w, WIDTH)
         tl.store(Y + row * stride_yn + c, y.to(Y.dtype.element_ty), mask=cmask)
         slot_out = tl.load(SLOT_OUT + j * B + n).to(tl.int64)
         shifted = tl.zeros_like(state)
         for i in tl.static_range(WIDTH):
-            col = tl.sum(tl.where(offs_w[None, :] == i + 1, window, tl.zeros_like(window)), 1).to(S.dtype.element_ty)
+            col = _window_col(window, offs_w, i + 1).to(S.dtype.element_ty)
             tl.store(S + slot_out * stride_s_s + c * stride_s_c + i, col, mask=cmask)
             shifted = tl.where(offs_w[None, :] == i, col[:, None].to(state.dtype), shifted)
         state = shifted
@@ -214,19 +233,9 @@ def _recurrent_steps_kernel(
     tl.debug_barrier()  # in place: the state is read before any position writes a slot
     for j in tl.static_range(STEPS):
         row = n * STEPS + j
-        q = tl.load(Q + row * stride_qn + hk * stride_qh + offs_k, mask=kmask, other=0.0).to(tl.float32)
-        k = tl.load(K + row * stride_kn + hk * stride_kh + offs_k, mask=kmask, other=0.0).to(tl.float32)
-        if L2NORM:
-            q = q / tl.sqrt(tl.sum(q * q) + 1e-6)
-            k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-        q = q * scale
-        v = tl.load(V + row * stride_vn + hv * stride_vh + offs_v, mask=vmask, other=0.0).to(tl.float32)
-        g = tl.load(G + row * stride_gn + hv).to(tl.float32)
-        beta = tl.load(BETA + row * stride_bn + hv).to(tl.float32)
-        h = h * tl.exp(g)
-        v_new = (v - tl.sum(h * k[:, None], 0)) * beta
-        h = h + k[:, None] * v_new[None, :]
-        o = tl.sum(h * q[:, None], 0)
+        h, o = _delta_rule_step(h, Q, K, V, G, BETA, row, hk, hv, offs_k, offs_v, kmask, vmask, scale,
+                                stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn,
+                                L2NORM)
         tl.store(OP + row * stride_on + hv * stride_oh + offs_v, o.to(OP.dtype.element_ty), mask=vmask)
         slot_out = tl.load(SLOT_OUT + j * B + n).to(tl.int64)
         kept = h.to(H.dtype.element_ty)
