@@ -198,7 +198,8 @@ MMA_STAGING_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8)]
 # a lane consecutive blocks, loaded 16 bytes and 2-4 scale bytes at a time. DEPTH counts groups.
 MMA_GROUP_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8, GROUP=1), dict(kind="mma", TILES=1, WARPS=8)]
                      + [dict(kind="mma", TILES=1, WARPS=8, DEPTH=d) for d in (1, 2, 3)]
-                     + [dict(kind="mma", TILES=2, WARPS=8), dict(kind="mma", TILES=1, WARPS=4)])
+                     + [dict(kind="mma", TILES=2, WARPS=8), dict(kind="mma", TILES=1, WARPS=4),
+                        dict(kind="mma", TILES=1, WARPS=8, EVICT=1), dict(kind="mma", TILES=1, WARPS=8, GROUP=1, EVICT=1)])
 
 
 def check_mma_staging(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8), configs=None) -> dict:

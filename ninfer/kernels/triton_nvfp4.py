@@ -653,7 +653,8 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
 
         gemv_mma(_x_words(x), words.contiguous(), sbytes.contiguous(), row_scale, y, m, n, k, tiles=cfg["TILES"],
                  warps=cfg["WARPS"], depth=cfg.get("DEPTH"), unroll=cfg.get("UNROLL"), prefetch=cfg.get("PREFETCH", 0),
-                 stages=cfg.get("STAGES", 0), group=cfg.get("GROUP"), launch=pdl_launch(x.device))
+                 stages=cfg.get("STAGES", 0), group=cfg.get("GROUP"), evict=cfg.get("EVICT", 0),
+                 launch=pdl_launch(x.device))
         return y
     if kind == "mma":  # fp32 / fp16 x, or no GPU and no interpreter: the packed-fp16 GEMV's fallbacks
         cfg = _hfma_config(m, n, k)
@@ -737,7 +738,7 @@ def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
 
                 gemv_mma(x32[r0:], words, sbytes, row_scale, y[r0:], rows, n, k, tiles=cfg["TILES"],
                          warps=cfg["WARPS"], prefetch=cfg.get("PREFETCH", 0), stages=cfg.get("STAGES", 0),
-                         group=cfg.get("GROUP"), launch=pdl_launch(x.device))  # its default depth for the rows
+                         group=cfg.get("GROUP"), evict=cfg.get("EVICT", 0), launch=pdl_launch(x.device))  # its default depth for the rows
             else:
                 nvfp4_gemv(x[r0:r0 + rows], packed, scale, row_scale, out=y[r0:r0 + rows], config=cfg)
     return y

@@ -113,31 +113,33 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 
 @triton.jit
-def _load_w(wrows, srows, blk, GROUP: tl.constexpr = 1):
+def _load_w(wrows, srows, blk, GROUP: tl.constexpr = 1, EVICT: tl.constexpr = 0):
     """Blocks blk .. blk + GROUP - 1 ([L], blk a multiple of GROUP) of every weight row, flat per row: GROUP
     (word a, word b) pairs, then their GROUP scale bytes in one int32 (byte i: block blk + i). One 16-byte load
-    a row for two blocks, one 2- or 4-byte load for their scales."""
+    a row for two blocks, one 2- or 4-byte load for their scales. EVICT: the loads marked evict-first (weights
+    stream through L2 once; the activations stay)."""
+    policy: tl.constexpr = "evict_first" if EVICT else ""
     ws = ()
     for j in tl.static_range(len(wrows)):
         wp = wrows[j] + 2 * blk
         if GROUP == 1:
-            wa, wb = tl.split(tl.load(wp[:, None] + tl.arange(0, 2)[None, :]))
-            ws = ws + (wa, wb, tl.load(srows[j] + blk).to(tl.int32))
+            wa, wb = tl.split(tl.load(wp[:, None] + tl.arange(0, 2)[None, :], eviction_policy=policy))
+            ws = ws + (wa, wb, tl.load(srows[j] + blk, eviction_policy=policy).to(tl.int32))
         else:
             for h in tl.static_range(GROUP // 2):
-                ws = ws + _words4(wp + 4 * h)
+                ws = ws + _words4(wp + 4 * h, policy)
             if GROUP == 2:
                 sp = (srows[j] + blk).to(tl.pointer_type(tl.int16), bitcast=True)
             else:
                 sp = (srows[j] + blk).to(tl.pointer_type(tl.int32), bitcast=True)
-            ws = ws + (tl.load(sp).to(tl.int32),)
+            ws = ws + (tl.load(sp, eviction_policy=policy).to(tl.int32),)
     return ws
 
 
 @triton.jit
-def _words4(ptr):
+def _words4(ptr, policy: tl.constexpr = ""):
     """16 bytes per lane ([L] int32 pointers, 16-byte aligned) -> four [L] int32 words, in order."""
-    v = tl.load(ptr[:, None] + tl.arange(0, 4)[None, :])
+    v = tl.load(ptr[:, None] + tl.arange(0, 4)[None, :], eviction_policy=policy)
     a, b = tl.split(tl.reshape(v, [v.shape[0], 2, 2]))
     w0, w2 = tl.split(a)
     w1, w3 = tl.split(b)
@@ -235,7 +237,7 @@ def _gemv_mma_kernel(
     M, N, stride_x32, stride_ym,
     KW: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr, XT: tl.constexpr,
     DEPTH: tl.constexpr, UNROLL: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    STAGES: tl.constexpr = 0, GROUP: tl.constexpr = 1,
+    STAGES: tl.constexpr = 0, GROUP: tl.constexpr = 1, EVICT: tl.constexpr = 0,
 ):
     """One program per 16 * TILES weight rows and all of K, its WARPS warps interleaving steps of 4
     blocks; M <= 8 XT rows of x (X32: bf16 pairs as int32). W32: rows of KW words; S8: rows of KW / 2
@@ -283,7 +285,7 @@ def _gemv_mma_kernel(
     else:
         queue = ()
         for d in tl.static_range(DEPTH):  # the first groups' weights before waiting on the kernel before
-            queue = queue + _load_w(wrows, srows, blk + d * GB, GROUP)
+            queue = queue + _load_w(wrows, srows, blk + d * GB, GROUP, EVICT)
         for s in tl.static_range(PREFETCH):  # (GROUP = 1 only)
             _prefetch_w(wrows, srows, blk + (DEPTH + s) * SB, KB)
         pdl_wait(USE_PDL)
@@ -291,7 +293,7 @@ def _gemv_mma_kernel(
         for q in tl.range(0, GROUPS - DEPTH, loop_unroll_factor=UNROLL):  # load group q + DEPTH; compute group q
             if PREFETCH > 0:
                 _prefetch_w(wrows, srows, blk + (q + DEPTH + PREFETCH) * SB, KB)
-            nxt = _load_w(wrows, srows, blk + (q + DEPTH) * GB, GROUP)
+            nxt = _load_w(wrows, srows, blk + (q + DEPTH) * GB, GROUP, EVICT)
             cur = _part(queue, 0, NG)
             for i in tl.static_range(GROUP):  # x one step ahead: the group's next block, or the next group's first
                 if i + 1 < GROUP:
@@ -352,13 +354,13 @@ def default_group(k: int, warps: int) -> int:
 
 def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles: int, warps: int,
               launch: dict, depth: int | None = None, unroll: int | None = None, prefetch: int = 0,
-              stages: int = 0, group: int | None = None) -> None:
+              stages: int = 0, group: int | None = None, evict: int = 0) -> None:
     """y[:m] = x @ W^T: x32 the bf16 rows of x as int32 pairs, words / sbytes W's codes and scale bytes
     (contiguous rows), launch: the PDL launch options (ninfer.kernels.pdl). Neither `tiles` (16-row
     tiles a program), `depth` (groups of steps loaded ahead), `unroll` (the K loop's), `prefetch` (L2 prefetch
     distance in steps; none under the interpreter, which has no L2) nor `stages` (shared-memory staging instead
-    of the register queue) changes a result; `group` (steps per weight load, default_group) and `warps` do: they
-    choose which blocks meet in one mma."""
+    of the register queue) nor `evict` (weight loads evict-first) changes a result; `group` (steps per weight load,
+    default_group) and `warps` do: they choose which blocks meet in one mma."""
     if not mma_fits(m, k, warps):
         raise ValueError(f"the mma GEMV takes 1..{MAX_ROWS} rows of x and K a multiple of {K_STEP * warps}; "
                          f"got M={m}, K={k}")
@@ -374,7 +376,7 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
     _gemv_mma_kernel[grid](x32, words, sbytes.view(torch.uint8), row_scale, y, m, n, x32.stride(0), y.stride(0),
                             KW=k // 8, TILES=tiles, WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, DEPTH=depth,
                             UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, GROUP=group,
-                            num_warps=warps, num_stages=max(stages, 1), **launch)
+                            EVICT=evict, num_warps=warps, num_stages=max(stages, 1), **launch)
 
 
 def check_against_reference(device: torch.device) -> str | None:
