@@ -94,8 +94,8 @@ def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unro
     """The tensor-core GEMV (triton_nvfp4_mma) at K = 17408 (27B MLP down; shorter rows leave so few steps that
     the loop is unrolled whole) for `token_tiles` tiles of 8 rows of x, `depth` steps of weights ahead, its K
     loop unrolled `unroll` times (0: as gemv_mma launches) and an L2 prefetch `prefetch` steps past them, or
-    `stages` steps staged through shared memory instead; `group` steps a weight load covers (0: as gemv_mma
-    launches; depth then counts groups)."""
+    `stages` steps staged through shared memory instead; `group` steps a weight load covers (0: 1, as gemv_mma
+    launches by default; depth then counts groups)."""
     from ninfer.kernels import triton_nvfp4_mma as t
 
     kw = 2176  # the kernel's KW: K = 17408 (27B MLP down) in words of 8 codes
@@ -104,7 +104,7 @@ def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unro
            "EVEN_N": "constexpr", "XT": "constexpr", "DEPTH": "constexpr", "UNROLL": "constexpr",
            "USE_PDL": "constexpr", "PREFETCH": "constexpr", "STAGES": "constexpr", "GROUP": "constexpr",
            "EVICT": "constexpr"}
-    group = 1 if stages or prefetch else (group or t.default_group(8 * kw, warps))
+    group = 1 if stages or prefetch else (group or 1)
     depth = depth or -(-t.default_depth(token_tiles, 8 * kw) // group)
     unroll = unroll or (1 if stages else depth)
     const = {"KW": kw, "TILES": tiles, "WARPS": warps, "EVEN_N": True, "XT": token_tiles,

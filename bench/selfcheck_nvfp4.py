@@ -194,12 +194,13 @@ MMA_STAGING_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8)]
 
 
 # Steps a lane's weight loads cover (s30): GROUP 1 is the s17 layout (a lane's blocks one step apart, an 8-byte load
-# of words and a 1-byte load of its scale a step); the table's default (triton_nvfp4_mma.default_group: 4 or 2) gives
-# a lane consecutive blocks, loaded 16 bytes and 2-4 scale bytes at a time. DEPTH counts groups.
-MMA_GROUP_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8, GROUP=1), dict(kind="mma", TILES=1, WARPS=8)]
-                     + [dict(kind="mma", TILES=1, WARPS=8, DEPTH=d) for d in (1, 2, 3)]
-                     + [dict(kind="mma", TILES=2, WARPS=8), dict(kind="mma", TILES=1, WARPS=4),
-                        dict(kind="mma", TILES=1, WARPS=8, EVICT=1), dict(kind="mma", TILES=1, WARPS=8, GROUP=1, EVICT=1)])
+# of words and a 1-byte load of its scale a step); GROUP 2 gives a lane consecutive blocks, loaded 16 bytes and two
+# scale bytes at a time (4 where a warp's steps divide by 4; the table uses triton_nvfp4_mma.widest_group at one
+# decode row). DEPTH counts groups. EVICT: weight loads marked evict-first.
+MMA_GROUP_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8, GROUP=1), dict(kind="mma", TILES=1, WARPS=8, GROUP=2)]
+                     + [dict(kind="mma", TILES=1, WARPS=8, GROUP=2, DEPTH=d) for d in (1, 2)]
+                     + [dict(kind="mma", TILES=1, WARPS=8, GROUP=1, EVICT=1),
+                        dict(kind="mma", TILES=1, WARPS=8, GROUP=2, EVICT=1)])
 
 
 def check_mma_staging(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8), configs=None) -> dict:
@@ -365,8 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-mma-wide", action="store_true",
                         help="only the tensor-core GEMV at 8..32 rows (verification): bitwise check and times")
     parser.add_argument("--sweep-mma-group", action="store_true",
-                        help="only the tensor-core GEMV by steps a weight load covers: reference and row checks of the "
-                             "table's launch, then times of MMA_GROUP_CONFIGS at M = 1, 4, 8, 32")
+                        help="only the tensor-core GEMV by steps a weight load covers: reference and row checks of "
+                             "GROUP 1 and 2, then times of MMA_GROUP_CONFIGS at M = 1, 4, 8, 32")
     parser.add_argument("--sweep-mma-staging", action="store_true",
                         help="only the tensor-core GEMV with shared-memory staging / L2 prefetch: bitwise against the "
                              "table's launch, then times at M = 1, 2, 4, 8 beside the table's kernels")

@@ -230,17 +230,18 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
         assert torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *q, config=cfg), full[:m]), m
     for ahead in (dict(DEPTH=1, UNROLL=1), dict(DEPTH=3, UNROLL=2)):
         assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | ahead), full), ahead
-    # Steps a weight load covers (GROUP; the table's default_group) choose which blocks meet in one mma: each
-    # group is a layout of its own, correct and row-consistent; staging runs GROUP 1's layout
-    steps = k // triton_nvfp4_mma.K_STEP // warps
-    for group in (g for g in (1, 2, 4) if steps % g == 0):
+    assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | {"STAGES": 3}), full)
+    # Steps a weight load covers (GROUP, default 1) choose which blocks meet in one mma: each group is a layout of
+    # its own, correct and computing each row alike at every M
+    assert triton_nvfp4_mma.widest_group(k, warps) == {(1024, 2): 4, (256, 1): 4, (256, 4): 1}[(k, warps)]
+    for group in (2, 4):
+        if k // triton_nvfp4_mma.K_STEP // warps % group:
+            continue
         mine = triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | {"GROUP": group})
         assert (mine.float() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item(), group
-        assert torch.equal(triton_nvfp4.nvfp4_gemv(x[:3], *q, config=cfg | {"GROUP": group}), mine[:3]), group
-        if group == 1:
-            assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | {"STAGES": 3}), mine)
-    assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | {"GROUP": triton_nvfp4_mma.default_group(k, warps)}),
-                       full)
+        for m in (1, 3):
+            assert torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *q, config=cfg | {"GROUP": group}), mine[:m]), group
+        assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | {"GROUP": group, "DEPTH": 1}), mine), group
     # Up to four tiles of 8 tokens share a launch (speculative verification): every token equals its
     # one-tile launch bit for bit, whatever the tile it lands in, the last tile ragged
     wide = torch.cat([x, torch.randn(19, k, generator=gen).to(torch.bfloat16)])
@@ -294,7 +295,11 @@ def test_mma_start_up_check(monkeypatch):
     assert triton_nvfp4.use_mma(torch.device("cpu"), speculative=True) == (
         "tensor cores from 1 row (speculative decoding: verification rows round as decode rows)")
     assert triton_nvfp4._gemv_config(1, 5120, 5120)["kind"] == "mma"
-    assert triton_nvfp4._decode_passes(1, 5120, 5120) == [(0, 1, dict(kind="mma", TILES=1, WARPS=8))]
+    # one decode row loads two steps of a lane's weights at once (10 steps a warp at K = 5120), its verify rows too
+    assert triton_nvfp4._decode_passes(1, 5120, 5120) == [(0, 1, dict(kind="mma", TILES=1, WARPS=8, GROUP=2))]
+    assert triton_nvfp4._gemv_config(1, 5120, 6144)["GROUP"] == 4
+    assert "GROUP" not in triton_nvfp4._gemv_config(1, 5120, 17408)  # long rows: the 3-step queue of one
+    assert "GROUP" not in triton_nvfp4._gemv_config(2, 5120, 5120)  # two rows: x's loads would touch more lines
     assert triton_nvfp4.use_mma(torch.device("cpu")) == "tensor cores from 3 rows"
     assert triton_nvfp4._gemv_config(1, 5120, 5120)["kind"] == "hfma"
     assert triton_nvfp4._gemv_config(8, 5120, 5120)["kind"] == "mma"
@@ -325,12 +330,16 @@ def _rows_like_matches_decode(device: str, n: int, k: int, cases) -> None:
 def test_rows_like_computes_each_row_as_its_decode_row(monkeypatch):
     """Under the interpreter: the row mapping and the passes (one packed-fp16 pass of up to 4 rows, the
     mma GEMV's launches of up to 32: 6 sequences x 4 positions in one) for 1, 2, 5 and 6 sequences; then as a
-    speculative engine runs them, tensor cores from one row (1 and 2 sequences in one mma launch too)."""
+    speculative engine runs them, tensor cores from one row (1 and 2 sequences in one mma launch too, one sequence
+    with its weight loads two steps wide)."""
     from ninfer.kernels import triton_nvfp4
 
     _rows_like_matches_decode("cpu", 24, 256, [(1, 3), (2, 2), (5, 2), (6, 4)])
     monkeypatch.setattr(triton_nvfp4, "MMA_MIN_M", triton_nvfp4.SPEC_MMA_MIN_M)
     _rows_like_matches_decode("cpu", 24, 256, [(1, 4), (2, 3)])
+    # K = 1024: one decode row loads two steps of weights at once (GROUP 2), and so do its verify rows
+    assert triton_nvfp4._gemv_config(1, 24, 1024)["GROUP"] == 2
+    _rows_like_matches_decode("cpu", 24, 1024, [(1, 4)])
 
 
 def test_gemv_table_takes_tensor_cores_where_the_packed_fp16_gemv_needs_two_passes(monkeypatch):

@@ -86,6 +86,15 @@ MMA_TILES = 1
 # A benchmark knob: JSON launch keys over the table's mma launch, e.g. {"TILES": 2, "WARPS": 2, "STAGES": 5}
 # (WARPS only where K is whole steps of them)
 MMA_LAUNCH = json.loads(os.environ.get("NINFER_NVFP4_MMA_LAUNCH") or "{}")
+# One decode row (a speculative engine at C = 1: its decode steps, and its verify steps, whose rows compute as
+# that one row does) loads 2-4 steps of a lane's weights at once (triton_nvfp4_mma's GROUP), on rows up to this
+# long. On an H100 (bench/results/2026-12-06-h100-s30, the five 27B GEMVs) GROUP 2-4 took 118.6 us at M = 1 against
+# 126.7 and 128.9 at M = 4 against 132.2 (the K = 5120 shapes 5-19 % faster; the MLP down projection, K = 17408,
+# 23 % slower: its deeper queue leaves fewer programs an SM), but at M = 8 152.5 against 137.4 and at M = 32 448.7
+# against 319.2: the lanes of a row group then read x 2-4 blocks apart, so x's loads touch 2-4 times the cache
+# lines, which costs where x's rows fill the token tiles. So the group is chosen by decode rows (the launch config
+# of `like` rows, which rows_like verification reuses), never by a launch's own rows.
+MMA_GROUP_MAX_K = 8192
 # Rows of x per mma launch in speculative verification (triton_nvfp4_mma.MAX_ROWS)
 MMA_MAX_ROWS = 32
 # Off when NINFER_NVFP4_MMA=0 or when its start-up check failed (use_mma below; the runner calls it).
@@ -587,7 +596,12 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
     M = 1, 2). Few rows (N < 8192, e.g. 5120) want wide steps or prefetch to keep bytes in flight;
     prefetch pays only with long rows (K >= 4096), never at M >= 3."""
     if MMA_ENABLED and MMA_MIN_M <= m <= HFMA_MAX_M and k % 256 == 0:  # tensor cores: triton_nvfp4_mma
-        cfg = dict(kind="mma", TILES=MMA_TILES, WARPS=8 if k % 512 == 0 else 4) | MMA_LAUNCH
+        warps = 8 if k % 512 == 0 else 4
+        cfg = dict(kind="mma", TILES=MMA_TILES, WARPS=warps)
+        if m == 1 and k <= MMA_GROUP_MAX_K:
+            steps = k // 64 // warps  # triton_nvfp4_mma.widest_group
+            cfg["GROUP"] = 4 if steps % 4 == 0 else 2 if steps % 2 == 0 else 1
+        cfg |= MMA_LAUNCH
         return cfg if k % (64 * cfg["WARPS"]) == 0 else cfg | {"WARPS": 4}
     return _hfma_config(m, n, k)
 

@@ -345,9 +345,9 @@ def default_depth(xt: int, k: int = 0) -> int:
     return (4, 3, 2, 2)[xt - 1]
 
 
-def default_group(k: int, warps: int) -> int:
-    """Steps a lane's weight loads cover (GROUP): 4 where the steps a warp takes divide by 4, else 2 where by 2,
-    else 1 (shape only, so every M of a shape sums in the same order)."""
+def widest_group(k: int, warps: int) -> int:
+    """The most steps one weight load can cover at this shape (GROUP): 4 where the steps a warp takes divide by 4,
+    else 2 where by 2, else 1."""
     steps = k // K_STEP // warps
     return 4 if steps % 4 == 0 else 2 if steps % 2 == 0 else 1
 
@@ -360,13 +360,13 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
     tiles a program), `depth` (groups of steps loaded ahead), `unroll` (the K loop's), `prefetch` (L2 prefetch
     distance in steps; none under the interpreter, which has no L2) nor `stages` (shared-memory staging instead
     of the register queue) nor `evict` (weight loads evict-first) changes a result; `group` (steps per weight load,
-    default_group) and `warps` do: they choose which blocks meet in one mma."""
+    default 1) and `warps` do: they choose which blocks meet in one mma."""
     if not mma_fits(m, k, warps):
         raise ValueError(f"the mma GEMV takes 1..{MAX_ROWS} rows of x and K a multiple of {K_STEP * warps}; "
                          f"got M={m}, K={k}")
     xt = triton.cdiv(m, 8)
     steps = k // K_STEP // warps
-    group = 1 if stages or prefetch else (group or default_group(k, warps))
+    group = 1 if stages or prefetch else (group or 1)
     if steps % group:
         raise ValueError(f"the mma GEMV's group of {group} steps does not divide a warp's {steps} steps")
     groups = steps // group
