@@ -18,7 +18,8 @@
 # over 512 tokens, MTP3 at C=1 over 256), host_c1 (s26: C=1 MTP3 with the loop's parts timed), penalized_c1 (s28:
 # C=1 MTP3 greedy, then with a presence penalty), ahead_c1 / ahead_c8 (s29: e2e_c1_256 / spec_c8_512 without, then
 # with the MTP head drafting ahead; ahead_c1_fp4: with the proposal head in NVFP4 too), host_c8 (s29: C=8 adaptive with the loop's parts timed), fused_gdn (s29: a verify's GDN positions
-# in one launch, A/B), sweep_mma_group / group_ab / pytest_s30 (s30: the mma GEMV's weight loads by group of steps), spec_c8
+# in one launch, A/B), sweep_mma_group / group_ab / pytest_s30 (s30: the mma GEMV's weight loads by group of steps), lm_head_c1 (s30:
+# MTP3 at C=1 with an NVFP4 lm_head), profile_c1 (s30: the C=1 MTP3 round's kernels), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
 # sampled), sampled35_torch (the same with the torch sampler), engine35 / engine27 (engine-level decode: bench/gpu_engine.py). Any stage with the
@@ -114,6 +115,14 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       # GDN kernels' (the one-step and multi-position kernels after sharing their helpers)
       timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py tests/test_kernels.py \
         -k "mma or rows_like or kernels_on_cuda or verify_gdn_steps or recurrent or gdn" > $out/pytest_s30.log 2>&1 ;;
+    lm_head_c1)  # s30: MTP3 at C=1 (NVFP4 heads, drafting ahead) on an artifact whose lm_head is NVFP4 too
+      timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --nvfp4-lm-head \
+        --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 \
+        --max-tokens 256 > $out/lm_head_c1.log 2>&1 ;;
+    profile_c1)  # s30: the C=1 MTP3 round's kernels (NVFP4 heads); run as profile_c1_nopdl for unoverlapped durations
+      timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
+        --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.5 --max-tokens 128 \
+        --profile 60 > $out/profile_c1.log 2>&1 ;;
     sweep_mma_wide)  # the tensor-core NVFP4 GEMV at 8..32 rows (verification): bitwise against 8-row launches, times
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-wide --out $out/mma_wide.json \
         > $out/mma_wide.log 2>&1 ;;

@@ -249,7 +249,16 @@ def draft_head(trunk, num_tokens: int):
         return None
     from ninfer.models.draft_head import DraftHead, build_draft_head_tensors
 
-    head = trunk.embed_tokens.weight if trunk.lm_head is None else trunk.lm_head.weight
+    if trunk.lm_head is None:
+        head = trunk.embed_tokens.weight
+    elif hasattr(trunk.lm_head, "weight"):
+        head = trunk.lm_head.weight
+    else:  # an NVFP4 lm_head (--nvfp4-lm-head): the shortlist's rows dequantized, as a converter would take them
+        from ninfer.quant.nvfp4 import dequantize_nvfp4
+
+        lm = trunk.lm_head
+        head = dequantize_nvfp4(lm.weight_packed[:num_tokens], lm.weight_scale[:num_tokens],
+                                lm.weight_row_scale[:num_tokens], trunk.embed_tokens.weight.dtype)
     tensors = build_draft_head_tensors(head, list(range(num_tokens)))
     out = DraftHead(num_tokens, head.shape[1], dtype=head.dtype, device=head.device)
     out.load_state_dict({k: v.to(head.device) for k, v in tensors.items()})
@@ -284,6 +293,8 @@ def main() -> None:
                    help="score drafts on an NVFP4 copy of the proposal head (DraftHead.quantize_nvfp4_)")
     p.add_argument("--nvfp4-mtp", action="store_true",
                    help="with --with-mtp: the head's decoder-layer linears in NVFP4 (what drafting in 4-bit would save)")
+    p.add_argument("--nvfp4-lm-head", action="store_true",
+                   help="with --weights nvfp4: the target's lm_head in NVFP4 too (an artifact converted with --nvfp4-lm-head)")
     p.add_argument("--adaptive", action="store_true",
                    help="per step, only as many drafts as pay for their verification (EngineSettings.adaptive_drafts, "
                         "the server's default); without it every round drafts --drafts tokens")
@@ -343,7 +354,8 @@ def main() -> None:
             if short is not None and args.nvfp4_draft_head:
                 short.quantize_nvfp4_()
             return OracleAfterMTP(MTPProposer(head, short), oracle, free_samples=not args.no_free_samples)
-    engine = engine_from_preset(args.shape, settings, device=device, weights=args.weights, proposer=proposer)
+    engine = engine_from_preset(args.shape, settings, device=device, weights=args.weights, proposer=proposer,
+                                nvfp4_lm_head=args.nvfp4_lm_head)
     steplog = StepLog(engine)
     choices = DraftLog(engine)
     hostlog = HostLog(engine, args.host_breakdown)
@@ -451,7 +463,8 @@ def main() -> None:
 
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
          exact_verify=settings.exact_verify, with_mtp=args.with_mtp, draft_head=args.draft_head,
-         nvfp4_mtp=args.nvfp4_mtp, nvfp4_draft_head=args.nvfp4_draft_head, adaptive=args.adaptive, reference=args.reference,
+         nvfp4_mtp=args.nvfp4_mtp, nvfp4_draft_head=args.nvfp4_draft_head, nvfp4_lm_head=args.nvfp4_lm_head,
+         adaptive=args.adaptive, reference=args.reference,
          free_samples=args.with_mtp and args.adaptive and not args.no_free_samples,
          graph_status=engine.runner.graph_status, nvfp4_gemv=engine.runner.nvfp4_status,
          **({"mtp_graphs": len(engine.proposer.mtp._graphs), "mtp_capture_s": round(engine.proposer.mtp.capture_seconds, 3),
