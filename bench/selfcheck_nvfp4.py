@@ -193,14 +193,28 @@ MMA_STAGING_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8)]
                        + [dict(kind="mma", TILES=1, WARPS=8, DEPTH=d, UNROLL=d) for d in (3, 2)])
 
 
-# Steps a lane's weight loads cover (s30): GROUP 1 is the s17 layout (a lane's blocks one step apart, an 8-byte load
-# of words and a 1-byte load of its scale a step); GROUP 2 gives a lane consecutive blocks, loaded 16 bytes and two
-# scale bytes at a time (4 where a warp's steps divide by 4; the table uses triton_nvfp4_mma.widest_group at one
-# decode row). DEPTH counts groups. EVICT: weight loads marked evict-first.
-MMA_GROUP_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8, GROUP=1), dict(kind="mma", TILES=1, WARPS=8, GROUP=2)]
-                     + [dict(kind="mma", TILES=1, WARPS=8, GROUP=2, DEPTH=d) for d in (1, 2)]
-                     + [dict(kind="mma", TILES=1, WARPS=8, GROUP=1, EVICT=1),
-                        dict(kind="mma", TILES=1, WARPS=8, GROUP=2, EVICT=1)])
+# Weights stored paired (s30): a lane's blocks of two steps side by side, one 16-byte load of words and one 2-byte load
+# of scales for both (triton_nvfp4_mma.pair_weights; what a speculative engine stores); bit for bit the K-order
+# launch's products. DEPTH counts pairs. EVICT: weight loads marked evict-first.
+MMA_PAIRED_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8), dict(kind="mma", TILES=1, WARPS=8, PAIRED=True)]
+                      + [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, DEPTH=d) for d in (1, 2, 3)]
+                      + [dict(kind="mma", TILES=1, WARPS=8, EVICT=1), dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, EVICT=1)])
+
+
+def check_mma_paired(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8, 17, 32)) -> dict:
+    """Paired weights' products against the K-order launch's, bit for bit ({"shape_mM": true when equal})."""
+    from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
+
+    out = {}
+    for name, (n, k) in (shapes or SHAPES_27B).items():
+        q, _ = _problem(n, k, 1, device, torch.bfloat16)
+        paired = triton_nvfp4_mma.pair_weights(q.packed, q.scale, 8)
+        x = _problem(1, k, max(ms), device, torch.bfloat16, seed=7)[1]
+        for m in ms:
+            want = triton_nvfp4.nvfp4_gemv(x[:m], *q, config=dict(kind="mma", TILES=1, WARPS=8))
+            got = triton_nvfp4.nvfp4_gemv(x[:m], *paired, q.row_scale, paired=8)
+            out[f"{name}_m{m}"] = torch.equal(got, want)
+    return out
 
 
 def check_mma_staging(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8), configs=None) -> dict:
@@ -365,9 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the tensor-core GEMV: checks, its tiles at M = 1..32 and the table's kernels at M = 1..8")
     parser.add_argument("--sweep-mma-wide", action="store_true",
                         help="only the tensor-core GEMV at 8..32 rows (verification): bitwise check and times")
-    parser.add_argument("--sweep-mma-group", action="store_true",
-                        help="only the tensor-core GEMV by steps a weight load covers: reference and row checks of "
-                             "GROUP 1 and 2, then times of MMA_GROUP_CONFIGS at M = 1, 4, 8, 32")
+    parser.add_argument("--sweep-mma-paired", action="store_true",
+                        help="only the tensor-core GEMV on weights stored paired: bitwise against K order, then times "
+                             "of MMA_PAIRED_CONFIGS at M = 1, 4, 8, 32")
     parser.add_argument("--sweep-mma-staging", action="store_true",
                         help="only the tensor-core GEMV with shared-memory staging / L2 prefetch: bitwise against the "
                              "table's launch, then times at M = 1, 2, 4, 8 beside the table's kernels")
@@ -391,10 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         result["check_mma_staging"] = check_mma_staging("cuda")
         result["sweep_table"] = sweep_gemv_configs("cuda", ms=(1, 2, 4, 8), configs=[None])
         result["sweep_mma_staging"] = sweep_gemv_configs("cuda", ms=(1, 2, 4, 8), configs=MMA_STAGING_CONFIGS)
-    elif args.sweep_mma_group:
-        result["check_mma"] = check_nvfp4("cuda", torch.bfloat16, ms=(1, 3, 8, 17, 32), configs=MMA_GROUP_CONFIGS[:2])
-        result["check_mma_rows"] = check_mma_rows("cuda", cfg=MMA_GROUP_CONFIGS[1])
-        result["sweep_mma_group"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 32), configs=MMA_GROUP_CONFIGS)
+    elif args.sweep_mma_paired:
+        result["check_mma_paired"] = check_mma_paired("cuda")
+        result["sweep_mma_paired"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 32), configs=MMA_PAIRED_CONFIGS)
     elif args.sweep_mma_wide:
         result["check_mma_wide"] = check_mma_wide("cuda")
         result["sweep_mma_wide"] = sweep_gemv_configs("cuda", ms=(8, 16, 24, 32), configs=MMA_WIDE_CONFIGS)

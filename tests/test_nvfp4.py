@@ -231,17 +231,19 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
     for ahead in (dict(DEPTH=1, UNROLL=1), dict(DEPTH=3, UNROLL=2)):
         assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | ahead), full), ahead
     assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | {"STAGES": 3}), full)
-    # Steps a weight load covers (GROUP, default 1) choose which blocks meet in one mma: each group is a layout of
-    # its own, correct and computing each row alike at every M
-    assert triton_nvfp4_mma.widest_group(k, warps) == {(1024, 2): 4, (256, 1): 4, (256, 4): 1}[(k, warps)]
-    for group in (2, 4):
-        if k // triton_nvfp4_mma.K_STEP // warps % group:
-            continue
-        mine = triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | {"GROUP": group})
-        assert (mine.float() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item(), group
-        for m in (1, 3):
-            assert torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *q, config=cfg | {"GROUP": group}), mine[:m]), group
-        assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | {"GROUP": group, "DEPTH": 1}), mine), group
+    # Weights stored paired (a lane's blocks of two steps side by side, one load for both): the same products bit
+    # for bit, at every M, from the paired mma GEMV and from the dequantizing kernel; the layout round-trips
+    if triton_nvfp4_mma.pairable(k, warps):
+        pw = triton_nvfp4_mma.pair_weights(q[0], q[1], warps)
+        assert not torch.equal(pw[0], q[0])
+        back = triton_nvfp4_mma.unpair_weights(*pw, warps)
+        assert torch.equal(back[0], q[0]) and torch.equal(back[1].view(torch.uint8), q[1].view(torch.uint8))
+        for m in (1, 3, 8):
+            for ahead in ({}, dict(DEPTH=1, UNROLL=1)):
+                got = triton_nvfp4.nvfp4_gemv(x[:m], pw[0], pw[1], q[2], config=cfg | ahead, paired=warps)
+                assert torch.equal(got, full[:m]), (m, ahead)
+        assert torch.equal(triton_nvfp4.nvfp4_dequantize(pw[0], pw[1], q[2], torch.float32, paired=warps),
+                           triton_nvfp4.nvfp4_dequantize(*q, torch.float32))
     # Up to four tiles of 8 tokens share a launch (speculative verification): every token equals its
     # one-tile launch bit for bit, whatever the tile it lands in, the last tile ragged
     wide = torch.cat([x, torch.randn(19, k, generator=gen).to(torch.bfloat16)])
@@ -295,11 +297,10 @@ def test_mma_start_up_check(monkeypatch):
     assert triton_nvfp4.use_mma(torch.device("cpu"), speculative=True) == (
         "tensor cores from 1 row (speculative decoding: verification rows round as decode rows)")
     assert triton_nvfp4._gemv_config(1, 5120, 5120)["kind"] == "mma"
-    # one decode row loads two steps of a lane's weights at once (10 steps a warp at K = 5120), its verify rows too
-    assert triton_nvfp4._decode_passes(1, 5120, 5120) == [(0, 1, dict(kind="mma", TILES=1, WARPS=8, GROUP=2))]
-    assert triton_nvfp4._gemv_config(1, 5120, 6144)["GROUP"] == 4
-    assert "GROUP" not in triton_nvfp4._gemv_config(1, 5120, 17408)  # long rows: the 3-step queue of one
-    assert "GROUP" not in triton_nvfp4._gemv_config(2, 5120, 5120)  # two rows: x's loads would touch more lines
+    assert triton_nvfp4._decode_passes(1, 5120, 5120) == [(0, 1, dict(kind="mma", TILES=1, WARPS=8))]
+    # weights stored paired take the mma GEMV at every decode size it launches (the other GEMVs read K order)
+    assert all(triton_nvfp4._decode_passes(like, 5120, 5120, paired=True)
+               == [(0, like, dict(kind="mma", TILES=1, WARPS=8, PAIRED=True))] for like in (1, 5, 12, 32))
     assert triton_nvfp4.use_mma(torch.device("cpu")) == "tensor cores from 3 rows"
     assert triton_nvfp4._gemv_config(1, 5120, 5120)["kind"] == "hfma"
     assert triton_nvfp4._gemv_config(8, 5120, 5120)["kind"] == "mma"
@@ -310,36 +311,43 @@ def test_mma_start_up_check(monkeypatch):
     assert triton_nvfp4.use_mma(torch.device("cpu")).startswith("packed fp16 only")  # stays off, no re-check
 
 
-def _rows_like_matches_decode(device: str, n: int, k: int, cases) -> None:
+def _rows_like_matches_decode(device: str, n: int, k: int, cases, paired: bool = False) -> None:
     """nvfp4_gemv_rows_like (speculative verification, kernels.linear.rows_like): in a product of
     like * width rows, position i of sequence j (row j * width + i) equals row j of the like-row decode
-    GEMV of every sequence's position i, bit for bit."""
-    from ninfer.kernels import triton_nvfp4
+    GEMV of every sequence's position i, bit for bit. paired: the weights stored paired for the mma GEMV, whose
+    products must also equal the K-order weights' mma products."""
+    from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
 
     gen = torch.Generator(device=device).manual_seed(n + k)
     q = quantize_nvfp4(torch.randn(n, k, generator=gen, device=device) * 0.02)
+    warps = triton_nvfp4.mma_warps(k) if paired else 0
+    stored = (*triton_nvfp4_mma.pair_weights(q[0], q[1], warps), q[2]) if paired else q
     for like, width in cases:
         x = torch.randn(like * width, k, generator=gen, device=device).to(torch.bfloat16)
-        got = triton_nvfp4.nvfp4_gemv_rows_like(x, *q, like)
+        got = triton_nvfp4.nvfp4_gemv_rows_like(x, *stored, like, paired=warps)
         for i in range(width):
             decode = x.view(like, width, k)[:, i]
-            assert torch.equal(got.view(like, width, n)[:, i], triton_nvfp4.nvfp4_gemv(decode, *q)), (like, width, i)
+            want = triton_nvfp4.nvfp4_gemv(decode, *stored, paired=warps)
+            assert torch.equal(got.view(like, width, n)[:, i], want), (like, width, i)
+            if paired:
+                mma = dict(kind="mma", TILES=1, WARPS=warps)
+                assert torch.equal(want, triton_nvfp4.nvfp4_gemv(decode, *q, config=mma)), (like, i)
 
 
 @needs_interpreter
 def test_rows_like_computes_each_row_as_its_decode_row(monkeypatch):
     """Under the interpreter: the row mapping and the passes (one packed-fp16 pass of up to 4 rows, the
     mma GEMV's launches of up to 32: 6 sequences x 4 positions in one) for 1, 2, 5 and 6 sequences; then as a
-    speculative engine runs them, tensor cores from one row (1 and 2 sequences in one mma launch too, one sequence
-    with its weight loads two steps wide)."""
+    speculative engine runs them, tensor cores from one row (1 and 2 sequences in one mma launch too), and with the
+    weights stored paired for it."""
     from ninfer.kernels import triton_nvfp4
 
     _rows_like_matches_decode("cpu", 24, 256, [(1, 3), (2, 2), (5, 2), (6, 4)])
     monkeypatch.setattr(triton_nvfp4, "MMA_MIN_M", triton_nvfp4.SPEC_MMA_MIN_M)
     _rows_like_matches_decode("cpu", 24, 256, [(1, 4), (2, 3)])
-    # K = 1024: one decode row loads two steps of weights at once (GROUP 2), and so do its verify rows
-    assert triton_nvfp4._gemv_config(1, 24, 1024)["GROUP"] == 2
-    _rows_like_matches_decode("cpu", 24, 1024, [(1, 4)])
+    # K = 1024 stored paired (two steps of a lane's weights a load): verify rows as their decode rows, and as the
+    # weights in K order give them
+    _rows_like_matches_decode("cpu", 24, 1024, [(1, 4), (3, 2)], paired=True)
 
 
 def test_gemv_table_takes_tensor_cores_where_the_packed_fp16_gemv_needs_two_passes(monkeypatch):

@@ -257,14 +257,17 @@ class ModelRunner:
 
     def _choose_nvfp4_gemv(self) -> str | None:
         """With NVFP4 weights on CUDA: whether the tensor-core GEMV passes its check on this device
-        (once, before any graph is captured); None without NVFP4 weights."""
+        (once, before any graph is captured), and in a speculative engine its linears stored paired for it;
+        None without NVFP4 weights."""
         from ninfer.quant.nvfp4 import NVFP4Linear
 
         if not use_triton(self.device) or not any(isinstance(m, NVFP4Linear) for m in self.model.modules()):
             return None
-        from ninfer.kernels.triton_nvfp4 import use_mma
+        from ninfer.kernels.triton_nvfp4 import pair_model_for_mma_, use_mma
 
-        return use_mma(self.device, speculative=self.draft_tokens > 0)
+        status = use_mma(self.device, speculative=self.draft_tokens > 0)
+        paired = pair_model_for_mma_(self.model) if self.draft_tokens > 0 else 0
+        return status + (f"; {paired} linears stored paired (two steps a load)" if paired else "")
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:

@@ -86,15 +86,12 @@ MMA_TILES = 1
 # A benchmark knob: JSON launch keys over the table's mma launch, e.g. {"TILES": 2, "WARPS": 2, "STAGES": 5}
 # (WARPS only where K is whole steps of them)
 MMA_LAUNCH = json.loads(os.environ.get("NINFER_NVFP4_MMA_LAUNCH") or "{}")
-# One decode row (a speculative engine at C = 1: its decode steps, and its verify steps, whose rows compute as
-# that one row does) loads 2-4 steps of a lane's weights at once (triton_nvfp4_mma's GROUP), on rows up to this
-# long. On an H100 (bench/results/2026-12-06-h100-s30, the five 27B GEMVs) GROUP 2-4 took 118.6 us at M = 1 against
-# 126.7 and 128.9 at M = 4 against 132.2 (the K = 5120 shapes 5-19 % faster; the MLP down projection, K = 17408,
-# 23 % slower: its deeper queue leaves fewer programs an SM), but at M = 8 152.5 against 137.4 and at M = 32 448.7
-# against 319.2: the lanes of a row group then read x 2-4 blocks apart, so x's loads touch 2-4 times the cache
-# lines, which costs where x's rows fill the token tiles. So the group is chosen by decode rows (the launch config
-# of `like` rows, which rows_like verification reuses), never by a launch's own rows.
-MMA_GROUP_MAX_K = 8192
+# A speculative engine stores its NVFP4 linears paired for the mma GEMV (NVFP4Linear.pair_for_mma_, where K allows:
+# triton_nvfp4_mma.pair_weights), so a lane loads two steps of weights at once; the same blocks meet in the same mma
+# as unpaired, so every product is bit for bit the unpaired one. Those weights take the mma GEMV from 1 to
+# MMA_MAX_ROWS rows (the dot and packed-fp16 kernels read K order) and the dequantizing kernel above that.
+# NINFER_NVFP4_PAIRED=0 keeps K order.
+PAIRED_ENABLED = os.environ.get("NINFER_NVFP4_PAIRED", "1") != "0"
 # Rows of x per mma launch in speculative verification (triton_nvfp4_mma.MAX_ROWS)
 MMA_MAX_ROWS = 32
 # Off when NINFER_NVFP4_MMA=0 or when its start-up check failed (use_mma below; the runner calls it).
@@ -304,20 +301,26 @@ def _dequant_kernel(
     W, S, RS, OUT,
     N, KW,
     stride_wn, stride_sn, stride_on,
-    ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_W: tl.constexpr, PAIR_SB: tl.constexpr = 0,
 ):
     """W in OUT's dtype; each program ROWS rows x BLOCK_W words (BLOCK_W = 32 * num_warps: one word
-    per thread, 8 outputs stored as one 16-byte vector)."""
+    per thread, 8 outputs stored as one 16-byte vector). PAIR_SB > 0: W and S stored paired
+    (triton_nvfp4_mma.pair_weights, SB = PAIR_SB blocks a step), read where each block of K is stored."""
     pid_w = tl.program_id(1)
     cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     cmask = cols < KW
     offs_k = pid_w * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
+    blocks = cols // 2
+    if PAIR_SB > 0:  # block b = s SB + L (step s, lane L) is stored at 2 (s // 2) SB + 2 L + s % 2
+        step = blocks // PAIR_SB
+        blocks = (step // 2) * (2 * PAIR_SB) + 2 * (blocks % PAIR_SB) + step % 2
+    src = 2 * blocks + cols % 2
     for r in range(0, ROWS):
         row = tl.program_id(0) * ROWS + r
         rmask = cmask & (row < N)
         row64 = row.to(tl.int64)
-        words = tl.load(W + row64 * stride_wn + cols, mask=rmask, other=0)
-        scale = _e4m3(tl.load(S + row64 * stride_sn + cols // 2, mask=rmask, other=0))
+        words = tl.load(W + row64 * stride_wn + src, mask=rmask, other=0)
+        scale = _e4m3(tl.load(S + row64 * stride_sn + blocks, mask=rmask, other=0))
         rs = tl.load(RS + row, mask=row < N, other=0.0) * _DOT_UNSCALE
         vals = _decode_tile(words[None, :], (scale * _DOT_SCALE)[None, :]) * rs  # as the reference rounds
         tl.store(OUT + row64 * stride_on + offs_k[None, :], vals.to(OUT.dtype.element_ty),
@@ -590,18 +593,20 @@ def _hfma(block_n: int, num_warps: int, prefetch: int = 0) -> dict:
     return dict(kind="hfma", BLOCK_N=block_n, BLOCK_W=64 * num_warps, num_warps=num_warps, PREFETCH=prefetch)
 
 
-def _gemv_config(m: int, n: int, k: int) -> dict:
+def mma_warps(k: int) -> int:
+    """Warps of an mma GEMV launch over rows k long: 8 where K is whole steps of 8 (512 codes), else 4."""
+    return 8 if k % 512 == 0 else 4
+
+
+def _gemv_config(m: int, n: int, k: int, paired: bool = False) -> dict:
     """Launch parameters by shape only (CUDA-graph capturable; no autotuning): the H200 sweeps'
     fastest tiles (bench/results/2026-11-30-h200-s4, and -s7 for the L2 prefetch distances at
     M = 1, 2). Few rows (N < 8192, e.g. 5120) want wide steps or prefetch to keep bytes in flight;
     prefetch pays only with long rows (K >= 4096), never at M >= 3."""
+    if paired:  # stored for the mma GEMV's launch of mma_warps(k) warps: no other GEMV reads them
+        return dict(kind="mma", TILES=MMA_TILES, WARPS=mma_warps(k), PAIRED=True) | MMA_LAUNCH
     if MMA_ENABLED and MMA_MIN_M <= m <= HFMA_MAX_M and k % 256 == 0:  # tensor cores: triton_nvfp4_mma
-        warps = 8 if k % 512 == 0 else 4
-        cfg = dict(kind="mma", TILES=MMA_TILES, WARPS=warps)
-        if m == 1 and k <= MMA_GROUP_MAX_K:
-            steps = k // 64 // warps  # triton_nvfp4_mma.widest_group
-            cfg["GROUP"] = 4 if steps % 4 == 0 else 2 if steps % 2 == 0 else 1
-        cfg |= MMA_LAUNCH
+        cfg = dict(kind="mma", TILES=MMA_TILES, WARPS=mma_warps(k)) | MMA_LAUNCH
         return cfg if k % (64 * cfg["WARPS"]) == 0 else cfg | {"WARPS": 4}
     return _hfma_config(m, n, k)
 
@@ -623,6 +628,20 @@ def use_mma(device: torch.device, speculative: bool = False) -> str:
     MMA_MIN_M = int(_MMA_MIN_M_ENV or (SPEC_MMA_MIN_M if speculative else PLAIN_MMA_MIN_M))
     rows = f"tensor cores from {MMA_MIN_M} row{'s' if MMA_MIN_M > 1 else ''}"
     return rows + (" (speculative decoding: verification rows round as decode rows)" if speculative else "")
+
+
+def pair_model_for_mma_(model: torch.nn.Module) -> int:
+    """A speculative engine's NVFP4 linears stored paired for the mma GEMV (PAIRED_ENABLED, after use_mma chose it
+    from one row). Returns how many were paired."""
+    from ninfer.quant.nvfp4 import NVFP4Linear
+
+    if not (PAIRED_ENABLED and MMA_ENABLED and MMA_MIN_M == 1):
+        return 0
+    done = 0
+    for module in model.modules():
+        if isinstance(module, NVFP4Linear) and module.weight_packed.is_cuda:
+            done += module.pair_for_mma_(mma_warps(module.in_features))
+    return done
 
 
 def _hfma_config(m: int, n: int, k: int) -> dict:
@@ -647,8 +666,9 @@ def _hfma_config(m: int, n: int, k: int) -> dict:
 
 
 def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
-               out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """x [M, K] (M small, last dim contiguous) -> y [M, N] in x.dtype."""
+               out: torch.Tensor | None = None, config: dict | None = None, paired: int = 0) -> torch.Tensor:
+    """x [M, K] (M small, last dim contiguous) -> y [M, N] in x.dtype. paired: the warps W was stored paired
+    for (NVFP4Linear.pair_for_mma_), 0 for K order."""
     m, k = x.shape
     n = packed.shape[0]
     if packed.shape[1] * 2 != k:
@@ -658,16 +678,22 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
     words = _words(packed)
     sbytes = scale.view(torch.uint8)
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    cfg = dict(config or _gemv_config(m, n, k))
+    cfg = dict(config or _gemv_config(m, n, k, bool(paired)))
     kind = cfg.pop("kind")
+    if cfg.pop("PAIRED", False) and not paired:  # a config's claim (benchmarks): stored paired for its warps
+        paired = cfg["WARPS"]
     args = (x, words, sbytes, row_scale, y, m, n, k // 8, x.stride(0), words.stride(0), sbytes.stride(0),
             y.stride(0))
-    if kind == "mma" and x.dtype == torch.bfloat16 and (x.is_cuda or interpreting()):
+    mma = kind == "mma" and x.dtype == torch.bfloat16 and (x.is_cuda or interpreting())
+    if paired and not (mma and m <= MMA_MAX_ROWS and cfg["WARPS"] == paired):  # only that launch reads them
+        w = nvfp4_dequantize(packed, scale, row_scale, x.dtype, paired=paired)
+        return torch.matmul(x, w.T, out=y)
+    if mma:
         from ninfer.kernels.triton_nvfp4_mma import gemv_mma
 
         gemv_mma(_x_words(x), words.contiguous(), sbytes.contiguous(), row_scale, y, m, n, k, tiles=cfg["TILES"],
                  warps=cfg["WARPS"], depth=cfg.get("DEPTH"), unroll=cfg.get("UNROLL"), prefetch=cfg.get("PREFETCH", 0),
-                 stages=cfg.get("STAGES", 0), group=cfg.get("GROUP"), evict=cfg.get("EVICT", 0),
+                 stages=cfg.get("STAGES", 0), paired=bool(paired), evict=cfg.get("EVICT", 0),
                  launch=pdl_launch(x.device))
         return y
     if kind == "mma":  # fp32 / fp16 x, or no GPU and no interpreter: the packed-fp16 GEMV's fallbacks
@@ -713,9 +739,9 @@ def _launch_hfma(x32, words, sbytes, row_scale, y, n: int, k: int, tiles: dict, 
         **tiles, **pdl_launch(x32.device))
 
 
-def _decode_passes(like: int, n: int, k: int) -> list[tuple[int, int, dict]]:
+def _decode_passes(like: int, n: int, k: int, paired: bool = False) -> list[tuple[int, int, dict]]:
     """How a decode step of `like` rows runs its GEMV: (first row, rows, launch config) per pass."""
-    cfg = _gemv_config(like, n, k)
+    cfg = _gemv_config(like, n, k, paired)
     if cfg["kind"] == "hfma" and like > HFMA_ROWS_PER_PASS:
         return [(r0, min(HFMA_ROWS_PER_PASS, like - r0), _hfma_config(min(HFMA_ROWS_PER_PASS, like - r0), n, k))
                 for r0 in range(0, like, HFMA_ROWS_PER_PASS)]
@@ -723,13 +749,13 @@ def _decode_passes(like: int, n: int, k: int) -> list[tuple[int, int, dict]]:
 
 
 def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
-                         like: int) -> torch.Tensor:
+                         like: int, paired: int = 0) -> torch.Tensor:
     """Speculative verification (ninfer.kernels.linear.rows_like): x [like * width, K] bf16 on CUDA, the rows
     of decode row j (0 <= j < like) at j * width .. (j + 1) * width - 1; each row computed exactly as row j of
     a `like`-row decode GEMV computes it: that pass's kernel and tiles, with more rows of x per launch (the
     kernels' rows are independent: each row's products and sums do not depend on the others'), so the
     weights stream once per launch of up to 4 (packed fp16), 32 (mma: four tiles of 8 tokens sharing each
-    decoded block) or 16 (dot) rows, not once per row."""
+    decoded block) or 16 (dot) rows, not once per row. paired: as nvfp4_gemv's (the mma GEMV at every `like`)."""
     m, k = x.shape
     n = packed.shape[0]
     if m % like:
@@ -739,7 +765,7 @@ def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     x = x.contiguous()
     x32 = _x_words(x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    for first, count, cfg in _decode_passes(like, n, k):
+    for first, count, cfg in _decode_passes(like, n, k, bool(paired)):
         lo, hi = first * width, (first + count) * width
         kind = cfg["kind"]
         step = {"hfma": HFMA_ROWS_PER_PASS, "mma": MMA_MAX_ROWS}.get(kind, GEMV_MAX_M)
@@ -752,15 +778,18 @@ def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
 
                 gemv_mma(x32[r0:], words, sbytes, row_scale, y[r0:], rows, n, k, tiles=cfg["TILES"],
                          warps=cfg["WARPS"], prefetch=cfg.get("PREFETCH", 0), stages=cfg.get("STAGES", 0),
-                         group=cfg.get("GROUP"), evict=cfg.get("EVICT", 0), launch=pdl_launch(x.device))  # its default depth for the rows
+                         paired=bool(paired), evict=cfg.get("EVICT", 0),
+                         launch=pdl_launch(x.device))  # its default depth for the rows
             else:
                 nvfp4_gemv(x[r0:r0 + rows], packed, scale, row_scale, out=y[r0:r0 + rows], config=cfg)
     return y
 
 
 def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
-                     dtype: torch.dtype = torch.bfloat16, rows: int = 8, num_warps: int = 4) -> torch.Tensor:
-    """The weight [N, K] in `dtype` (same values as ninfer.quant.nvfp4.dequantize_nvfp4)."""
+                     dtype: torch.dtype = torch.bfloat16, rows: int = 8, num_warps: int = 4, paired: int = 0,
+                     ) -> torch.Tensor:
+    """The weight [N, K] in `dtype` (same values as ninfer.quant.nvfp4.dequantize_nvfp4), in K order also from
+    weights stored paired for `paired` warps."""
     n = packed.shape[0]
     words = _words(packed)
     sbytes = scale.view(torch.uint8)
@@ -769,30 +798,32 @@ def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, row_scale: torch
     block_w = 32 * num_warps
     grid = (triton.cdiv(n, rows), triton.cdiv(kw, block_w))
     _dequant_kernel[grid](words, sbytes, row_scale, out, n, kw, words.stride(0), sbytes.stride(0), out.stride(0),
-                          ROWS=rows, BLOCK_W=block_w, num_warps=num_warps)
+                          ROWS=rows, BLOCK_W=block_w, PAIR_SB=4 * paired, num_warps=num_warps)
     return out
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None, rows_like: int | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, rows_like: int | None = None, paired: int = 0) -> torch.Tensor:
     """F.linear(x, W, bias) for x [..., K] with W in NVFP4; output in x.dtype. rows_like: see
-    nvfp4_gemv_rows_like (bf16 x on CUDA; elsewhere, or past MAX_ROWS_LIKE rows, the plain product)."""
+    nvfp4_gemv_rows_like (bf16 x on CUDA; elsewhere, or past MAX_ROWS_LIKE rows, the plain product). paired: the
+    warps W was stored paired for (NVFP4Linear.pair_for_mma_), 0 for K order."""
     n = packed.shape[0]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if (rows_like and x2.shape[0] % rows_like == 0 and x2.shape[0] <= MAX_ROWS_LIKE and x.dtype == torch.bfloat16
             and x.is_cuda):
-        y = nvfp4_gemv_rows_like(x2, packed, scale, row_scale, rows_like)
+        y = nvfp4_gemv_rows_like(x2, packed, scale, row_scale, rows_like, paired)
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.view(*lead, n)
     # fp16 x takes the GEMV only for one row: the tensor-core tile (code * scale * 2^-26) is below
-    # fp16's range
-    if x2.shape[0] == 1 or (x2.shape[0] <= GEMV_MAX_M and x.dtype != torch.float16):
-        y = nvfp4_gemv(x2, packed, scale, row_scale)
+    # fp16's range; paired weights the mma GEMV for up to MMA_MAX_ROWS rows
+    gemv_rows = MMA_MAX_ROWS if paired and x.dtype == torch.bfloat16 else GEMV_MAX_M
+    if x2.shape[0] == 1 or (x2.shape[0] <= gemv_rows and x.dtype != torch.float16):
+        y = nvfp4_gemv(x2, packed, scale, row_scale, paired=paired)
         if bias is not None:
             y = y + bias.to(y.dtype)
     else:
-        w = nvfp4_dequantize(packed, scale, row_scale, x.dtype)
+        w = nvfp4_dequantize(packed, scale, row_scale, x.dtype, paired=paired)
         y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype))
     return y.view(*lead, n)

@@ -74,29 +74,21 @@ def _decode_asm(byte: int = 0) -> str:
     return "\n".join(lines)
 
 
-_DECODE = tl.constexpr(_decode_asm())  # a group's step 0 (and every step of GROUP = 1)
-_DECODE1 = tl.constexpr(_decode_asm(1))
-_DECODE2 = tl.constexpr(_decode_asm(2))
-_DECODE3 = tl.constexpr(_decode_asm(3))
+_DECODE = tl.constexpr(_decode_asm())  # every step, or a pair's first (paired weights)
+_DECODE1 = tl.constexpr(_decode_asm(1))  # a pair's second step
 _MMA = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
                     "{$8, $9}, {$10, $11, $12, $13};")
 
 
 @triton.jit
 def _decode(wag, wbg, wah, wbh, sg, sh, BYTE: tl.constexpr = 0):
-    """BYTE: which byte of sg and sh holds the step's scales (a group's step, GROUP > 1)."""
+    """BYTE: which byte of sg and sh holds the step's scales (1: a pair's second step, paired weights)."""
     args = [wag, wbg, wah, wbh, sg, sh]
     if BYTE == 0:  # a static choice (a constexpr chosen by a conditional expression does not compile)
         a = tl.inline_asm_elementwise(_DECODE, "=r," * 16 + "r,r,r,r,r,r", args, dtype=(tl.int32,) * 16,
                                       is_pure=True, pack=1)
-    elif BYTE == 1:
-        a = tl.inline_asm_elementwise(_DECODE1, "=r," * 16 + "r,r,r,r,r,r", args, dtype=(tl.int32,) * 16,
-                                      is_pure=True, pack=1)
-    elif BYTE == 2:
-        a = tl.inline_asm_elementwise(_DECODE2, "=r," * 16 + "r,r,r,r,r,r", args, dtype=(tl.int32,) * 16,
-                                      is_pure=True, pack=1)
     else:
-        a = tl.inline_asm_elementwise(_DECODE3, "=r," * 16 + "r,r,r,r,r,r", args, dtype=(tl.int32,) * 16,
+        a = tl.inline_asm_elementwise(_DECODE1, "=r," * 16 + "r,r,r,r,r,r", args, dtype=(tl.int32,) * 16,
                                       is_pure=True, pack=1)
     res = ()
     for c in tl.static_range(16):  # a plain tuple, which the interpreter can concatenate
@@ -113,26 +105,21 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 
 @triton.jit
-def _load_w(wrows, srows, blk, GROUP: tl.constexpr = 1, EVICT: tl.constexpr = 0):
-    """Blocks blk .. blk + GROUP - 1 ([L], blk a multiple of GROUP) of every weight row, flat per row: GROUP
-    (word a, word b) pairs, then their GROUP scale bytes in one int32 (byte i: block blk + i). One 16-byte load
-    a row for two blocks, one 2- or 4-byte load for their scales. EVICT: the loads marked evict-first (weights
-    stream through L2 once; the activations stay)."""
+def _load_w(wrows, srows, blk, PAIRED: tl.constexpr = False, EVICT: tl.constexpr = 0):
+    """Every weight row's words and scale bytes at stored block `blk` ([L]), flat per row: (word a, word b, scale
+    byte as int32); PAIRED: blocks blk and blk + 1 (blk even: a lane's pair, pair_weights), (word a, word b) of
+    each in one 16-byte load, then both scale bytes in one int32 (byte i: block blk + i) from one 2-byte load.
+    EVICT: the loads marked evict-first (weights stream through L2 once)."""
     policy: tl.constexpr = "evict_first" if EVICT else ""
     ws = ()
     for j in tl.static_range(len(wrows)):
         wp = wrows[j] + 2 * blk
-        if GROUP == 1:
+        if PAIRED:
+            sp = (srows[j] + blk).to(tl.pointer_type(tl.int16), bitcast=True)
+            ws = ws + _words4(wp, policy) + (tl.load(sp, eviction_policy=policy).to(tl.int32),)
+        else:
             wa, wb = tl.split(tl.load(wp[:, None] + tl.arange(0, 2)[None, :], eviction_policy=policy))
             ws = ws + (wa, wb, tl.load(srows[j] + blk, eviction_policy=policy).to(tl.int32))
-        else:
-            for h in tl.static_range(GROUP // 2):
-                ws = ws + _words4(wp + 4 * h, policy)
-            if GROUP == 2:
-                sp = (srows[j] + blk).to(tl.pointer_type(tl.int16), bitcast=True)
-            else:
-                sp = (srows[j] + blk).to(tl.pointer_type(tl.int32), bitcast=True)
-            ws = ws + (tl.load(sp, eviction_policy=policy).to(tl.int32),)
     return ws
 
 
@@ -147,13 +134,12 @@ def _words4(ptr, policy: tl.constexpr = ""):
 
 
 @triton.jit
-def _group_step(ws, i: tl.constexpr, GROUP: tl.constexpr, TILES: tl.constexpr):
-    """Step i of a loaded group (_load_w's values of the 2 TILES weight rows) in _step's layout: per tile
-    (word a, word b, scales) of row g, then of row g + 8 (the scales' byte i is the step's)."""
-    per: tl.constexpr = 2 * GROUP + 1
+def _pair_step(ws, i: tl.constexpr, TILES: tl.constexpr):
+    """Step i (0, 1) of a loaded pair (_load_w's PAIRED values of the 2 TILES weight rows) in _step's layout: per
+    tile (word a, word b, scales) of row g, then of row g + 8 (the scales' byte i is the step's)."""
     out = ()
     for r in tl.static_range(2 * TILES):
-        out = out + (ws[per * r + 2 * i], ws[per * r + 2 * i + 1], ws[per * r + 2 * GROUP])
+        out = out + (ws[5 * r + 2 * i], ws[5 * r + 2 * i + 1], ws[5 * r + 4])
     return out
 
 
@@ -237,26 +223,29 @@ def _gemv_mma_kernel(
     M, N, stride_x32, stride_ym,
     KW: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr, XT: tl.constexpr,
     DEPTH: tl.constexpr, UNROLL: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    STAGES: tl.constexpr = 0, GROUP: tl.constexpr = 1, EVICT: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0, PAIRED: tl.constexpr = False, EVICT: tl.constexpr = 0,
 ):
     """One program per 16 * TILES weight rows and all of K, its WARPS warps interleaving steps of 4
     blocks; M <= 8 XT rows of x (X32: bf16 pairs as int32). W32: rows of KW words; S8: rows of KW / 2
     scale bytes. DEPTH (<= the steps a warp takes) steps of weights are loaded ahead, x one step; PREFETCH > 0:
     the weights PREFETCH steps past those are prefetched into L2. STAGES > 0: instead of that register queue,
     Triton's software pipeline stages STAGES steps of loads through shared memory (cp.async), so the bytes in
-    flight hold no registers."""
+    flight hold no registers. PAIRED: W32 and S8 in pair_weights' order (a lane's blocks of steps 2q and 2q + 1
+    side by side), loaded a pair of steps at a time (DEPTH then counts pairs); the same blocks meet in the same
+    mma as unpaired, so every result is bit for bit the unpaired launch's."""
     pdl_release(USE_PDL)
     LANES: tl.constexpr = 32 * WARPS
     KB: tl.constexpr = KW // 2
     SB: tl.constexpr = 4 * WARPS  # blocks per step of all warps
     STEPS: tl.constexpr = KB // SB
-    GB: tl.constexpr = SB * GROUP  # blocks per group of steps of all warps
-    GROUPS: tl.constexpr = STEPS // GROUP
-    NG: tl.constexpr = (2 * GROUP + 1) * 2 * TILES  # loaded values a group: _load_w's of 2 TILES rows
+    G: tl.constexpr = 2 if PAIRED else 1  # steps a weight load covers
+    LOADS: tl.constexpr = STEPS // G
+    NG: tl.constexpr = (2 * G + 1) * 2 * TILES  # values a load gives: _load_w's of 2 TILES rows
     idx = tl.arange(0, LANES)
     lane = idx % 32
     g = lane // 4
-    blk = (idx // 32) * 4 * GROUP + lane % 4 * GROUP  # this lane's block at step 0 (its group's first)
+    blk = (idx // 32) * 4 + lane % 4  # this lane's block at step 0 (in K)
+    wblk = blk * G  # and where its first load's blocks are stored (paired: its pair of the first two steps)
     n0 = tl.program_id(0) * (16 * TILES)
     wrows = ()
     srows = ()
@@ -284,35 +273,37 @@ def _gemv_mma_kernel(
             accs = _step(accs, ws, xw, TILES, XT)
     else:
         queue = ()
-        for d in tl.static_range(DEPTH):  # the first groups' weights before waiting on the kernel before
-            queue = queue + _load_w(wrows, srows, blk + d * GB, GROUP, EVICT)
-        for s in tl.static_range(PREFETCH):  # (GROUP = 1 only)
+        for d in tl.static_range(DEPTH):  # the first loads' weights before waiting on the kernel before
+            queue = queue + _load_w(wrows, srows, wblk + d * G * SB, PAIRED, EVICT)
+        for s in tl.static_range(PREFETCH):  # (unpaired only)
             _prefetch_w(wrows, srows, blk + (DEPTH + s) * SB, KB)
         pdl_wait(USE_PDL)
         xw = _load_x(xrows, xoks, blk)
-        for q in tl.range(0, GROUPS - DEPTH, loop_unroll_factor=UNROLL):  # load group q + DEPTH; compute group q
+        for q in tl.range(0, LOADS - DEPTH, loop_unroll_factor=UNROLL):  # load q + DEPTH; compute load q's steps
             if PREFETCH > 0:
                 _prefetch_w(wrows, srows, blk + (q + DEPTH + PREFETCH) * SB, KB)
-            nxt = _load_w(wrows, srows, blk + (q + DEPTH) * GB, GROUP, EVICT)
+            nxt = _load_w(wrows, srows, wblk + (q + DEPTH) * G * SB, PAIRED, EVICT)
             cur = _part(queue, 0, NG)
-            for i in tl.static_range(GROUP):  # x one step ahead: the group's next block, or the next group's first
-                if i + 1 < GROUP:
-                    xw_next = _load_x(xrows, xoks, blk + q * GB + i + 1)
+            for i in tl.static_range(G):  # x one step ahead
+                xw_next = _load_x(xrows, xoks, blk + (q * G + i + 1) * SB)
+                if PAIRED:
+                    ws = _pair_step(cur, i, TILES)
                 else:
-                    xw_next = _load_x(xrows, xoks, blk + (q + 1) * GB)
-                accs = _step(accs, _group_step(cur, i, GROUP, TILES), xw, TILES, XT, i)
+                    ws = cur
+                accs = _step(accs, ws, xw, TILES, XT, i)
                 xw = xw_next
             queue = _part(queue, NG, NG * (DEPTH - 1)) + nxt
-        for d in tl.static_range(DEPTH):  # the last DEPTH groups, loaded already
+        for d in tl.static_range(DEPTH):  # the last DEPTH loads' steps, loaded already
             cur = _part(queue, NG * d, NG)
-            for i in tl.static_range(GROUP):
-                if d * GROUP + i + 1 < DEPTH * GROUP:  # (inline: a constexpr kept in a variable is a runtime value)
-                    if i + 1 < GROUP:
-                        xw_next = _load_x(xrows, xoks, blk + (GROUPS - DEPTH + d) * GB + i + 1)
-                    else:
-                        xw_next = _load_x(xrows, xoks, blk + (GROUPS - DEPTH + d + 1) * GB)
-                accs = _step(accs, _group_step(cur, i, GROUP, TILES), xw, TILES, XT, i)
-                if d * GROUP + i + 1 < DEPTH * GROUP:
+            for i in tl.static_range(G):
+                if (LOADS - DEPTH + d) * G + i + 1 < STEPS:  # (inline: a constexpr in a variable is a runtime value)
+                    xw_next = _load_x(xrows, xoks, blk + ((LOADS - DEPTH + d) * G + i + 1) * SB)
+                if PAIRED:
+                    ws = _pair_step(cur, i, TILES)
+                else:
+                    ws = cur
+                accs = _step(accs, ws, xw, TILES, XT, i)
+                if (LOADS - DEPTH + d) * G + i + 1 < STEPS:
                     xw = xw_next
     # sum the warps' steps; lane l = 4 g + t holds rows g, g + 8 and tokens 2t, 2t + 1 of each tile
     rl = tl.arange(0, 32)
@@ -345,37 +336,66 @@ def default_depth(xt: int, k: int = 0) -> int:
     return (4, 3, 2, 2)[xt - 1]
 
 
-def widest_group(k: int, warps: int) -> int:
-    """The most steps one weight load can cover at this shape (GROUP): 4 where the steps a warp takes divide by 4,
-    else 2 where by 2, else 1."""
-    steps = k // K_STEP // warps
-    return 4 if steps % 4 == 0 else 2 if steps % 2 == 0 else 1
+def pairable(k: int, warps: int) -> bool:
+    """Whether weights of rows k long can be stored paired for launches of `warps` warps: whole steps of every
+    warp, an even number of them."""
+    return k % (K_STEP * warps) == 0 and (k // K_STEP // warps) % 2 == 0
+
+
+def pair_order(k: int, warps: int, device=None) -> torch.Tensor:
+    """Paired storage (PAIRED): stored block p of a row holds block pair_order[p] (in K). Unpaired, lane L = 4 w + t
+    (warp w, row-group lane t) takes block s * SB + L at step s (SB = 4 warps); paired, its blocks of steps 2q and
+    2q + 1 are stored side by side at 2 q SB + 2 L and 2 q SB + 2 L + 1, so one 16-byte load brings both steps'
+    words and one 2-byte load their scales, while x is still read a step at a time, four lanes on four
+    consecutive blocks (a layout that instead gave each lane consecutive blocks of K loaded x 2-4 blocks apart:
+    bench/results/2026-12-06-h100-s30)."""
+    sb = 4 * warps
+    p = torch.arange(k // 16, device=device)
+    q, r = p // (2 * sb), p % (2 * sb)
+    return (2 * q + r % 2) * sb + r // 2
+
+
+def pair_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 codes [N, K/2] (uint8) and block scales [N, K/16] stored paired for `warps`-warp launches (new
+    tensors; the row scales do not move)."""
+    return _reorder(packed, scale, pair_order(packed.shape[1] * 2, warps, packed.device))
+
+
+def _reorder(packed: torch.Tensor, scale: torch.Tensor, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = packed.shape[0]
+    scale_bytes = scale.view(torch.uint8)[:, order].contiguous()  # (index the bytes: fp8 indexing is not everywhere)
+    return packed.view(n, -1, 8)[:, order].reshape(n, -1).contiguous(), scale_bytes.view(scale.dtype)
+
+
+def unpair_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pair_weights undone: the codes and block scales back in K order."""
+    return _reorder(packed, scale, torch.argsort(pair_order(packed.shape[1] * 2, warps, packed.device)))
 
 
 def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles: int, warps: int,
               launch: dict, depth: int | None = None, unroll: int | None = None, prefetch: int = 0,
-              stages: int = 0, group: int | None = None, evict: int = 0) -> None:
+              stages: int = 0, paired: bool = False, evict: int = 0) -> None:
     """y[:m] = x @ W^T: x32 the bf16 rows of x as int32 pairs, words / sbytes W's codes and scale bytes
-    (contiguous rows), launch: the PDL launch options (ninfer.kernels.pdl). Neither `tiles` (16-row
-    tiles a program), `depth` (groups of steps loaded ahead), `unroll` (the K loop's), `prefetch` (L2 prefetch
-    distance in steps; none under the interpreter, which has no L2) nor `stages` (shared-memory staging instead
-    of the register queue) nor `evict` (weight loads evict-first) changes a result; `group` (steps per weight load,
-    default 1) and `warps` do: they choose which blocks meet in one mma."""
+    (contiguous rows; paired: in pair_weights' order for `warps`), launch: the PDL launch options
+    (ninfer.kernels.pdl). Neither `tiles` (16-row tiles a program), `depth` (steps, or pairs of steps, loaded
+    ahead), `unroll` (the K loop's), `prefetch` (L2 prefetch distance in steps; none under the interpreter, which
+    has no L2), `stages` (shared-memory staging instead of the register queue), `paired` nor `evict` (weight loads
+    evict-first) changes a result; `warps` does (which blocks meet in one mma)."""
     if not mma_fits(m, k, warps):
         raise ValueError(f"the mma GEMV takes 1..{MAX_ROWS} rows of x and K a multiple of {K_STEP * warps}; "
                          f"got M={m}, K={k}")
+    if paired and (stages or prefetch or not pairable(k, warps)):
+        raise ValueError(f"paired weights take neither staging nor prefetch, and K={k} whole pairs of steps of "
+                         f"{warps} warps")
     xt = triton.cdiv(m, 8)
-    steps = k // K_STEP // warps
-    group = 1 if stages or prefetch else (group or 1)
-    if steps % group:
-        raise ValueError(f"the mma GEMV's group of {group} steps does not divide a warp's {steps} steps")
-    groups = steps // group
-    depth = max(1, min(depth or -(-default_depth(xt, k) // group), groups))
-    unroll = unroll or (1 if stages else depth)  # the queue of loaded groups then rotates by renaming registers
+    per_load = 2 if paired else 1
+    loads = k // K_STEP // warps // per_load
+    depth = max(1, min(depth or -(-default_depth(xt, k) // per_load), loads))
+    unroll = unroll or (1 if stages else depth)  # the queue of loaded steps then rotates by renaming registers
     grid = (triton.cdiv(n, 16 * tiles),)
     _gemv_mma_kernel[grid](x32, words, sbytes.view(torch.uint8), row_scale, y, m, n, x32.stride(0), y.stride(0),
                             KW=k // 8, TILES=tiles, WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, DEPTH=depth,
-                            UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, GROUP=group,
+                            UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, PAIRED=paired,
                             EVICT=evict, num_warps=warps, num_stages=max(stages, 1), **launch)
 
 
@@ -397,8 +417,12 @@ def check_against_reference(device: torch.device) -> str | None:
         got = nvfp4_gemv(x, packed, scale, row_scale, config=dict(kind="mma", TILES=2, WARPS=8, DEPTH=2))
         err = (got.float() - want).abs().max().item()
         bound = 2**-8 * want.abs().max().item()
+        paired = nvfp4_gemv(x, *pair_weights(packed, scale, 8), row_scale, paired=8,
+                            config=dict(kind="mma", TILES=2, WARPS=8, DEPTH=1))
     except Exception as exc:  # a Triton build that cannot compile it: the packed-fp16 GEMV runs
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     if not err <= bound:
         return f"max error {err:.3g} over the bound {bound:.3g}"
+    if not torch.equal(paired, got):
+        return "paired weights give other products than K order"
     return None

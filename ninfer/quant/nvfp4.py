@@ -143,8 +143,9 @@ class NVFP4Linear(nn.Module):
     """y = x @ W^T (+ bias) with W stored as NVFP4; activations keep their dtype.
 
     CUDA tensors with Triton available run the dequantizing kernels of
-    `ninfer.kernels.triton_nvfp4` (GEMV for up to 16 rows, dequantize + cuBLAS above); otherwise the
-    weight is dequantized to x.dtype and multiplied with F.linear (the reference).
+    `ninfer.kernels.triton_nvfp4` (GEMV for up to 16 rows, or 32 once paired for the tensor-core GEMV,
+    dequantize + cuBLAS above); otherwise the weight is dequantized to x.dtype and multiplied with F.linear
+    (the reference).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
@@ -158,6 +159,7 @@ class NVFP4Linear(nn.Module):
         self.register_buffer("weight_scale", torch.zeros(out_features, in_features // GROUP_SIZE,
                                                          dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("weight_row_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.paired = 0  # the warps the codes and scales are stored paired for (pair_for_mma_), 0: K order
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype or torch.get_default_dtype(),
                                                  device=device), requires_grad=False)
@@ -185,6 +187,8 @@ class NVFP4Linear(nn.Module):
         mods = list(mods)
         if not mods or any(type(m) is not cls for m in mods):
             raise TypeError(f"NVFP4Linear.concat: needs {cls.__name__} modules, got {[type(m).__name__ for m in mods]}")
+        if any(m.paired for m in mods):
+            raise ValueError("NVFP4Linear.concat: merge before pair_for_mma_")
         k = mods[0].in_features
         if any(m.in_features != k for m in mods):
             raise ValueError("NVFP4Linear.concat: input sizes differ")
@@ -198,7 +202,27 @@ class NVFP4Linear(nn.Module):
         return cls.from_weights(q, bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_nvfp4(self.weight_packed, self.weight_scale, self.weight_row_scale, dtype)
+        packed, scale = self.weight_packed, self.weight_scale
+        if self.paired:
+            from ninfer.kernels.triton_nvfp4_mma import unpair_weights
+
+            packed, scale = unpair_weights(packed, scale, self.paired)
+        return dequantize_nvfp4(packed, scale, self.weight_row_scale, dtype)
+
+    def pair_for_mma_(self, warps: int) -> bool:
+        """Store the codes and block scales paired for the tensor-core GEMV's launches of `warps` warps
+        (ninfer.kernels.triton_nvfp4_mma.pair_weights: two steps of a lane's weights in one load), in place, where
+        K allows; products stay bit for bit what they were. Only for serving: the buffers then no longer hold a
+        checkpoint's layout (dequantize still gives the weight in K order). Returns whether it did."""
+        from ninfer.kernels.triton_nvfp4_mma import pair_weights, pairable
+
+        if self.paired or not pairable(self.in_features, warps):
+            return False
+        packed, scale = pair_weights(self.weight_packed, self.weight_scale, warps)
+        self.weight_packed.copy_(packed)
+        self.weight_scale.copy_(scale)
+        self.paired = warps
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ninfer.kernels.backend import use_triton
@@ -208,7 +232,7 @@ class NVFP4Linear(nn.Module):
             from ninfer.kernels.triton_nvfp4 import nvfp4_linear
 
             return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_row_scale, self.bias,
-                                rows_like=rows_like.current)
+                                rows_like=rows_like.current, paired=self.paired)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
