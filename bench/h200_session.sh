@@ -18,7 +18,8 @@
 # over 512 tokens, MTP3 at C=1 over 256), host_c1 (s26: C=1 MTP3 with the loop's parts timed), penalized_c1 (s28:
 # C=1 MTP3 greedy, then with a presence penalty), ahead_c1 / ahead_c8 (s29: e2e_c1_256 / spec_c8_512 without, then
 # with the MTP head drafting ahead; ahead_c1_fp4: with the proposal head in NVFP4 too), host_c8 (s29: C=8 adaptive with the loop's parts timed), fused_gdn (s29: a verify's GDN positions
-# in one launch, A/B), sweep_mma_group / group_ab / pytest_s30 (s30: the mma GEMV's weight loads by group of steps), lm_head_c1 (s30:
+# in one launch, A/B), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
+# pytest_s30 (s30: the mma GEMV on weights stored paired), lm_head_c1 (s30:
 # MTP3 at C=1 with an NVFP4 lm_head), profile_c1 (s30: the C=1 MTP3 round's kernels), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
@@ -99,17 +100,16 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     sweep_mma)  # the tensor-core NVFP4 GEMV tiles against the packed-fp16 one at M = 1, 2, 4, 8 (27B shapes)
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma --out $out/nvfp4_mma.json \
         > $out/nvfp4_mma.log 2>&1 ;;
-    sweep_mma_group)  # s30: the tensor-core NVFP4 GEMV by steps a weight load covers (GROUP), 27B shapes, M = 1..32
-      timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-group --out $out/mma_group.json \
-        > $out/mma_group.log 2>&1 ;;
-    group_ab)  # s30: the verify step and MTP3 at C=1 (NVFP4 heads), the s17 load layout (GROUP 1) then the table's
-      for launch in '{"GROUP": 1}' '{}'; do
-        tag=$([ "$launch" = '{}' ] && echo table || echo g1)
-        NINFER_NVFP4_MMA_LAUNCH=$launch timeout 150 python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 \
-          --concurrency 1 8 --drafts 1 3 > $out/group_verify_$tag.log 2>&1
-        NINFER_NVFP4_MMA_LAUNCH=$launch timeout 120 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
+    sweep_mma_paired)  # s30: the tensor-core NVFP4 GEMV on weights stored paired: bitwise against K order, times
+      timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-paired --out $out/mma_paired.json \
+        > $out/mma_paired.log 2>&1 ;;
+    paired_ab)  # s30: the verify step and MTP3 at C=1 (NVFP4 heads), K-order weights then paired (NINFER_NVFP4_PAIRED)
+      for paired in 0 1; do
+        NINFER_NVFP4_PAIRED=$paired timeout 150 python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 \
+          --concurrency 1 8 --drafts 1 3 > $out/paired_verify_$paired.log 2>&1
+        NINFER_NVFP4_PAIRED=$paired timeout 120 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
           --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 \
-          --max-tokens 256 > $out/group_c1_$tag.log 2>&1
+          --max-tokens 256 > $out/paired_c1_$paired.log 2>&1
       done ;;
     pytest_s30)  # s30: the mma GEMV's CUDA tests (rows_like verification with one decode row's grouped loads) and the
       # GDN kernels' (the one-step and multi-position kernels after sharing their helpers)

@@ -197,8 +197,8 @@ MMA_STAGING_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8)]
 # of scales for both (triton_nvfp4_mma.pair_weights; what a speculative engine stores); bit for bit the K-order
 # launch's products. DEPTH counts pairs. EVICT: weight loads marked evict-first.
 MMA_PAIRED_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8), dict(kind="mma", TILES=1, WARPS=8, PAIRED=True)]
-                      + [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, DEPTH=d) for d in (1, 2, 3)]
-                      + [dict(kind="mma", TILES=1, WARPS=8, EVICT=1), dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, EVICT=1)])
+                      + [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, DEPTH=d) for d in (1, 3)]
+                      + [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, EVICT=1)])
 
 
 def check_mma_paired(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8, 17, 32)) -> dict:

@@ -594,10 +594,33 @@ def test_prefetch_tiles_on_cuda(n, k, m):
 @pytest.mark.parametrize("n,k", [(1000, 2048), (320, 8704)])
 def test_rows_like_on_cuda(n, k):
     """On the device (whose kernels' lane layouts and reductions are the real ones): verify rows equal
-    their decode rows bit for bit for 1..8 sequences and up to 8 positions (k = 7 drafts)."""
+    their decode rows bit for bit for 1..8 sequences and up to 8 positions (k = 7 drafts); where K allows, also
+    with the weights stored paired, as a speculative engine stores them (and equal to K order's products)."""
     if not HAS_TRITON:
         pytest.skip("triton is not importable")
-    _rows_like_matches_decode("cuda", n, k, [(1, 2), (1, 4), (1, 8), (2, 4), (3, 4), (4, 4), (6, 4), (8, 4), (8, 8)])
+    from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
+
+    cases = [(1, 2), (1, 4), (1, 8), (2, 4), (3, 4), (4, 4), (6, 4), (8, 4), (8, 8)]
+    _rows_like_matches_decode("cuda", n, k, cases)
+    if triton_nvfp4_mma.pairable(k, triton_nvfp4.mma_warps(k)):
+        _rows_like_matches_decode("cuda", n, k, cases, paired=True)
+
+
+def test_nvfp4_linear_paired_for_the_mma_gemv_computes_as_before():
+    """NVFP4Linear.pair_for_mma_ (a speculative engine's linears): the codes and scales move, the weight does not
+    (dequantize gives it in K order, so the reference path's output is unchanged); rows too short or not whole
+    pairs of steps stay in K order; a paired module cannot be merged."""
+    gen = torch.Generator().manual_seed(5)
+    linear = NVFP4Linear.from_weights(quantize_nvfp4(torch.randn(48, 1024, generator=gen) * 0.02))
+    x = torch.randn(3, 1024, generator=gen)
+    before, packed = linear(x), linear.weight_packed.clone()
+    assert linear.pair_for_mma_(8) and linear.paired == 8 and not linear.pair_for_mma_(8)
+    assert not torch.equal(linear.weight_packed, packed)
+    assert torch.equal(linear(x), before)
+    short = NVFP4Linear.from_weights(quantize_nvfp4(torch.randn(8, 256, generator=gen)))
+    assert not short.pair_for_mma_(4) and short.paired == 0  # one step a warp: no pair
+    with pytest.raises(ValueError, match="before pair_for_mma_"):
+        NVFP4Linear.concat([linear, linear])
 
 
 @pytest.mark.cuda
