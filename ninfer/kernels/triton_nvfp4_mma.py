@@ -35,6 +35,14 @@ program (4.84 instead of 7.12 SASS instructions a weight at four token tiles), w
 4.4 ms slower; and a warpgroup (`tl.dot`, HGMMA) kernel over a fixed 32-token tile, flat in M and bit-exact but
 4.4x this kernel's time at 8 rows (its decoded tile goes through shared memory, 1-2 programs an SM).
 
+Paired storage (s30, `pair_weights`, PAIRED): a speculative engine stores its linears so that a lane's blocks of
+steps 2q and 2q + 1 sit side by side; one 16-byte load then brings both steps' words and one 2-byte load their
+scale bytes (K order: an 8-byte and a 1-byte load a step), while x is still read a step at a time with the four
+lanes of a row group on four consecutive blocks. The blocks meeting in each mma are unchanged, so every product is
+bit for bit K order's. Giving each lane consecutive blocks of K instead (no repacking) made the lanes read x 2-4
+blocks apart, 2-4 times the cache lines a load: faster at one token row, much slower at 8 and 32
+(bench/results/2026-12-06-h100-s30).
+
 Lane layout: a 1-D tensor of 32 * num_warps elements is one element per thread, element i in lane
 i % 32 of warp i // 32 (Triton's default blocked layout); under the CPU interpreter
 ninfer.kernels.ptx_emulator runs the PTX with that mapping.
