@@ -38,6 +38,18 @@ left() { echo $(( ${DEADLINE:-540} - ($(date +%s) - t0) )); }
 # the launch for verify_mma: MMA_LAUNCH, else the fastest checked one of a sweep_mma_staging result
 # (s20: a quote inside ${knobs:-...} in a case branch swallowed the next branches: verify_mma ran e2e_mma)
 best_mma() { if [ -n "${MMA_LAUNCH:-}" ]; then echo "$MMA_LAUNCH"; else python3 -m bench.selfcheck_nvfp4 --best-mma "$1" 2>/dev/null; fi; }
+# A/B of one environment knob, 0 then 1: the verify step against a plain one (C = 1, 8; k = 1, 3) and MTP3 at C=1
+# (NVFP4 heads, drafting ahead, 256 tokens), into $out/<prefix>_verify_<value>.log and $out/<prefix>_c1_<value>.log
+knob_ab() {
+  local knob=$1 prefix=$2 value
+  for value in 0 1; do
+    env "$knob=$value" timeout 150 python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 \
+      --concurrency 1 8 --drafts 1 3 > $out/${prefix}_verify_$value.log 2>&1
+    env "$knob=$value" timeout 120 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
+      --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 --max-tokens 256 \
+      > $out/${prefix}_c1_$value.log 2>&1
+  done
+}
 stages=()  # "checks": every kernel against its reference, the five stages below
 for s in "$@"; do if [ "$s" = checks ]; then stages+=(fused gemv nvfp4 kv moe); else stages+=("$s"); fi; done
 for stage in "${stages[@]}"; do
@@ -104,14 +116,8 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-paired --out $out/mma_paired.json \
         > $out/mma_paired.log 2>&1 ;;
     paired_ab)  # s30: the verify step and MTP3 at C=1 (NVFP4 heads), K-order weights then paired (NINFER_NVFP4_PAIRED)
-      for paired in 0 1; do
-        NINFER_NVFP4_PAIRED=$paired timeout 150 python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 \
-          --concurrency 1 8 --drafts 1 3 > $out/paired_verify_$paired.log 2>&1
-        NINFER_NVFP4_PAIRED=$paired timeout 120 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
-          --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 \
-          --max-tokens 256 > $out/paired_c1_$paired.log 2>&1
-      done ;;
-    pytest_s30)  # s30: the mma GEMV's CUDA tests (rows_like verification with one decode row's grouped loads) and the
+      knob_ab NINFER_NVFP4_PAIRED paired ;;
+    pytest_s30)  # s30: the mma GEMV's CUDA tests (rows_like verification, K order and paired weights) and the
       # GDN kernels' (the one-step and multi-position kernels after sharing their helpers)
       timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py tests/test_kernels.py \
         -k "mma or rows_like or kernels_on_cuda or verify_gdn_steps or recurrent or gdn" > $out/pytest_s30.log 2>&1 ;;
@@ -221,13 +227,7 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       # CUDA test, then the verify step against a plain one and MTP3 at C=1 (NVFP4 heads), per-position launches then fused
       timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_kernels.py -k verify_gdn_steps \
         > $out/fused_gdn_test.log 2>&1
-      for fused in 0 1; do
-        NINFER_FUSED_VERIFY_STEPS=$fused timeout 150 python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 \
-          --concurrency 1 8 --drafts 1 3 > $out/fused_gdn_verify_$fused.log 2>&1
-        NINFER_FUSED_VERIFY_STEPS=$fused timeout 120 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
-          --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 \
-          --max-tokens 256 > $out/fused_gdn_c1_$fused.log 2>&1
-      done ;;
+      knob_ab NINFER_FUSED_VERIFY_STEPS fused_gdn ;;
     fused_gdn_c1)  # s29: fused_gdn's kernel test, then the verify step at C=1 only, twice each way (process noise)
       timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_kernels.py -k verify_gdn_steps \
         > $out/fused_gdn_test.log 2>&1
