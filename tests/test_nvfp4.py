@@ -290,6 +290,7 @@ def test_mma_start_up_check(monkeypatch):
     from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
 
     assert triton_nvfp4_mma.check_against_reference(torch.device("cpu")) is None
+    assert triton_nvfp4_mma.check_paired(torch.device("cpu")) is None
     monkeypatch.setattr(triton_nvfp4, "MMA_ENABLED", True)
     monkeypatch.setattr(triton_nvfp4, "MMA_MIN_M", triton_nvfp4.MMA_MIN_M)  # restored after the test
     # an engine that verifies drafts decodes on tensor cores from one row, so its C=1 verify rows (k + 1 of

@@ -49,6 +49,7 @@ the chosen kernel depend on timing noise.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
@@ -59,6 +60,7 @@ from ninfer.kernels.pdl import pdl_enter, pdl_launch, pdl_release, pdl_wait
 from ninfer.kernels.triton_compat import fix_interpreter, interpreting
 
 fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
+log = logging.getLogger(__name__)
 
 GEMV_MAX_M = 16
 MAX_ROWS_LIKE = 64  # rows of a rows_like product (as ninfer.kernels.triton_gemv's)
@@ -632,15 +634,24 @@ def use_mma(device: torch.device, speculative: bool = False) -> str:
 
 def pair_model_for_mma_(model: torch.nn.Module) -> int:
     """A speculative engine's NVFP4 linears stored paired for the mma GEMV (PAIRED_ENABLED, after use_mma chose it
-    from one row). Returns how many were paired."""
+    from one row, where check_paired finds the paired launch bit for bit K order's). Returns how many were paired."""
+    global PAIRED_ENABLED
+    from ninfer.kernels.triton_nvfp4_mma import check_paired
     from ninfer.quant.nvfp4 import NVFP4Linear
 
     if not (PAIRED_ENABLED and MMA_ENABLED and MMA_MIN_M == 1):
         return 0
+    cuda = [m for m in model.modules() if isinstance(m, NVFP4Linear) and m.weight_packed.is_cuda]
+    if not cuda:
+        return 0
+    problem = check_paired(cuda[0].weight_packed.device)
+    if problem is not None:
+        log.warning("NVFP4 weights stay in K order: %s", problem)
+        PAIRED_ENABLED = False
+        return 0
     done = 0
-    for module in model.modules():
-        if isinstance(module, NVFP4Linear) and module.weight_packed.is_cuda:
-            done += module.pair_for_mma_(mma_warps(module.in_features))
+    for module in cuda:
+        done += module.pair_for_mma_(mma_warps(module.in_features))
     return done
 
 
