@@ -312,11 +312,13 @@ def _dequant_kernel(
     cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     cmask = cols < KW
     offs_k = pid_w * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
-    blocks = cols // 2
     if PAIR_SB > 0:  # block b = s SB + L (step s, lane L) is stored at 2 (s // 2) SB + 2 L + s % 2
-        step = blocks // PAIR_SB
-        blocks = (step // 2) * (2 * PAIR_SB) + 2 * (blocks % PAIR_SB) + step % 2
-    src = 2 * blocks + cols % 2
+        step = cols // 2 // PAIR_SB
+        blocks = (step // 2) * (2 * PAIR_SB) + 2 * (cols // 2 % PAIR_SB) + step % 2
+        src = 2 * blocks + cols % 2
+    else:  # K order: contiguous words (one vector load a thread)
+        blocks = cols // 2
+        src = cols
     for r in range(0, ROWS):
         row = tl.program_id(0) * ROWS + r
         rmask = cmask & (row < N)

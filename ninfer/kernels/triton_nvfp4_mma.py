@@ -429,18 +429,22 @@ def check_against_reference(device: torch.device) -> str | None:
 
 
 def check_paired(device: torch.device) -> str | None:
-    """The launch on paired weights beside K order's on check_against_reference's problem: None when bit for bit
-    equal, else why not (the runner then keeps K order)."""
-    from ninfer.kernels.triton_nvfp4 import nvfp4_gemv
+    """The mma launch and the dequantizing kernel (prefill) on paired weights beside K order's, on
+    check_against_reference's problem: None when bit for bit equal, else why not (the runner then keeps K order)."""
+    from ninfer.kernels.triton_nvfp4 import nvfp4_dequantize, nvfp4_gemv
 
     try:
         x, (packed, scale, row_scale) = _check_problem(device)
+        paired = pair_weights(packed, scale, 8)
         want = nvfp4_gemv(x, packed, scale, row_scale, config=dict(kind="mma", TILES=2, WARPS=8, DEPTH=2))
-        got = nvfp4_gemv(x, *pair_weights(packed, scale, 8), row_scale, paired=8,
-                         config=dict(kind="mma", TILES=2, WARPS=8, DEPTH=1))
+        got = nvfp4_gemv(x, *paired, row_scale, paired=8, config=dict(kind="mma", TILES=2, WARPS=8, DEPTH=1))
+        dequantized = torch.equal(nvfp4_dequantize(*paired, row_scale, paired=8),
+                                  nvfp4_dequantize(packed, scale, row_scale))
     except Exception as exc:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return None if torch.equal(got, want) else "paired weights give other products than K order"
+    if not torch.equal(got, want):
+        return "the mma GEMV gives other products on paired weights than on K order"
+    return None if dequantized else "the dequantizing kernel gives another weight from paired storage"
 
 
 def _check_problem(device: torch.device):
