@@ -698,7 +698,7 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
     args = (x, words, sbytes, row_scale, y, m, n, k // 8, x.stride(0), words.stride(0), sbytes.stride(0),
             y.stride(0))
     mma = kind == "mma" and x.dtype == torch.bfloat16 and (x.is_cuda or interpreting())
-    if paired and not (mma and m <= MMA_MAX_ROWS and cfg["WARPS"] == paired):  # only that launch reads them
+    if paired and not (mma and 1 <= m <= MMA_MAX_ROWS and cfg["WARPS"] == paired):  # only that launch reads them
         w = nvfp4_dequantize(packed, scale, row_scale, x.dtype, paired=paired)
         return torch.matmul(x, w.T, out=y)
     if mma:
