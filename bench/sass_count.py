@@ -104,16 +104,17 @@ def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unro
            "EVEN_N": "constexpr", "XT": "constexpr", "DEPTH": "constexpr", "UNROLL": "constexpr",
            "USE_PDL": "constexpr", "PREFETCH": "constexpr", "STAGES": "constexpr", "PAIRED": "constexpr",
            "EVICT": "constexpr"}
-    group = 2 if paired else 1
-    depth = depth or -(-t.default_depth(token_tiles, 8 * kw) // group)
+    per_load = 2 if paired else 1  # steps a weight load covers
+    depth = depth or -(-t.default_depth(token_tiles, 8 * kw) // per_load)
     unroll = unroll or (1 if stages else depth)
     const = {"KW": kw, "TILES": tiles, "WARPS": warps, "EVEN_N": True, "XT": token_tiles,
              "DEPTH": depth, "UNROLL": unroll, "USE_PDL": False, "PREFETCH": prefetch, "STAGES": stages,
              "PAIRED": bool(paired), "EVICT": evict}
     out = loop_profile(t._gemv_mma_kernel, sig, const, warps, num_stages=max(stages, 1))
-    weights_per_thread = 16 * tiles * t.K_STEP / 32 * unroll * group  # a step: 1/32 of 16 rows x 64 codes a tile
+    weights_per_thread = 16 * tiles * t.K_STEP / 32 * unroll * per_load  # a step: 1/32 of 16 rows x 64 codes a tile
     return {"kernel": "nvfp4_mma", "tiles": tiles, "num_warps": warps, "token_tiles": token_tiles,
-            "depth": const["DEPTH"], "unroll": unroll, "prefetch": prefetch, "stages": stages, "paired": bool(paired), **out,
+            "depth": const["DEPTH"], "unroll": unroll, "prefetch": prefetch, "stages": stages,
+            "paired": bool(paired), **out,
             "instructions_per_weight": round(out["loop_instructions"] / weights_per_thread, 2)}
 
 
