@@ -233,6 +233,7 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
     assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | {"STAGES": 3}), full)
     # Weights stored paired (a lane's blocks of two steps side by side, one load for both): the same products bit
     # for bit, at every M, from the paired mma GEMV and from the dequantizing kernel; the layout round-trips
+    # (serving.md "Speculative backends preserve protocol output": a speculative engine serves from this layout)
     if triton_nvfp4_mma.pairable(k, warps):
         pw = triton_nvfp4_mma.pair_weights(q[0], q[1], warps)
         assert not torch.equal(pw[0], q[0])
@@ -316,8 +317,9 @@ def test_mma_start_up_check(monkeypatch):
 def _rows_like_matches_decode(device: str, n: int, k: int, cases, paired: bool = False) -> None:
     """nvfp4_gemv_rows_like (speculative verification, kernels.linear.rows_like): in a product of
     like * width rows, position i of sequence j (row j * width + i) equals row j of the like-row decode
-    GEMV of every sequence's position i, bit for bit. paired: the weights stored paired for the mma GEMV, whose
-    products must also equal the K-order weights' mma products."""
+    GEMV of every sequence's position i, bit for bit (what keeps serving.md's "Speculative backends preserve
+    protocol output" exact). paired: the weights stored paired for the mma GEMV, whose products must also equal the
+    K-order weights' mma products."""
     from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
 
     gen = torch.Generator(device=device).manual_seed(n + k)
@@ -609,9 +611,9 @@ def test_rows_like_on_cuda(n, k):
 
 
 def test_nvfp4_linear_paired_for_the_mma_gemv_computes_as_before():
-    """NVFP4Linear.pair_for_mma_ (a speculative engine's linears): the codes and scales move, the weight does not
-    (dequantize gives it in K order, so the reference path's output is unchanged); rows too short or not whole
-    pairs of steps stay in K order; a paired module cannot be merged."""
+    """NVFP4Linear.pair_for_mma_ (a speculative engine's linears, serving.md --spec): the codes and scales move, the
+    weight does not (dequantize gives it in K order, so the reference path's output is unchanged); rows too short or
+    not whole pairs of steps stay in K order; a paired module cannot be merged."""
     gen = torch.Generator().manual_seed(5)
     linear = NVFP4Linear.from_weights(quantize_nvfp4(torch.randn(48, 1024, generator=gen) * 0.02))
     x = torch.randn(3, 1024, generator=gen)
