@@ -304,6 +304,10 @@ def test_mma_start_up_check(monkeypatch):
     # weights stored paired take the mma GEMV at every decode size it launches (the other GEMVs read K order)
     assert all(triton_nvfp4._decode_passes(like, 5120, 5120, paired=True)
                == [(0, like, dict(kind="mma", TILES=1, WARPS=8, PAIRED=True))] for like in (1, 5, 12, 32))
+    # a benchmark's launch knobs never change the warps (or staging) paired weights were stored for
+    monkeypatch.setattr(triton_nvfp4, "MMA_LAUNCH", {"WARPS": 4, "STAGES": 3, "DEPTH": 1})
+    assert triton_nvfp4._gemv_config(4, 5120, 5120, paired=True) == dict(kind="mma", TILES=1, WARPS=8, PAIRED=True,
+                                                                          DEPTH=1)
     assert triton_nvfp4.use_mma(torch.device("cpu")) == "tensor cores from 3 rows"
     assert triton_nvfp4._gemv_config(1, 5120, 5120)["kind"] == "hfma"
     assert triton_nvfp4._gemv_config(8, 5120, 5120)["kind"] == "mma"

@@ -607,8 +607,9 @@ def _gemv_config(m: int, n: int, k: int, paired: bool = False) -> dict:
     fastest tiles (bench/results/2026-11-30-h200-s4, and -s7 for the L2 prefetch distances at
     M = 1, 2). Few rows (N < 8192, e.g. 5120) want wide steps or prefetch to keep bytes in flight;
     prefetch pays only with long rows (K >= 4096), never at M >= 3."""
-    if paired:  # stored for the mma GEMV's launch of mma_warps(k) warps: no other GEMV reads them
-        return dict(kind="mma", TILES=MMA_TILES, WARPS=mma_warps(k), PAIRED=True) | MMA_LAUNCH
+    if paired:  # stored for the mma GEMV's launch of mma_warps(k) warps: no other GEMV reads them, nor other warps
+        knobs = {key: v for key, v in MMA_LAUNCH.items() if key not in ("WARPS", "STAGES", "PREFETCH")}
+        return dict(kind="mma", TILES=MMA_TILES, WARPS=mma_warps(k), PAIRED=True) | knobs
     if MMA_ENABLED and MMA_MIN_M <= m <= HFMA_MAX_M and k % 256 == 0:  # tensor cores: triton_nvfp4_mma
         cfg = dict(kind="mma", TILES=MMA_TILES, WARPS=mma_warps(k)) | MMA_LAUNCH
         return cfg if k % (64 * cfg["WARPS"]) == 0 else cfg | {"WARPS": 4}
