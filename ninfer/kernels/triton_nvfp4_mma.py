@@ -142,12 +142,16 @@ def _words4(ptr, policy: tl.constexpr = ""):
 
 
 @triton.jit
-def _pair_step(ws, i: tl.constexpr, TILES: tl.constexpr):
-    """Step i (0, 1) of a loaded pair (_load_w's PAIRED values of the 2 TILES weight rows) in _step's layout: per
-    tile (word a, word b, scales) of row g, then of row g + 8 (the scales' byte i is the step's)."""
-    out = ()
-    for r in tl.static_range(2 * TILES):
-        out = out + (ws[5 * r + 2 * i], ws[5 * r + 2 * i + 1], ws[5 * r + 4])
+def _load_step(ws, i: tl.constexpr, PAIRED: tl.constexpr, TILES: tl.constexpr):
+    """Step i of a load (_load_w's values of the 2 TILES weight rows) in _step's layout: per tile (word a, word b,
+    scales) of row g, then of row g + 8; paired, step i (0, 1) of the pair (the scales' byte i is the step's),
+    else the load itself."""
+    if PAIRED:  # (one return at the end: the compiler takes no early return under a condition)
+        out = ()
+        for r in tl.static_range(2 * TILES):
+            out = out + (ws[5 * r + 2 * i], ws[5 * r + 2 * i + 1], ws[5 * r + 4])
+    else:
+        out = ws
     return out
 
 
@@ -294,11 +298,7 @@ def _gemv_mma_kernel(
             cur = _part(queue, 0, NG)
             for i in tl.static_range(G):  # x one step ahead
                 xw_next = _load_x(xrows, xoks, blk + (q * G + i + 1) * SB)
-                if PAIRED:
-                    ws = _pair_step(cur, i, TILES)
-                else:
-                    ws = cur
-                accs = _step(accs, ws, xw, TILES, XT, i)
+                accs = _step(accs, _load_step(cur, i, PAIRED, TILES), xw, TILES, XT, i)
                 xw = xw_next
             queue = _part(queue, NG, NG * (DEPTH - 1)) + nxt
         for d in tl.static_range(DEPTH):  # the last DEPTH loads' steps, loaded already
@@ -306,11 +306,7 @@ def _gemv_mma_kernel(
             for i in tl.static_range(G):
                 if (LOADS - DEPTH + d) * G + i + 1 < STEPS:  # (inline: a constexpr in a variable is a runtime value)
                     xw_next = _load_x(xrows, xoks, blk + ((LOADS - DEPTH + d) * G + i + 1) * SB)
-                if PAIRED:
-                    ws = _pair_step(cur, i, TILES)
-                else:
-                    ws = cur
-                accs = _step(accs, ws, xw, TILES, XT, i)
+                accs = _step(accs, _load_step(cur, i, PAIRED, TILES), xw, TILES, XT, i)
                 if (LOADS - DEPTH + d) * G + i + 1 < STEPS:
                     xw = xw_next
     # sum the warps' steps; lane l = 4 g + t holds rows g, g + 8 and tokens 2t, 2t + 1 of each tile
