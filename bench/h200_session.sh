@@ -19,7 +19,8 @@
 # C=1 MTP3 greedy, then with a presence penalty), ahead_c1 / ahead_c8 (s29: e2e_c1_256 / spec_c8_512 without, then
 # with the MTP head drafting ahead; ahead_c1_fp4: with the proposal head in NVFP4 too), host_c8 (s29: C=8 adaptive with the loop's parts timed), fused_gdn (s29: a verify's GDN positions
 # in one launch, A/B), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
-# pytest_s30 (s30: the mma GEMV on weights stored paired), lm_head_c1 (s30:
+# pytest_s30 (s30: the mma GEMV on weights stored paired), gates_ab / pytest_s31 (s31: the GDN gates computed in the
+# recurrent kernels), lm_head_c1 (s30:
 # MTP3 at C=1 with an NVFP4 lm_head), profile_c1 (s30: the C=1 MTP3 round's kernels), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
@@ -121,6 +122,14 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       # GDN kernels' (the one-step and multi-position kernels after sharing their helpers)
       timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py tests/test_kernels.py \
         -k "mma or rows_like or kernels_on_cuda or verify_gdn_steps or recurrent or gdn" > $out/pytest_s30.log 2>&1 ;;
+    gates_ab)  # s31: the GDN gates in the recurrent kernels (raw projections) against their own kernel first
+      knob_ab NINFER_FUSED_GDN_GATES gates ;;
+    pytest_s31)  # s31: the recurrent kernels on raw gate projections (bitwise), the GDN verify kernels, the mma GEMV's
+      # paired weights, and the speculative CUDA tests (greedy output equal with drafts, on graphs)
+      timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py tests/test_kernels.py \
+        -k "mma or rows_like or raw_projections or verify_gdn_steps or greedy" > $out/pytest_s31.log 2>&1
+      timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_speculative.py \
+        tests/test_mtp.py > $out/pytest_s31_spec.log 2>&1 ;;
     lm_head_c1)  # s30: MTP3 at C=1 (NVFP4 heads, drafting ahead) on an artifact whose lm_head is NVFP4 too
       timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --nvfp4-lm-head \
         --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 \

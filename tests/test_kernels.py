@@ -19,7 +19,7 @@ from bench import selfcheck
 from ninfer.forward import ForwardBatch
 from ninfer.kernels import backend
 from ninfer.kernels.attention import paged_attention, paged_attention_ref
-from ninfer.kernels.gdn import GDNMetadata, gated_delta_rule, short_conv
+from ninfer.kernels.gdn import GDNGates, GDNMetadata, gated_delta_rule, short_conv
 
 # ---- dispatch (CPU) -------------------------------------------------------------------------
 
@@ -55,8 +55,8 @@ def test_gdn_entry_points_on_cpu_update_their_slots():
     short_conv(torch.randn(2, 8), torch.randn(8, 4), conv, meta)
     assert torch.equal(conv[1], before[1]) and not torch.equal(conv[2], before[2])
     ssm = torch.randn(3, 2, 4, 4)
-    out = gated_delta_rule(torch.randn(2, 1, 4), torch.randn(2, 1, 4), torch.randn(2, 2, 4), -torch.rand(2, 2),
-                           torch.rand(2, 2), ssm, meta)
+    gates = GDNGates(torch.randn(2, 2), torch.randn(2, 2), torch.randn(2), torch.randn(2))
+    out = gated_delta_rule(torch.randn(2, 1, 4), torch.randn(2, 1, 4), torch.randn(2, 2, 4), gates, ssm, meta)
     assert out.shape == (2, 2, 4) and torch.isfinite(out).all()
 
 
@@ -181,6 +181,58 @@ def test_verify_gdn_steps_in_one_launch_equal_the_one_step_kernels_on_cuda(dtype
         pytest.skip("triton is not importable")
     _verify_steps_case("cuda", dtype, b, steps)
     _verify_steps_case("cuda", dtype, b, steps, channels=10240, hk=16, hv=48, dk=128, dv=128)  # the 27B's GDN
+
+
+def _raw_gates_case(device, dtype, b: int, steps: int, hk=2, hv=4, dk=32, dv=32) -> None:
+    """The recurrent kernels given the gate projections raw (raw_gates: the gates computed in their programs, one
+    launch a GDN layer fewer) against the same kernels given triton_fused.gdn_gates' values: outputs and states equal
+    bit for bit, one-step and multi-position (serving.md: speculative backends preserve protocol output; a verified
+    position must compute what the decode step computes, and both now take the raw gates)."""
+    from ninfer.kernels import triton_fused, triton_gdn
+
+    gen = torch.Generator().manual_seed(7 * b + steps)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    rows = b * steps
+    q, k, v = rand(rows, hk, dk), rand(rows, hk, dk), rand(rows, hv, dv)
+    proj = rand(rows, 2 * hv + 3, scale=4.0)  # b and a as strided column views, as the fused projection gives them
+    proj[0, hv + 3] = 30.0  # a past softplus's threshold
+    braw, araw = proj[:, 3:hv + 3], proj[:, hv + 3:]
+    a_log = torch.empty(hv).uniform_(0.01, 16.0, generator=gen).log().to(device)
+    dt_bias = torch.randn(hv, generator=gen).to(device)
+    beta, g = triton_fused.gdn_gates(braw, araw, a_log, dt_bias)
+    state = torch.randn(rows + 2, hv, dk, dv, generator=gen).to(device)
+    slots = torch.randperm(rows + 2, generator=gen)[:rows].to(device)
+    want_state, got_state = state.clone(), state.clone()
+    want = triton_gdn.recurrent_gated_delta_rule(q, k, v, g, beta, want_state, slot_in=slots)
+    got = triton_gdn.recurrent_gated_delta_rule(q, k, v, araw, braw, got_state, slot_in=slots,
+                                                raw_gates=(a_log, dt_bias))
+    assert torch.equal(got, want) and torch.equal(got_state, want_state)
+    own, slot_out = slots[:b], slots[b:].view(steps - 1, b)
+    slot_out = torch.cat([slot_out, own[None]]).contiguous()
+    want_state, got_state = state.clone(), state.clone()
+    want = triton_gdn.recurrent_gated_delta_rule_steps(q, k, v, g, beta, want_state, own, slot_out)
+    got = triton_gdn.recurrent_gated_delta_rule_steps(q, k, v, araw, braw, got_state, own, slot_out,
+                                                      raw_gates=(a_log, dt_bias))
+    assert torch.equal(got, want) and torch.equal(got_state, want_state)
+
+
+@needs_interpreter
+def test_recurrent_kernels_compute_the_gates_from_raw_projections_in_interpreter():
+    _raw_gates_case("cpu", torch.float32, 3, 2)
+    _raw_gates_case("cpu", torch.bfloat16, 2, 3)  # beta rounded to b's dtype as the gates kernel stores it
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_kernels_compute_the_gates_from_raw_projections_on_cuda(dtype):
+    if not backend.triton_available():
+        pytest.skip("triton is not importable")
+    _raw_gates_case("cuda", dtype, 3, 2)
+    _raw_gates_case("cuda", dtype, 8, 4, hk=16, hv=48, dk=128, dv=128)  # the 27B's GDN, a C=8 k=3 verify
 
 
 @pytest.mark.cuda

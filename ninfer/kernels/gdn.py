@@ -33,7 +33,35 @@ from ninfer.kernels.backend import use_fla, use_triton
 # a verify batch's GDN positions in one launch per layer (triton_gdn.conv1d_steps, recurrent_gated_delta_rule_steps),
 # bit for bit the one-step kernels' results; NINFER_FUSED_VERIFY_STEPS=0 launches one kernel a position (A/B benchmarks)
 FUSED_VERIFY_STEPS = os.environ.get("NINFER_FUSED_VERIFY_STEPS", "1") != "0"
+# the decode and verify kernels compute the gates from the raw projections (triton_gdn's raw_gates), bit for bit the
+# gates kernel's values; NINFER_FUSED_GDN_GATES=0 launches that kernel first (A/B benchmarks)
+FUSED_GATES = os.environ.get("NINFER_FUSED_GDN_GATES", "1") != "0"
 CHUNK_SIZE = 64  # chunk length of the chunked delta rule (the FLA kernels use 64 as well)
+
+
+@dataclass
+class GDNGates:
+    """A GDN layer's gate inputs: its projections b, a [T, Hv] (column views of the fused projection are fine) and
+    its A_log, dt_bias [Hv]. The Triton decode and verify kernels compute beta and g from them in their own programs;
+    every other path takes `values()`."""
+
+    b: torch.Tensor
+    a: torch.Tensor
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+
+    def values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(beta [T, Hv] in b's dtype, g [T, Hv] fp32): fused.gdn_gates."""
+        from ninfer.kernels import fused
+
+        return fused.gdn_gates(self.b, self.a, self.a_log, self.dt_bias)
+
+    def kernel_args(self) -> dict:
+        """The Triton recurrent kernels' gate arguments: the raw projections (FUSED_GATES), else the values."""
+        if FUSED_GATES:
+            return dict(g=self.a, beta=self.b, raw_gates=(self.a_log, self.dt_bias))
+        beta, g = self.values()
+        return dict(g=g, beta=beta)
 
 
 @dataclass
@@ -160,21 +188,21 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, 
 
 
 def gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    ssm_cache: torch.Tensor, meta: GDNMetadata,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: GDNGates, ssm_cache: torch.Tensor, meta: GDNMetadata,
 ) -> torch.Tensor:
     """Gated delta rule over a ragged batch; q/k are L2-normalised and q scaled inside.
 
-    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay), beta: [T, Hv];
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; gates: beta and the log decay g, [T, Hv] each, from the layer's projections;
     ssm_cache: [S, Hv, Dk, Dv] fp32 one layer's state slots, updated in place. Returns [T, Hv, Dv].
     """
     if meta.verify_steps is not None:
-        return _delta_rule_steps(q, k, v, g, beta, ssm_cache, meta)
+        return _delta_rule_steps(q, k, v, gates, ssm_cache, meta)
     if meta.is_decode and use_triton(q):
         from ninfer.kernels import triton_gdn
 
-        return triton_gdn.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_cache, slot_in=meta.state_slots,
-                                                     has_initial_state=meta.has_initial_state)
+        return triton_gdn.recurrent_gated_delta_rule(q, k, v, state_in=ssm_cache, slot_in=meta.state_slots,
+                                                     has_initial_state=meta.has_initial_state, **gates.kernel_args())
+    beta, g = gates.values()
     initial = _gather_state(ssm_cache, meta)
     if meta.is_decode:
         # one token per sequence: a batch of N length-1 sequences, no varlen bookkeeping needed
@@ -223,7 +251,7 @@ def _conv_steps(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,
     return y
 
 
-def _delta_rule_steps(q, k, v, g, beta, ssm_cache: torch.Tensor, meta: GDNMetadata) -> torch.Tensor:
+def _delta_rule_steps(q, k, v, gates: GDNGates, ssm_cache: torch.Tensor, meta: GDNMetadata) -> torch.Tensor:
     """gated_delta_rule over a verify batch: one recurrent step per position, each state kept in its slot (with
     Triton all positions in one launch, each state read once)."""
     triton = use_triton(q)
@@ -231,8 +259,9 @@ def _delta_rule_steps(q, k, v, g, beta, ssm_cache: torch.Tensor, meta: GDNMetada
         from ninfer.kernels import triton_gdn
 
         if FUSED_VERIFY_STEPS:
-            return triton_gdn.recurrent_gated_delta_rule_steps(q, k, v, g, beta, ssm_cache, meta.verify_steps[0][0],
-                                                               meta.verify_out_slots)
+            return triton_gdn.recurrent_gated_delta_rule_steps(q, k, v, state=ssm_cache, slot_in=meta.verify_steps[0][0],
+                                                               slot_out=meta.verify_out_slots, **gates.kernel_args())
+    beta, g = gates.values()  # (the one-step launches below take the values: the gates kernel's, bit for bit)
     o = torch.empty_like(v)
     qs, ks, vs, gs, bs, os_ = (_by_position(t, meta) for t in (q, k, v, g, beta, o))
     for j, (slot_in, slot_out) in enumerate(meta.verify_steps):

@@ -159,6 +159,21 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 
 @triton.jit
+def gdn_gate_values(b, a, a_log, dt_bias, THRESHOLD: tl.constexpr):
+    """GDN's gates from fp32 b, a, A_log, dt_bias (any shape): beta = sigmoid(b) (unrounded) and the log decay
+    g = -exp(A_log) * softplus(a + dt_bias). Shared by the gates kernel and the recurrent kernels that take the raw
+    projections (ninfer.kernels.triton_gdn), so both compute the same bits."""
+    x = a + dt_bias
+    # softplus = log1p(exp(x)); log1p(u) = log(1 + u) * u / ((1 + u) - 1) keeps tiny u exact
+    u = tl.exp(tl.minimum(x, THRESHOLD))
+    w = 1.0 + u
+    exact = w == 1.0
+    log1p = tl.where(exact, u, tl.log(w) * (u / tl.where(exact, 1.0, w - 1.0)))
+    softplus = tl.where(x > THRESHOLD, x, log1p)
+    return tl.sigmoid(b), -tl.exp(a_log) * softplus
+
+
+@triton.jit
 def _fused_gdn_gates_kernel(
     B, A, ALOG, DTB, BETA, G, HV, stride_bt, stride_at, stride_betat, stride_gt,
     THRESHOLD: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False,
@@ -168,17 +183,11 @@ def _fused_gdn_gates_kernel(
     h = tl.arange(0, BLOCK_H)
     mask = h < HV
     b = tl.load(B + t * stride_bt + h, mask=mask, other=0.0).to(tl.float32)
-    tl.store(BETA + t * stride_betat + h, tl.sigmoid(b).to(BETA.dtype.element_ty), mask=mask)
     a = tl.load(A + t * stride_at + h, mask=mask, other=0.0).to(tl.float32)
-    x = a + tl.load(DTB + h, mask=mask, other=0.0).to(tl.float32)
-    # softplus = log1p(exp(x)); log1p(u) = log(1 + u) * u / ((1 + u) - 1) keeps tiny u exact
-    u = tl.exp(tl.minimum(x, THRESHOLD))
-    w = 1.0 + u
-    exact = w == 1.0
-    log1p = tl.where(exact, u, tl.log(w) * (u / tl.where(exact, 1.0, w - 1.0)))
-    softplus = tl.where(x > THRESHOLD, x, log1p)
-    a_log = tl.load(ALOG + h, mask=mask, other=0.0).to(tl.float32)
-    tl.store(G + t * stride_gt + h, -tl.exp(a_log) * softplus, mask=mask)
+    beta, g = gdn_gate_values(b, a, tl.load(ALOG + h, mask=mask, other=0.0).to(tl.float32),
+                              tl.load(DTB + h, mask=mask, other=0.0).to(tl.float32), THRESHOLD)
+    tl.store(BETA + t * stride_betat + h, beta.to(BETA.dtype.element_ty), mask=mask)
+    tl.store(G + t * stride_gt + h, g, mask=mask)
 
 
 def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,

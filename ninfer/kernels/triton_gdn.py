@@ -15,6 +15,9 @@
   dense [N, ...] states; the slot indirection saves 2 of 3 passes over the 151 MB of 27B state
   per sequence per token). Measured on the H200 at the 27B shape, 8 sequences: 19.5 us against
   135 us for fla's kernel with the gather and scatter around it.
+- Both recurrent kernels can take the gate projections a, b raw (`raw_gates`) and compute beta and g
+  in their programs with the gates kernel's arithmetic (triton_fused.gdn_gate_values): a decode or
+  verify forward of the 27B then launches 48 kernels fewer.
 
 All take device tensors only and read no lengths on the host: CUDA-graph capturable. The torch
 references in `ninfer.kernels.gdn` are the oracle.
@@ -26,10 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.fused import SOFTPLUS_THRESHOLD
 from ninfer.kernels.pdl import pdl_enter, pdl_launch
 from ninfer.kernels.triton_compat import fix_interpreter
+from ninfer.kernels.triton_fused import gdn_gate_values
 
 fix_interpreter()  # TRITON_INTERPRET=1 only: see triton_compat
+_SOFTPLUS: tl.constexpr = tl.constexpr(SOFTPLUS_THRESHOLD)
 
 
 @triton.jit
@@ -48,10 +54,12 @@ def _window_col(window, offs_w, i: tl.constexpr):
 
 
 @triton.jit
-def _delta_rule_step(h, Q, K, V, G, BETA, row, hk, hv, offs_k, offs_v, kmask, vmask, scale,
+def _delta_rule_step(h, Q, K, V, G, BETA, A_LOG, DT_BIAS, row, hk, hv, offs_k, offs_v, kmask, vmask, scale,
                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn,
-                     L2NORM: tl.constexpr):
-    """One gated delta rule position of value head hv (fp32 state h [BK, BV]): the updated state and the output."""
+                     L2NORM: tl.constexpr, RAW_GATES: tl.constexpr):
+    """One gated delta rule position of value head hv (fp32 state h [BK, BV]): the updated state and the output.
+    RAW_GATES: G and BETA hold the projections a and b, and the gates are computed here as the gates kernel
+    computes them (beta rounded to b's dtype as that kernel stores it), one launch a layer fewer."""
     q = tl.load(Q + row * stride_qn + hk * stride_qh + offs_k, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(K + row * stride_kn + hk * stride_kh + offs_k, mask=kmask, other=0.0).to(tl.float32)
     if L2NORM:  # eps inside the sqrt, as fla and transformers do
@@ -61,6 +69,10 @@ def _delta_rule_step(h, Q, K, V, G, BETA, row, hk, hv, offs_k, offs_v, kmask, vm
     v = tl.load(V + row * stride_vn + hv * stride_vh + offs_v, mask=vmask, other=0.0).to(tl.float32)
     g = tl.load(G + row * stride_gn + hv).to(tl.float32)
     beta = tl.load(BETA + row * stride_bn + hv).to(tl.float32)
+    if RAW_GATES:
+        beta, g = gdn_gate_values(beta, g, tl.load(A_LOG + hv).to(tl.float32), tl.load(DT_BIAS + hv).to(tl.float32),
+                                  _SOFTPLUS)
+        beta = beta.to(BETA.dtype.element_ty).to(tl.float32)
     h = h * tl.exp(g)  # decay before the delta read
     v_new = (v - tl.sum(h * k[:, None], 0)) * beta
     h = h + k[:, None] * v_new[None, :]
@@ -132,14 +144,14 @@ def _conv_varlen_kernel(
 
 @triton.jit
 def _recurrent_kernel(
-    Q, K, V, G, BETA, OP, H_IN, H_OUT, SLOT_IN, SLOT_OUT, HAS_INIT,
+    Q, K, V, G, BETA, A_LOG, DT_BIAS, OP, H_IN, H_OUT, SLOT_IN, SLOT_OUT, HAS_INIT,
     scale,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_gn, stride_bn, stride_on, stride_oh,
     stride_hin_s, stride_hout_s,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, USE_INIT_MASK: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    RAW_GATES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     pid = tl.program_id(0).to(tl.int64)
@@ -159,9 +171,9 @@ def _recurrent_kernel(
     if USE_INIT_MASK:
         keep = tl.load(HAS_INIT + n) != 0
         h = tl.where(keep, h, tl.zeros_like(h))  # a fresh sequence's slot may hold anything, even NaN
-    h, o = _delta_rule_step(h, Q, K, V, G, BETA, n, hk, hv, offs_k, offs_v, kmask, vmask, scale,
+    h, o = _delta_rule_step(h, Q, K, V, G, BETA, A_LOG, DT_BIAS, n, hk, hv, offs_k, offs_v, kmask, vmask, scale,
                             stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn,
-                            L2NORM)
+                            L2NORM, RAW_GATES)
     tl.store(OP + n * stride_on + hv * stride_oh + offs_v, o.to(OP.dtype.element_ty), mask=vmask)
     tl.debug_barrier()  # in place: every read of the old state before any write
     tl.store(H_OUT + slot_out * stride_hout_s + offs_h, h.to(H_OUT.dtype.element_ty), mask=hmask)
@@ -205,12 +217,12 @@ def _conv_steps_kernel(
 
 @triton.jit
 def _recurrent_steps_kernel(
-    Q, K, V, G, BETA, OP, H, SLOT_IN, SLOT_OUT,
+    Q, K, V, G, BETA, A_LOG, DT_BIAS, OP, H, SLOT_IN, SLOT_OUT,
     scale, B,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_gn, stride_bn, stride_on, stride_oh, stride_h_s,
     STEPS: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, RAW_GATES: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     """_recurrent_kernel for STEPS positions of each sequence in one launch (rows n * STEPS + j): the state is read
@@ -233,9 +245,9 @@ def _recurrent_steps_kernel(
     tl.debug_barrier()  # in place: the state is read before any position writes a slot
     for j in tl.static_range(STEPS):
         row = n * STEPS + j
-        h, o = _delta_rule_step(h, Q, K, V, G, BETA, row, hk, hv, offs_k, offs_v, kmask, vmask, scale,
-                                stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn,
-                                L2NORM)
+        h, o = _delta_rule_step(h, Q, K, V, G, BETA, A_LOG, DT_BIAS, row, hk, hv, offs_k, offs_v, kmask, vmask,
+                                scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn,
+                                stride_bn, L2NORM, RAW_GATES)
         tl.store(OP + row * stride_on + hv * stride_oh + offs_v, o.to(OP.dtype.element_ty), mask=vmask)
         slot_out = tl.load(SLOT_OUT + j * B + n).to(tl.int64)
         kept = h.to(H.dtype.element_ty)
@@ -308,11 +320,13 @@ def recurrent_gated_delta_rule(
     state_in: torch.Tensor, state_out: torch.Tensor | None = None, slot_in: torch.Tensor | None = None,
     slot_out: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None,
     scale: float | None = None, use_qk_l2norm: bool = True, block_v: int = 32, num_warps: int = 4,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, raw_gates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One token per sequence. q, k: [N, Hk, Dk]; v: [N, Hv, Dv]; g (log decay), beta: [N, Hv];
     state_in/state_out: [S, Hv, Dk, Dv] fp32 read at slot_in[n], written at slot_out[n] (defaults:
-    rows 0..N-1, in place). -> o [N, Hv, Dv] in v's dtype (into `out` when given)."""
+    rows 0..N-1, in place). raw_gates: the layer's (A_log, dt_bias) [Hv]; g and beta are then the
+    projections a and b, and the kernel computes fused.gdn_gates' values itself (bit for bit
+    triton_fused.gdn_gates'). -> o [N, Hv, Dv] in v's dtype (into `out` when given)."""
     num, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
@@ -327,14 +341,16 @@ def recurrent_gated_delta_rule(
     if num == 0:
         return o
     bv = min(block_v, triton.next_power_of_2(dv))
+    a_log, dt_bias = raw_gates or (g, g)  # (unread without RAW_GATES)
     _recurrent_kernel[(num * hv, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, o, state_in, state_out, slot_in, slot_out,
+        q, k, v, g, beta, a_log, dt_bias, o, state_in, state_out, slot_in, slot_out,
         has_initial_state if has_initial_state is not None else slot_in,
         scale if scale is not None else dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state_in.stride(0), state_out.stride(0),
         HK=hk, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, L2NORM=use_qk_l2norm,
-        USE_INIT_MASK=has_initial_state is not None, num_warps=num_warps, **pdl_launch(q.device),
+        USE_INIT_MASK=has_initial_state is not None, RAW_GATES=raw_gates is not None, num_warps=num_warps,
+        **pdl_launch(q.device),
     )
     return o
 
@@ -365,13 +381,14 @@ def conv1d_steps(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slo
 def recurrent_gated_delta_rule_steps(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
     slot_in: torch.Tensor, slot_out: torch.Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
-    block_v: int = 32, num_warps: int = 4,
+    block_v: int = 32, num_warps: int = 4, raw_gates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A verify batch's recurrent steps: q, k [B * steps, Hk, Dk], v [B * steps, Hv, Dv], g, beta [B * steps, Hv]
     (sequence n's positions at rows n * steps + j); the state [S, Hv, Dk, Dv] read at slot_in[n], the state after
     position j written at slot_out[j, n] ([steps, B] int64). Computes what `recurrent_gated_delta_rule` computes
     position by position (bit for bit: the same program layout and arithmetic), in one launch and one read of each
-    state instead of one per position. -> o [B * steps, Hv, Dv] in v's dtype."""
+    state instead of one per position. raw_gates: as recurrent_gated_delta_rule's. -> o [B * steps, Hv, Dv] in v's
+    dtype."""
     steps, b = slot_out.shape
     _, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -382,12 +399,13 @@ def recurrent_gated_delta_rule_steps(
     if b == 0:
         return o
     bv = min(block_v, triton.next_power_of_2(dv))
+    a_log, dt_bias = raw_gates or (g, g)
     _recurrent_steps_kernel[(b * hv, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, o, state, slot_in, slot_out,
+        q, k, v, g, beta, a_log, dt_bias, o, state, slot_in, slot_out,
         scale if scale is not None else dk**-0.5, b,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state.stride(0),
         STEPS=steps, HK=hk, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, L2NORM=use_qk_l2norm,
-        num_warps=num_warps, **pdl_launch(q.device),
+        RAW_GATES=raw_gates is not None, num_warps=num_warps, **pdl_launch(q.device),
     )
     return o

@@ -18,7 +18,7 @@ from torch import nn
 from ninfer.forward import CacheSpec, ForwardBatch, ModelCache
 from ninfer.kernels import fused
 from ninfer.kernels.attention import paged_attention
-from ninfer.kernels.gdn import GDNMetadata, gated_delta_rule, short_conv
+from ninfer.kernels.gdn import GDNGates, GDNMetadata, gated_delta_rule, short_conv
 from ninfer.kernels.linear import linear
 from ninfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, fuse_projections_, project
 from ninfer.models.moe import SparseMoeBlock
@@ -164,10 +164,10 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = project(self, _GDN_PROJ, x)
         qkv = short_conv(qkv, self.conv1d.weight, cache.conv[self.state_index], meta)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta, g = fused.gdn_gates(b, a, self.A_log, self.dt_bias)  # g in fp32
         out = gated_delta_rule(
             q.reshape(tokens, self.nk, self.dk), k.reshape(tokens, self.nk, self.dk),
-            v.reshape(tokens, self.nv, self.dv), g, beta, cache.ssm[self.state_index], meta,
+            v.reshape(tokens, self.nv, self.dv), GDNGates(b, a, self.A_log, self.dt_bias), cache.ssm[self.state_index],
+            meta,
         )
         out = self.norm(out, z.reshape(tokens, self.nv, self.dv))
         return self.out_proj(out.reshape(tokens, self.value_dim))
