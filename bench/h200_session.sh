@@ -122,7 +122,8 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       # GDN kernels' (the one-step and multi-position kernels after sharing their helpers)
       timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py tests/test_kernels.py \
         -k "mma or rows_like or kernels_on_cuda or verify_gdn_steps or recurrent or gdn" > $out/pytest_s30.log 2>&1 ;;
-    gates_ab)  # s31: the GDN gates in the recurrent kernels (raw projections) against their own kernel first
+    gates_ab)  # s31: the GDN gates in the recurrent kernels (the ba projection's split-K partial sums reduced there too)
+      # against the gates kernel and the reduction first (NINFER_FUSED_GDN_GATES)
       knob_ab NINFER_FUSED_GDN_GATES gates ;;
     pytest_s31)  # s31: the recurrent kernels on raw gate projections (bitwise), the GDN verify kernels, the mma GEMV's
       # paired weights, and the speculative CUDA tests (greedy output equal with drafts, on graphs)

@@ -322,6 +322,38 @@ def test_non_linear_modules_merge_through_concat_and_types_stay_apart():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(project(gdn, _GDN_PROJ, h), before))
 
 
+@needs_interpreter
+def test_project_hands_a_separate_decode_linear_out_as_split_sums(monkeypatch):
+    """An NVFP4 GDN layer's bf16 b/a projection (its own merged DecodeLinear) comes back from project(split_sums=...)
+    as the skinny GEMM's unreduced partial sums, which the recurrent kernels reduce themselves; reduced they are
+    what the plain projection returns, bit for bit (serving.md: speculative backends preserve protocol output, and a
+    decode step must not change with the launch that computes it). Members merged with other outputs (qkv, z) and
+    layers without the GEMM come back as tensors."""
+    from ninfer.kernels import backend, linear
+    from ninfer.kernels.linear import SplitSums, use_decode_linears_
+    from ninfer.models.qwen3_5 import _GDN_PROJ, QWEN3_6_SHAPES, GatedDeltaNet
+
+    gdn = GatedDeltaNet(QWEN3_6_SHAPES["tiny-qwen3.6"], 0)
+    for n in ("in_proj_qkv", "in_proj_z"):
+        setattr(gdn, n, _FakeQuantLinear(getattr(gdn, n).weight))
+    fuse_projections_(gdn)
+    use_decode_linears_(gdn)
+    h = torch.randn(2, 64)
+    plain = project(gdn, _GDN_PROJ, h)
+    split = ("in_proj_b", "in_proj_a")
+    assert all(isinstance(t, torch.Tensor) for t in project(gdn, _GDN_PROJ, h, split_sums=split))  # CPU: F.linear
+    # the Triton GEMM under the interpreter, in fp32 (the interpreter's bf16 GEMM is not faithful)
+    monkeypatch.setattr(backend, "use_triton", lambda *_: True)
+    monkeypatch.setattr(linear, "_DTYPES", (torch.float32,))
+    gemm = project(gdn, _GDN_PROJ, h)
+    got = project(gdn, _GDN_PROJ, h, split_sums=split)
+    assert all(isinstance(t, torch.Tensor) for t in got[:2]) and all(isinstance(t, SplitSums) for t in got[2:])
+    assert all(torch.equal(t.total(), want) for t, want in zip(got[2:], gemm[2:]))
+    assert all(torch.allclose(t.total(), want, atol=1e-5) for t, want in zip(got[2:], plain[2:]))
+    # b merged with qkv (as in a bf16 model's single projection): never partial sums
+    assert all(isinstance(t, torch.Tensor) for t in project(gdn, _GDN_PROJ, h, split_sums=("in_proj_b",)))
+
+
 def test_merge_linears_with_bias():
     mods = [nn.Linear(8, n, bias=True) for n in (3, 5)]
     merged = merge_linears(mods)

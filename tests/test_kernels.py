@@ -218,6 +218,31 @@ def _raw_gates_case(device, dtype, b: int, steps: int, hk=2, hv=4, dk=32, dv=32)
                                                       raw_gates=(a_log, dt_bias))
     assert torch.equal(got, want) and torch.equal(got_state, want_state)
 
+    # b and a as the skinny GEMM's unreduced split-K partial sums (the NVFP4 27B's bf16 ba projection), against
+    # the values of the GEMM's own reduced output
+    from ninfer.kernels import triton_gemv
+
+    if device == "cuda" or dtype == torch.float32:  # (the interpreter's bf16 GEMM is not faithful)
+        x, w_ba = rand(rows, 4096), rand(2 * hv, 4096, scale=0.05)
+        like = b if steps > 1 else None  # a verify's rows compute as its decode step's b rows (as the engine's)
+        part = triton_gemv.gemv_split_sums(x, w_ba, rows_like=like)
+        assert part.shape[0] > 1 and part.dtype == torch.float32  # split: what there is to reduce
+        ba = triton_gemv.gemv(x, w_ba, rows_like=like)
+        assert torch.equal(triton_gemv.split_sums_total(part, dtype), ba)
+    else:  # partial sums of their own, reduced by the GEMM's reduction
+        part = (torch.randn(3, rows, 2 * hv, generator=gen) * 3).to(device)
+        ba = triton_gemv.split_sums_total(part, dtype)
+    beta, g = triton_fused.gdn_gates(ba[:, :hv], ba[:, hv:], a_log, dt_bias)
+    for kernel, slot_args in ((triton_gdn.recurrent_gated_delta_rule, dict(state_in=None, slot_in=slots)),
+                              (triton_gdn.recurrent_gated_delta_rule_steps, dict(state=None, slot_in=own,
+                                                                                 slot_out=slot_out))):
+        want_state, got_state = state.clone(), state.clone()
+        state_key = next(key for key in slot_args if key.startswith("state"))
+        want = kernel(q, k, v, g, beta, **(slot_args | {state_key: want_state}))
+        got = kernel(q, k, v, part[..., hv:], part[..., :hv], **(slot_args | {state_key: got_state}),
+                     raw_gates=(a_log, dt_bias))
+        assert torch.equal(got, want) and torch.equal(got_state, want_state)
+
 
 @needs_interpreter
 def test_recurrent_kernels_compute_the_gates_from_raw_projections_in_interpreter():

@@ -29,24 +29,27 @@ import torch.nn.functional as F
 
 from ninfer.forward import ForwardBatch
 from ninfer.kernels.backend import use_fla, use_triton
+from ninfer.kernels.linear import SplitSums
 
 # a verify batch's GDN positions in one launch per layer (triton_gdn.conv1d_steps, recurrent_gated_delta_rule_steps),
 # bit for bit the one-step kernels' results; NINFER_FUSED_VERIFY_STEPS=0 launches one kernel a position (A/B benchmarks)
 FUSED_VERIFY_STEPS = os.environ.get("NINFER_FUSED_VERIFY_STEPS", "1") != "0"
 # the decode and verify kernels compute the gates from the raw projections (triton_gdn's raw_gates), bit for bit the
-# gates kernel's values; NINFER_FUSED_GDN_GATES=0 launches that kernel first (A/B benchmarks)
+# gates kernel's values, reducing a separate b/a projection's split-K partial sums themselves (the NVFP4 27B's bf16
+# b/a: 96 launches a forward fewer in all); NINFER_FUSED_GDN_GATES=0 launches the reduction and gates first (A/B)
 FUSED_GATES = os.environ.get("NINFER_FUSED_GDN_GATES", "1") != "0"
 CHUNK_SIZE = 64  # chunk length of the chunked delta rule (the FLA kernels use 64 as well)
 
 
 @dataclass
 class GDNGates:
-    """A GDN layer's gate inputs: its projections b, a [T, Hv] (column views of the fused projection are fine) and
-    its A_log, dt_bias [Hv]. The Triton decode and verify kernels compute beta and g from them in their own programs;
-    every other path takes `values()`."""
+    """A GDN layer's gate inputs: its projections b, a [T, Hv] (column views of the fused projection are fine; on the
+    decode path possibly the skinny GEMM's unreduced partial sums, linear.SplitSums) and its A_log, dt_bias [Hv].
+    The Triton decode and verify kernels compute beta and g from them in their own programs (summing partial sums
+    themselves); every other path takes `values()`."""
 
-    b: torch.Tensor
-    a: torch.Tensor
+    b: torch.Tensor | SplitSums
+    a: torch.Tensor | SplitSums
     a_log: torch.Tensor
     dt_bias: torch.Tensor
 
@@ -54,14 +57,25 @@ class GDNGates:
         """(beta [T, Hv] in b's dtype, g [T, Hv] fp32): fused.gdn_gates."""
         from ninfer.kernels import fused
 
-        return fused.gdn_gates(self.b, self.a, self.a_log, self.dt_bias)
+        b, a = (t.total() if isinstance(t, SplitSums) else t for t in (self.b, self.a))
+        return fused.gdn_gates(b, a, self.a_log, self.dt_bias)
 
-    def kernel_args(self) -> dict:
-        """The Triton recurrent kernels' gate arguments: the raw projections (FUSED_GATES), else the values."""
-        if FUSED_GATES:
-            return dict(g=self.a, beta=self.b, raw_gates=(self.a_log, self.dt_bias))
-        beta, g = self.values()
-        return dict(g=g, beta=beta)
+    def kernel_args(self, dtype: torch.dtype) -> dict:
+        """The Triton recurrent kernels' gate arguments for v of `dtype`: the raw projections (FUSED_GATES; partial
+        sums as [S, T, Hv] views), else the values."""
+        if not FUSED_GATES:
+            beta, g = self.values()
+            return dict(g=g, beta=beta)
+        assert self.b.dtype == self.a.dtype == dtype
+        b, a = (t.partials[..., t.start:t.start + t.size] if isinstance(t, SplitSums) else t for t in (self.b, self.a))
+        return dict(g=a, beta=b, raw_gates=(self.a_log, self.dt_bias))
+
+
+def takes_raw_gates(x: torch.Tensor, meta: GDNMetadata) -> bool:
+    """Whether gated_delta_rule hands this batch's gate projections to a Triton kernel raw, which can then take them
+    as unreduced partial sums (project's split_sums)."""
+    triton_path = meta.is_decode or (meta.verify_steps is not None and FUSED_VERIFY_STEPS)
+    return FUSED_GATES and triton_path and use_triton(x)
 
 
 @dataclass
@@ -201,7 +215,7 @@ def gated_delta_rule(
         from ninfer.kernels import triton_gdn
 
         return triton_gdn.recurrent_gated_delta_rule(q, k, v, state_in=ssm_cache, slot_in=meta.state_slots,
-                                                     has_initial_state=meta.has_initial_state, **gates.kernel_args())
+                                                     has_initial_state=meta.has_initial_state, **gates.kernel_args(v.dtype))
     beta, g = gates.values()
     initial = _gather_state(ssm_cache, meta)
     if meta.is_decode:
@@ -260,7 +274,7 @@ def _delta_rule_steps(q, k, v, gates: GDNGates, ssm_cache: torch.Tensor, meta: G
 
         if FUSED_VERIFY_STEPS:
             return triton_gdn.recurrent_gated_delta_rule_steps(q, k, v, state=ssm_cache, slot_in=meta.verify_steps[0][0],
-                                                               slot_out=meta.verify_out_slots, **gates.kernel_args())
+                                                               slot_out=meta.verify_out_slots, **gates.kernel_args(v.dtype))
     beta, g = gates.values()  # (the one-step launches below take the values: the gates kernel's, bit for bit)
     o = torch.empty_like(v)
     qs, ks, vs, gs, bs, os_ = (_by_position(t, meta) for t in (q, k, v, g, beta, o))

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,38 @@ class DecodeLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def split_sums(self, x: torch.Tensor) -> "SplitSums | None":
+        """The output before the Triton GEMM's split-K reduction, for a consumer that sums the splits itself
+        (one launch fewer); None where forward would not run that GEMM (or the layer has a bias)."""
+        if self.bias is not None or x.dim() != 2 or not takes_gemv(x, self.weight):
+            return None
+        from ninfer.kernels import triton_gemv
+
+        return SplitSums(triton_gemv.gemv_split_sums(x, self.weight, rows_like=rows_like.current), 0,
+                         self.out_features, x.dtype)
+
+
+@dataclass
+class SplitSums:
+    """Columns [start, start + size) of a decode-sized linear's output, kept as the Triton GEMM's fp32 partial
+    sums [S, M, N] (triton_gemv.gemv_split_sums). The consumer sums the S splits in order from 0.0 and rounds
+    to `dtype`, which is the linear's output bit for bit; `total()` does that with the GEMM's own reduction."""
+
+    partials: torch.Tensor
+    start: int
+    size: int
+    dtype: torch.dtype
+
+    def narrow(self, dim: int, start: int, size: int) -> "SplitSums":
+        """Columns [start, start + size) of these (dim -1 only, as a merged projection's views take them)."""
+        assert dim == -1
+        return SplitSums(self.partials, self.start + start, size, self.dtype)
+
+    def total(self) -> torch.Tensor:
+        from ninfer.kernels import triton_gemv
+
+        return triton_gemv.split_sums_total(self.partials, self.dtype).narrow(-1, self.start, self.size)
 
 
 def use_decode_linears_(model: nn.Module) -> int:

@@ -16,8 +16,9 @@
   per sequence per token). Measured on the H200 at the 27B shape, 8 sequences: 19.5 us against
   135 us for fla's kernel with the gather and scatter around it.
 - Both recurrent kernels can take the gate projections a, b raw (`raw_gates`) and compute beta and g
-  in their programs with the gates kernel's arithmetic (triton_fused.gdn_gate_values): a decode or
-  verify forward of the 27B then launches 48 kernels fewer.
+  in their programs with the gates kernel's arithmetic (triton_fused.gdn_gate_values), even as the
+  skinny GEMM's unreduced split-K partial sums (triton_gemv.gemv_split_sums, summed here as its
+  reduction sums them): a decode or verify forward of the 27B NVFP4 then launches 96 kernels fewer.
 
 All take device tensors only and read no lengths on the host: CUDA-graph capturable. The torch
 references in `ninfer.kernels.gdn` are the oracle.
@@ -54,12 +55,27 @@ def _window_col(window, offs_w, i: tl.constexpr):
 
 
 @triton.jit
+def _gate_input(P, row, hv, stride_row, stride_split, SPLIT: tl.constexpr, V):
+    """A raw gate projection's value at (row, head hv) in fp32: loaded (SPLIT 0), or its SPLIT fp32 partial sums
+    added in order from 0.0 and rounded to V's dtype, as triton_gemv's split-K reduction computes the output."""
+    if SPLIT == 0:
+        out = tl.load(P + row * stride_row + hv).to(tl.float32)
+    else:
+        acc = 0.0  # the reduction's start
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(P + s * stride_split + row * stride_row + hv)
+        out = acc.to(V.dtype.element_ty).to(tl.float32)
+    return out
+
+
+@triton.jit
 def _delta_rule_step(h, Q, K, V, G, BETA, A_LOG, DT_BIAS, row, hk, hv, offs_k, offs_v, kmask, vmask, scale,
-                     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn,
-                     L2NORM: tl.constexpr, RAW_GATES: tl.constexpr):
+                     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_gs,
+                     L2NORM: tl.constexpr, RAW_GATES: tl.constexpr, SPLIT: tl.constexpr):
     """One gated delta rule position of value head hv (fp32 state h [BK, BV]): the updated state and the output.
-    RAW_GATES: G and BETA hold the projections a and b, and the gates are computed here as the gates kernel
-    computes them (beta rounded to b's dtype as that kernel stores it), one launch a layer fewer."""
+    RAW_GATES: G and BETA hold the projections a and b (in v's dtype; SPLIT > 0: as SPLIT fp32 partial sums,
+    stride_gs apart), and the gates are computed here as the gates kernel computes them (beta rounded to v's
+    dtype as that kernel stores it), one launch a layer fewer (two with the partial sums)."""
     q = tl.load(Q + row * stride_qn + hk * stride_qh + offs_k, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(K + row * stride_kn + hk * stride_kh + offs_k, mask=kmask, other=0.0).to(tl.float32)
     if L2NORM:  # eps inside the sqrt, as fla and transformers do
@@ -67,12 +83,15 @@ def _delta_rule_step(h, Q, K, V, G, BETA, A_LOG, DT_BIAS, row, hk, hv, offs_k, o
         k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
     q = q * scale
     v = tl.load(V + row * stride_vn + hv * stride_vh + offs_v, mask=vmask, other=0.0).to(tl.float32)
-    g = tl.load(G + row * stride_gn + hv).to(tl.float32)
-    beta = tl.load(BETA + row * stride_bn + hv).to(tl.float32)
     if RAW_GATES:
-        beta, g = gdn_gate_values(beta, g, tl.load(A_LOG + hv).to(tl.float32), tl.load(DT_BIAS + hv).to(tl.float32),
+        b = _gate_input(BETA, row, hv, stride_bn, stride_gs, SPLIT, V)
+        a = _gate_input(G, row, hv, stride_gn, stride_gs, SPLIT, V)
+        beta, g = gdn_gate_values(b, a, tl.load(A_LOG + hv).to(tl.float32), tl.load(DT_BIAS + hv).to(tl.float32),
                                   _SOFTPLUS)
-        beta = beta.to(BETA.dtype.element_ty).to(tl.float32)
+        beta = beta.to(V.dtype.element_ty).to(tl.float32)
+    else:
+        g = tl.load(G + row * stride_gn + hv).to(tl.float32)
+        beta = tl.load(BETA + row * stride_bn + hv).to(tl.float32)
     h = h * tl.exp(g)  # decay before the delta read
     v_new = (v - tl.sum(h * k[:, None], 0)) * beta
     h = h + k[:, None] * v_new[None, :]
@@ -147,11 +166,11 @@ def _recurrent_kernel(
     Q, K, V, G, BETA, A_LOG, DT_BIAS, OP, H_IN, H_OUT, SLOT_IN, SLOT_OUT, HAS_INIT,
     scale,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_gn, stride_bn, stride_on, stride_oh,
+    stride_gn, stride_bn, stride_gs, stride_on, stride_oh,
     stride_hin_s, stride_hout_s,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, USE_INIT_MASK: tl.constexpr,
-    RAW_GATES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    RAW_GATES: tl.constexpr = False, SPLIT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     pid = tl.program_id(0).to(tl.int64)
@@ -173,7 +192,7 @@ def _recurrent_kernel(
         h = tl.where(keep, h, tl.zeros_like(h))  # a fresh sequence's slot may hold anything, even NaN
     h, o = _delta_rule_step(h, Q, K, V, G, BETA, A_LOG, DT_BIAS, n, hk, hv, offs_k, offs_v, kmask, vmask, scale,
                             stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn,
-                            L2NORM, RAW_GATES)
+                            stride_gs, L2NORM, RAW_GATES, SPLIT)
     tl.store(OP + n * stride_on + hv * stride_oh + offs_v, o.to(OP.dtype.element_ty), mask=vmask)
     tl.debug_barrier()  # in place: every read of the old state before any write
     tl.store(H_OUT + slot_out * stride_hout_s + offs_h, h.to(H_OUT.dtype.element_ty), mask=hmask)
@@ -220,10 +239,10 @@ def _recurrent_steps_kernel(
     Q, K, V, G, BETA, A_LOG, DT_BIAS, OP, H, SLOT_IN, SLOT_OUT,
     scale, B,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_gn, stride_bn, stride_on, stride_oh, stride_h_s,
+    stride_gn, stride_bn, stride_gs, stride_on, stride_oh, stride_h_s,
     STEPS: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, RAW_GATES: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     """_recurrent_kernel for STEPS positions of each sequence in one launch (rows n * STEPS + j): the state is read
     once, kept in registers (rounded to the cache's dtype after each position, as a store and a reload would) and
@@ -247,12 +266,23 @@ def _recurrent_steps_kernel(
         row = n * STEPS + j
         h, o = _delta_rule_step(h, Q, K, V, G, BETA, A_LOG, DT_BIAS, row, hk, hv, offs_k, offs_v, kmask, vmask,
                                 scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn,
-                                stride_bn, L2NORM, RAW_GATES)
+                                stride_bn, stride_gs, L2NORM, RAW_GATES, SPLIT)
         tl.store(OP + row * stride_on + hv * stride_oh + offs_v, o.to(OP.dtype.element_ty), mask=vmask)
         slot_out = tl.load(SLOT_OUT + j * B + n).to(tl.int64)
         kept = h.to(H.dtype.element_ty)
         tl.store(H + slot_out * stride_h_s + offs_h, kept, mask=hmask)
         h = kept.to(tl.float32)
+
+
+def _gate_layout(g: torch.Tensor, beta: torch.Tensor, v: torch.Tensor, raw_gates) -> tuple[tuple[int, int, int], int]:
+    """The recurrent kernels' gate strides (row of g, row of beta, split) and split count (0: plain [N, Hv] rows)."""
+    if g.dim() == 3:  # raw projections as split-K partial sums [S, N, Hv], views of one tensor
+        assert raw_gates is not None and g.dtype == beta.dtype == torch.float32
+        assert g.shape[0] == beta.shape[0] and g.stride()[::2] == beta.stride()[::2] and g.stride(2) == 1
+        return (g.stride(1), beta.stride(1), g.stride(0)), g.shape[0]
+    assert g.stride(1) == 1 and beta.stride(1) == 1
+    assert raw_gates is None or g.dtype == beta.dtype == v.dtype  # (the kernel rounds beta to v's dtype)
+    return (g.stride(0), beta.stride(0), 0), 0
 
 
 def _slots(n: int, device: torch.device) -> torch.Tensor:
@@ -325,12 +355,14 @@ def recurrent_gated_delta_rule(
     """One token per sequence. q, k: [N, Hk, Dk]; v: [N, Hv, Dv]; g (log decay), beta: [N, Hv];
     state_in/state_out: [S, Hv, Dk, Dv] fp32 read at slot_in[n], written at slot_out[n] (defaults:
     rows 0..N-1, in place). raw_gates: the layer's (A_log, dt_bias) [Hv]; g and beta are then the
-    projections a and b, and the kernel computes fused.gdn_gates' values itself (bit for bit
-    triton_fused.gdn_gates'). -> o [N, Hv, Dv] in v's dtype (into `out` when given)."""
+    projections a and b in v's dtype, [N, Hv], or as the skinny GEMM's fp32 partial sums [S, N, Hv]
+    (views of one gemv_split_sums result), and the kernel computes fused.gdn_gates' values itself
+    (bit for bit triton_fused.gdn_gates' on the reduced projections). -> o [N, Hv, Dv] in v's dtype
+    (into `out` when given)."""
     num, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
-    assert g.stride(1) == 1 and beta.stride(1) == 1
+    gate_strides, split = _gate_layout(g, beta, v, raw_gates)
     state_out = state_in if state_out is None else state_out
     for s in (state_in, state_out):
         assert s.shape[1:] == (hv, dk, dv) and s[0].is_contiguous()
@@ -347,9 +379,9 @@ def recurrent_gated_delta_rule(
         has_initial_state if has_initial_state is not None else slot_in,
         scale if scale is not None else dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state_in.stride(0), state_out.stride(0),
+        *gate_strides, o.stride(0), o.stride(1), state_in.stride(0), state_out.stride(0),
         HK=hk, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, L2NORM=use_qk_l2norm,
-        USE_INIT_MASK=has_initial_state is not None, RAW_GATES=raw_gates is not None, num_warps=num_warps,
+        USE_INIT_MASK=has_initial_state is not None, RAW_GATES=raw_gates is not None, SPLIT=split, num_warps=num_warps,
         **pdl_launch(q.device),
     )
     return o
@@ -393,7 +425,8 @@ def recurrent_gated_delta_rule_steps(
     _, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     assert q.shape[0] == b * steps and slot_out.is_contiguous()
-    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and g.stride(1) == 1 and beta.stride(1) == 1
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+    gate_strides, split = _gate_layout(g, beta, v, raw_gates)
     assert state.shape[1:] == (hv, dk, dv) and state[0].is_contiguous()
     o = torch.empty((q.shape[0], hv, dv), dtype=v.dtype, device=v.device)
     if b == 0:
@@ -404,8 +437,8 @@ def recurrent_gated_delta_rule_steps(
         q, k, v, g, beta, a_log, dt_bias, o, state, slot_in, slot_out,
         scale if scale is not None else dk**-0.5, b,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state.stride(0),
+        *gate_strides, o.stride(0), o.stride(1), state.stride(0),
         STEPS=steps, HK=hk, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, L2NORM=use_qk_l2norm,
-        RAW_GATES=raw_gates is not None, num_warps=num_warps, **pdl_launch(q.device),
+        RAW_GATES=raw_gates is not None, SPLIT=split, num_warps=num_warps, **pdl_launch(q.device),
     )
     return o

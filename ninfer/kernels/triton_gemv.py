@@ -323,6 +323,48 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     rows_like (speculative verification): compute every row exactly as a product of `rows_like` rows
     computes it (that problem's config and row block, the rows in blocks of it, up to MAX_ROWS_LIKE
     rows in all), so a verified position rounds as a plain decode step of the same batch does."""
+    x2, m, n, k = _rows(x, weight, rows_like)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.reshape(*x.shape[:-1], n)
+    if k == 0:
+        y.zero_()
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], n)
+    plan = _plan(x2, m, n, k, config, rows_like)
+    if plan.split == 1:
+        _run(plan, x2, weight, bias, y, y.stride(0), 0)
+    else:
+        part = torch.empty((plan.split, m, n), dtype=torch.float32, device=x.device)
+        _run(plan, x2, weight, None, part, n, m * n)
+        _reduce(part, bias, y)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def gemv_split_sums(x: torch.Tensor, weight: torch.Tensor, rows_like: int | None = None) -> torch.Tensor:
+    """gemv(x, weight) (no bias) before its split-K reduction: fp32 partial sums [S, M, N] (S = 1 unsplit) of
+    the 2-D x's M rows. Summed in order 0..S-1 from 0.0 and rounded to x's dtype they are gemv's output bit for
+    bit (`split_sums_total`), so a consumer that sums them itself saves the reduction's launch."""
+    x2, m, n, k = _rows(x, weight, rows_like)
+    if m == 0 or n == 0 or k == 0:
+        return torch.zeros((1, m, n), dtype=torch.float32, device=x.device)
+    plan = _plan(x2, m, n, k, None, rows_like)
+    part = torch.empty((plan.split, m, n), dtype=torch.float32, device=x.device)
+    _run(plan, x2, weight, None, part, n, m * n)
+    return part
+
+
+def split_sums_total(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """gemv_split_sums' partials [S, M, N] reduced: [M, N] in `dtype`, what gemv returns."""
+    y = torch.empty(part.shape[1:], dtype=dtype, device=part.device)
+    if y.numel():
+        _reduce(part, None, y)
+    return y
+
+
+def _rows(x: torch.Tensor, weight: torch.Tensor, rows_like: int | None):
+    """x as 2-D rows with a contiguous last dim, checked against the weight: (x2, M, N, K)."""
     k = x.shape[-1]
     n = weight.shape[0]
     if weight.shape[-1] != k or weight.stride(-1) != 1:
@@ -333,48 +375,55 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     m = x2.shape[0]
     if m > (MAX_ROWS_LIKE if rows_like else MAX_M):
         raise ValueError(f"gemv: {m} rows > {MAX_ROWS_LIKE if rows_like else MAX_M}")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return y.reshape(*x.shape[:-1], n)
-    if k == 0:
-        y.zero_()
-        if bias is not None:
-            y += bias
-        return y.reshape(*x.shape[:-1], n)
+    return x2, m, n, k
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One product's launch: kernel, grid, constexprs, the K split and its piece length."""
+
+    kernel: object
+    grid: tuple
+    common: dict
+    extra: tuple
+    split: int
+    k_per_split: int
+
+
+def _plan(x2: torch.Tensor, m: int, n: int, k: int, config: GemvConfig | None, rows_like: int | None) -> _Plan:
     like = rows_like or m
     if config is None:
-        cfg = pick_config(like, n, k, x.device, x.dtype)
+        cfg = pick_config(like, n, k, x2.device, x2.dtype)
     else:
-        cfg = resolve_config(config, like, n, k, x.device, x.dtype)
+        cfg = resolve_config(config, like, n, k, x2.device, x2.dtype)
     block_m = 16 if cfg.dot else triton.next_power_of_2(like)
-    split = cfg.split_k
-    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # no empty pieces
-    even_k = k % cfg.block_k == 0
-    has_bias = bias is not None
-    b = bias if has_bias else weight  # unused pointer
     row_blocks = triton.cdiv(m, block_m)
     per_program = _blocks_per_program(cfg, block_m, row_blocks) if rows_like and MULTI_ROW_FMA else 1
     groups = triton.cdiv(row_blocks, per_program)
     grid = (triton.cdiv(n, cfg.block_n) * groups, split)
-    common = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k,
-                  NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **pdl_launch(x.device))
+    common = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+                  NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **pdl_launch(x2.device))
     if per_program > 1:
-        kernel, common = _gemv_fma_rows_kernel, dict(common, BLOCKS_PER_PROGRAM=per_program)
-        extra = (groups,)
-    else:
-        kernel, common = _gemv_kernel, dict(common, USE_DOT=cfg.dot, IEEE=x.dtype == torch.float32,
-                                            ROW_BLOCKS=row_blocks)
-        extra = ()
-    if split == 1:
-        kernel[grid](x2, weight, b, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), 0,
-                     k_per_split, *extra, HAS_BIAS=has_bias, **common)
-    else:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        kernel[grid](x2, weight, b, part, m, n, k, x2.stride(0), weight.stride(0), n, m * n,
-                     k_per_split, *extra, HAS_BIAS=False, **common)
-        block = min(1024, triton.next_power_of_2(n))
-        _splitk_reduce_kernel[(triton.cdiv(n, block), m)](part, b, y, m, n, y.stride(0), SPLIT_K=split,
-                                                          HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
-                                                          **pdl_launch(x.device))
-    return y.reshape(*x.shape[:-1], n)
+        return _Plan(_gemv_fma_rows_kernel, grid, dict(common, BLOCKS_PER_PROGRAM=per_program), (groups,), split,
+                     k_per_split)
+    common = dict(common, USE_DOT=cfg.dot, IEEE=x2.dtype == torch.float32, ROW_BLOCKS=row_blocks)
+    return _Plan(_gemv_kernel, grid, common, (), split, k_per_split)
+
+
+def _run(plan: _Plan, x2, weight, bias, out, stride_out: int, stride_split: int) -> None:
+    """The product into `out`: the output (unsplit) or fp32 partials (stride_split between splits)."""
+    m, k = x2.shape
+    b = bias if bias is not None else weight  # unused pointer
+    plan.kernel[plan.grid](x2, weight, b, out, m, weight.shape[0], k, x2.stride(0), weight.stride(0), stride_out,
+                           stride_split, plan.k_per_split, *plan.extra, HAS_BIAS=bias is not None, **plan.common)
+
+
+def _reduce(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+    """y = the splits of `part` summed in order (+ bias), in y's dtype."""
+    split, m, n = part.shape
+    block = min(1024, triton.next_power_of_2(n))
+    _splitk_reduce_kernel[(triton.cdiv(n, block), m)](part, bias if bias is not None else part, y, m, n,
+                                                      y.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None,
+                                                      BLOCK=block, num_warps=4, **pdl_launch(part.device))

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ninfer.kernels import fused
+from ninfer.kernels.linear import DecodeLinear, SplitSums
 
 
 class RMSNorm(nn.Module):
@@ -183,23 +184,26 @@ def fuse_linears_(owner: nn.Module, merged_name: str, names: Sequence[str]) -> i
     return made
 
 
-def project(owner: nn.Module, names: Sequence[str], x: torch.Tensor) -> list[torch.Tensor]:
+def project(owner: nn.Module, names: Sequence[str], x: torch.Tensor,
+            split_sums: Sequence[str] = ()) -> list[torch.Tensor | SplitSums]:
     """Outputs of owner's linears `names` on x: column views of a merged matmul where merged (each
-    merged module runs once), else each module's own output."""
-    plan = owner.__dict__.get("_proj_plan")
-    if not plan:
-        return [owner.get_submodule(n)(x) for n in names]
+    merged module runs once), else each module's own output. split_sums: names whose output may come
+    back as the Triton GEMM's partial sums (linear.SplitSums, for a consumer that reduces them itself),
+    where their module is a DecodeLinear whose other members are all in split_sums too."""
+    plan = owner.__dict__.get("_proj_plan") or {}
+    members: dict[str, set[str]] = {}
+    for name, (attr, _, _) in plan.items():
+        members.setdefault(attr, set()).add(name)
     outs, done = [], {}
     for n in names:
-        entry = plan.get(n)
-        if entry is None:
-            outs.append(owner.get_submodule(n)(x))
-            continue
-        attr, start, size = entry
+        attr, start, size = plan.get(n) or (n, 0, None)
         y = done.get(attr)
         if y is None:
-            y = done[attr] = getattr(owner, attr)(x)
-        outs.append(y.narrow(-1, start, size))
+            module = owner.get_submodule(attr)
+            if n in split_sums and isinstance(module, DecodeLinear) and members.get(attr, {n}) <= set(split_sums):
+                y = module.split_sums(x)
+            y = done[attr] = module(x) if y is None else y
+        outs.append(y if size is None else y.narrow(-1, start, size))
     return outs
 
 

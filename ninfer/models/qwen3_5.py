@@ -18,7 +18,7 @@ from torch import nn
 from ninfer.forward import CacheSpec, ForwardBatch, ModelCache
 from ninfer.kernels import fused
 from ninfer.kernels.attention import paged_attention
-from ninfer.kernels.gdn import GDNGates, GDNMetadata, gated_delta_rule, short_conv
+from ninfer.kernels.gdn import GDNGates, GDNMetadata, gated_delta_rule, short_conv, takes_raw_gates
 from ninfer.kernels.linear import linear
 from ninfer.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, fuse_projections_, project
 from ninfer.models.moe import SparseMoeBlock
@@ -161,7 +161,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cache: ModelCache, meta: GDNMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         # column views of one matmul once fused: each consumer reads its slice in place (no copies)
-        qkv, z, b, a = project(self, _GDN_PROJ, x)
+        # b, a: possibly the skinny GEMM's partial sums, which the recurrent kernel reduces itself (one launch fewer)
+        split = ("in_proj_b", "in_proj_a") if takes_raw_gates(x, meta) else ()
+        qkv, z, b, a = project(self, _GDN_PROJ, x, split_sums=split)
         qkv = short_conv(qkv, self.conv1d.weight, cache.conv[self.state_index], meta)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         out = gated_delta_rule(
