@@ -128,7 +128,7 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     pytest_s31)  # s31: the recurrent kernels on raw gate projections (bitwise), the GDN verify kernels, the mma GEMV's
       # paired weights, and the speculative CUDA tests (greedy output equal with drafts, on graphs)
       timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py tests/test_kernels.py \
-        -k "mma or rows_like or raw_projections or verify_gdn_steps or greedy" > $out/pytest_s31.log 2>&1
+        -k "${S31_K:-mma or rows_like or raw_projections or verify_gdn_steps or greedy}" > $out/pytest_s31.log 2>&1
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_speculative.py \
         tests/test_mtp.py > $out/pytest_s31_spec.log 2>&1 ;;
     lm_head_c1)  # s30: MTP3 at C=1 (NVFP4 heads, drafting ahead) on an artifact whose lm_head is NVFP4 too
