@@ -273,6 +273,9 @@ def main() -> None:
     p.add_argument("--drafts", type=int, default=3)
     p.add_argument("--acceptance", type=float, nargs="+", default=[1.5, 2.5, 3.5])
     p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--kv-capacity", type=int, default=65536,
+                   help="KV cache tokens at least (as a served engine's: attention's split count follows capacity; "
+                        "s31: before this, C=1 ran 1-2 splits where a server runs 64)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--reference", choices=["decode", "verify"], default="decode",
                    help="the continuation the oracle proposes and outputs are compared with: plain decoding's, "
@@ -335,7 +338,8 @@ def main() -> None:
     # KV for every lane at once: with one sequence's worth (kv_capacity=None), "C = 8" ran the requests one
     # after another (s13 / s14's C = 8 figures were C = 1 eight times)
     settings = EngineSettings(max_context=context, max_concurrency=lanes,
-                              draft_tokens=args.drafts, prefix_reuse=False, kv_capacity=lanes * context,
+                              draft_tokens=args.drafts, prefix_reuse=False,
+                              kv_capacity=max(lanes * context, args.kv_capacity),
                               exact_verify=not args.fast_verify, adaptive_drafts=args.adaptive)
     oracle = OracleProposer({}, vocab=1000, seed=1)
     proposer = oracle

@@ -31,6 +31,8 @@ def main() -> None:
     p.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument("--context", type=int, default=1024, help="tokens already in each sequence's cache")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--kv-capacity", type=int, default=65536,
+                   help="KV cache tokens at least (as a served engine's: attention's split count follows capacity)")
     p.add_argument("--fast-verify", action="store_true",
                    help="verify rows as one matmul pass (EngineSettings.exact_verify=False)")
     p.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU, two steps")
@@ -54,7 +56,8 @@ def main() -> None:
     prepare_for_inference_(model)
     page, lanes = 16, max(args.concurrency)
     lane_pages = -(-(args.context + max(args.drafts) + args.steps * (max(args.drafts) + 1) + 8) // page)
-    runner = ModelRunner(model, num_pages=lanes * lane_pages, page_size=page, num_state_slots=lanes, num_lanes=lanes,
+    num_pages = max(lanes * lane_pages, -(-args.kv_capacity // page))
+    runner = ModelRunner(model, num_pages=num_pages, page_size=page, num_state_slots=lanes, num_lanes=lanes,
                          vocab_size=cfg["vocab_size"], device=device, dtype=dtype, cuda_graphs=True,
                          max_seq_len=lane_pages * page, draft_tokens=max(args.drafts),
                          exact_verify=not args.fast_verify)
