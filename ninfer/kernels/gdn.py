@@ -215,7 +215,8 @@ def gated_delta_rule(
         from ninfer.kernels import triton_gdn
 
         return triton_gdn.recurrent_gated_delta_rule(q, k, v, state_in=ssm_cache, slot_in=meta.state_slots,
-                                                     has_initial_state=meta.has_initial_state, **gates.kernel_args(v.dtype))
+                                                     has_initial_state=meta.has_initial_state,
+                                                     **gates.kernel_args(v.dtype))
     beta, g = gates.values()
     initial = _gather_state(ssm_cache, meta)
     if meta.is_decode:
@@ -273,8 +274,10 @@ def _delta_rule_steps(q, k, v, gates: GDNGates, ssm_cache: torch.Tensor, meta: G
         from ninfer.kernels import triton_gdn
 
         if FUSED_VERIFY_STEPS:
-            return triton_gdn.recurrent_gated_delta_rule_steps(q, k, v, state=ssm_cache, slot_in=meta.verify_steps[0][0],
-                                                               slot_out=meta.verify_out_slots, **gates.kernel_args(v.dtype))
+            return triton_gdn.recurrent_gated_delta_rule_steps(q, k, v, state=ssm_cache,
+                                                               slot_in=meta.verify_steps[0][0],
+                                                               slot_out=meta.verify_out_slots,
+                                                               **gates.kernel_args(v.dtype))
     beta, g = gates.values()  # (the one-step launches below take the values: the gates kernel's, bit for bit)
     o = torch.empty_like(v)
     qs, ks, vs, gs, bs, os_ = (_by_position(t, meta) for t in (q, k, v, g, beta, o))
