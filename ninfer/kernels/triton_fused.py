@@ -57,6 +57,10 @@ def _fused_rmsnorm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    # the weight loaded with x, not after the reduction (the compiler does not move a load above a store to memory it
+    # cannot prove apart): its latency overlaps x's, one memory round trip fewer in a kernel that is mostly latency
+    # at decode batch sizes (one program a row; the same arithmetic)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_ADD:
         h = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
         s = (x + h).to(RES.dtype.element_ty)  # the residual stream in the model dtype, as `x + h`
@@ -67,7 +71,6 @@ def _fused_rmsnorm_kernel(
         xdt = X.dtype.element_ty
     var = tl.sum(x * x, axis=0) / N
     xhat = x * tl.rsqrt(var + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         y = xhat * (1.0 + w)
     else:
@@ -121,13 +124,13 @@ def _fused_gated_rmsnorm_kernel(
     d = tl.arange(0, BLOCK_D)
     mask = d < D
     x = tl.load(X + t * stride_xt + hd * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + d, mask=mask, other=0.0).to(tl.float32)  # (all loads first: see _fused_rmsnorm_kernel)
+    z = tl.load(Z + t * stride_zt + hd * stride_zh + d, mask=mask, other=0.0).to(tl.float32)
     xhat = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     n = xhat.to(X.dtype.element_ty).to(tl.float32)  # normalised x back to the input dtype
-    w = tl.load(W + d, mask=mask, other=0.0).to(tl.float32)
     p = w * n
     if ROUND_WX:  # w * x_hat in the model dtype
         p = p.to(X.dtype.element_ty).to(tl.float32)
-    z = tl.load(Z + t * stride_zt + hd * stride_zh + d, mask=mask, other=0.0).to(tl.float32)
     y = p * (z * tl.sigmoid(z))
     tl.store(Y + t * stride_yt + hd * stride_yh + d, y.to(Y.dtype.element_ty), mask=mask)
 
@@ -252,14 +255,14 @@ def _fused_rope_qk_kernel(
         w_ptr = KW
     x = tl.load(src + d, mask=dmask, other=0.0).to(tl.float32)
     xp = tl.load(src + partner, mask=dmask & rot, other=0.0).to(tl.float32)
+    c = tl.load(COS + t * stride_ct + d, mask=rot, other=1.0).to(tl.float32)  # (loads first: _fused_rmsnorm_kernel)
+    s = tl.load(SIN + t * stride_st + d, mask=rot, other=0.0).to(tl.float32)
     if HAS_NORM:  # zero-centred RMSNorm over the head, rounded to the model dtype (q_norm / k_norm output)
-        r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + partner, mask=dmask & rot, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         x = ((x * r) * (1.0 + w)).to(dt).to(tl.float32)
         xp = ((xp * r) * (1.0 + wp)).to(dt).to(tl.float32)
-    c = tl.load(COS + t * stride_ct + d, mask=rot, other=1.0).to(tl.float32)
-    s = tl.load(SIN + t * stride_st + d, mask=rot, other=0.0).to(tl.float32)
     xp = tl.where(d < half, -xp, xp)
     # x * cos + rotate_half(x) * sin, each product and the sum rounded as the reference does
     y = _round_to(x * c, dt) + _round_to(xp * s, dt)
@@ -272,8 +275,8 @@ def _fused_rope_qk_kernel(
         kv_head = head - HQ
         slot = tl.load(SLOTS + t).to(tl.int64)
         keep = dmask & (slot >= 0)  # slot -1: a padding token, nothing written
+        v = tl.load(V + t * stride_vt + kv_head * stride_vh + d, mask=keep, other=0.0)  # (before the K store)
         tl.store(K_CACHE + slot * stride_kcs + kv_head * stride_kch + d, y.to(K_CACHE.dtype.element_ty), mask=keep)
-        v = tl.load(V + t * stride_vt + kv_head * stride_vh + d, mask=keep, other=0.0)
         tl.store(V_CACHE + slot * stride_vcs + kv_head * stride_vch + d, v.to(V_CACHE.dtype.element_ty),
                  mask=keep)
 

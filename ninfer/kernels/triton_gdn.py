@@ -76,12 +76,9 @@ def _delta_rule_step(h, Q, K, V, G, BETA, A_LOG, DT_BIAS, row, hk, hv, offs_k, o
     RAW_GATES: G and BETA hold the projections a and b (in v's dtype; SPLIT > 0: as SPLIT fp32 partial sums,
     stride_gs apart), and the gates are computed here as the gates kernel computes them (beta rounded to v's
     dtype as that kernel stores it), one launch a layer fewer (two with the partial sums)."""
+    # every load before the first reduction: loads after one wait for it (its barrier), one memory round trip more
     q = tl.load(Q + row * stride_qn + hk * stride_qh + offs_k, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(K + row * stride_kn + hk * stride_kh + offs_k, mask=kmask, other=0.0).to(tl.float32)
-    if L2NORM:  # eps inside the sqrt, as fla and transformers do
-        q = q / tl.sqrt(tl.sum(q * q) + 1e-6)
-        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-    q = q * scale
     v = tl.load(V + row * stride_vn + hv * stride_vh + offs_v, mask=vmask, other=0.0).to(tl.float32)
     if RAW_GATES:
         b = _gate_input(BETA, row, hv, stride_bn, stride_gs, SPLIT, V)
@@ -92,6 +89,10 @@ def _delta_rule_step(h, Q, K, V, G, BETA, A_LOG, DT_BIAS, row, hk, hv, offs_k, o
     else:
         g = tl.load(G + row * stride_gn + hv).to(tl.float32)
         beta = tl.load(BETA + row * stride_bn + hv).to(tl.float32)
+    if L2NORM:  # eps inside the sqrt, as fla and transformers do
+        q = q / tl.sqrt(tl.sum(q * q) + 1e-6)
+        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+    q = q * scale
     h = h * tl.exp(g)  # decay before the delta read
     v_new = (v - tl.sum(h * k[:, None], 0)) * beta
     h = h + k[:, None] * v_new[None, :]
