@@ -9,6 +9,7 @@ quoted in ninfer/kernels/triton_nvfp4.py.
   python bench/sass_count.py                     # the NVFP4 GEMVs at their table tiles
   python bench/sass_count.py hfma:8,128,2 hfma:4,256,4,2 fma:4,128,4   # [kind:block_n,block_w,warps(,x rows)]
   python bench/sass_count.py mma:1,8 mma:1,8,4,2  # the tensor-core GEMV [mma:16-row tiles,warps(,8-token tiles,depth,unroll,prefetch,stages,paired,evict)]
+  python bench/sass_count.py order:rmsnorm order:recurrent  # a small kernel's loads, stores and barriers in order
   SASS_TOP=40 python bench/sass_count.py ...      # more of the loop's opcodes
 Prints one JSON line per kernel: registers, loop instructions, its loads by width, instructions per weight,
 top opcodes.
@@ -36,7 +37,8 @@ CUOBJDUMP = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobj
 _ADDR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
-def loop_profile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1) -> dict:
+def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1) -> tuple[str, str]:
+    """(resource usage, SASS) of the kernel compiled for sm_90."""
     # as the JIT specialises a launch at the 27B shapes: every pointer 16-byte aligned and every
     # integer argument a multiple of 16 (what lets Triton vectorise loads)
     names = list(signature)
@@ -48,6 +50,49 @@ def loop_profile(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
         f.flush()
         usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
+    return usage, sass
+
+
+def memory_order(fn, signature: dict, constexprs: dict, num_warps: int) -> str:
+    """The kernel's global loads (LDG), stores (STG) and barriers (BAR) in SASS order, runs collapsed: 'LDGx44 BARx15
+    STGx33'. A load after a barrier or a store waits for it: one memory round trip more in a latency-bound kernel."""
+    ops = [m.group(1) for line in _compile(fn, signature, constexprs, num_warps)[1].splitlines()
+           if (m := re.search(r"\b(LDG|STG|BAR)\b", line))]
+    runs = []
+    for op in ops:
+        if runs and runs[-1][0] == op:
+            runs[-1][1] += 1
+        else:
+            runs.append([op, 1])
+    return " ".join(f"{op}x{n}" for op, n in runs)
+
+
+def small_kernel(name: str) -> dict:
+    """A decode step's small kernels at the 27B shapes, by name: `rmsnorm` (residual add + RMSNorm, 5120 wide) or
+    `recurrent` (the GDN recurrent step on raw gate projections as two split-K partial sums): their memory order."""
+    from ninfer.kernels import triton_fused, triton_gdn
+
+    def sig_of(fn, types: dict) -> dict:
+        return {n: types.get(n) or ("i64" if n.startswith("stride") else "constexpr") for n in fn.arg_names}
+
+    if name == "rmsnorm":
+        fn = triton_fused._fused_rmsnorm_kernel
+        sig = sig_of(fn, {**dict.fromkeys(("X", "H", "W", "RES", "Y"), "*bf16"), "N": "i32", "eps": "fp32"})
+        const = {"HAS_ADD": True, "ZERO_CENTERED": True, "BLOCK": 8192, "USE_PDL": False}
+        warps = triton_fused._norm_warps(8192)
+    else:
+        fn = triton_gdn._recurrent_kernel
+        sig = sig_of(fn, {**dict.fromkeys(("Q", "K", "V", "OP"), "*bf16"), "scale": "fp32",
+                          **dict.fromkeys(("G", "BETA", "A_LOG", "DT_BIAS", "H_IN", "H_OUT"), "*fp32"),
+                          **dict.fromkeys(("SLOT_IN", "SLOT_OUT", "HAS_INIT"), "*i64")})
+        const = {"HK": 16, "HV": 48, "DK": 128, "DV": 128, "BK": 128, "BV": 32, "L2NORM": True, "USE_INIT_MASK": True,
+                 "RAW_GATES": True, "SPLIT": 2, "USE_PDL": False}
+        warps = 4
+    return {"kernel": name, "num_warps": warps, "memory_order": memory_order(fn, sig, const, warps)}
+
+
+def loop_profile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1) -> dict:
+    usage, sass = _compile(fn, signature, constexprs, num_warps, num_stages)
     instrs = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines() if (m := _ADDR.match(line))]
     loop = (0, 0)
     for addr, op, line in instrs:  # the longest backward branch is the main loop
@@ -122,6 +167,9 @@ def main(argv: list[str]) -> None:
     specs = argv or ["hfma:8,128,2", "hfma:16,64,1", "hfma:8,128,2,2", "hfma:8,128,2,4", "fma:8,64,2", "fma:4,128,4"]
     for spec in specs:
         kind, dims = spec.split(":")
+        if kind == "order":
+            print(json.dumps(small_kernel(dims)), flush=True)
+            continue
         args = [int(v) for v in dims.split(",")]
         print(json.dumps(nvfp4_mma(*args) if kind == "mma" else nvfp4(kind, *args)), flush=True)
 
