@@ -105,21 +105,24 @@ def time_nvfp4_gemv(device="cuda", *, shapes: dict | None = None, ms=(1, 2, 3, 4
     """Per shape and M: microseconds and GB/s of the NVFP4 GEMV (bytes read = packed + scales +
     row scales + x, written = y) and of torch's bf16 F.linear on the same shape (bytes = 2NK + x + y).
     Each timed call reads a different copy of the weight when one copy fits in L2."""
-    from ninfer.kernels import triton_nvfp4
+    from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
 
+    paired = (config or {}).get("WARPS", 0) if (config or {}).get("PAIRED") else 0  # weights stored for that launch
     out = []
     for name, (n, k) in (shapes or SHAPES_27B).items():
-        q, _ = _problem(n, k, 1, device, torch.bfloat16)
+        plain, _ = _problem(n, k, 1, device, torch.bfloat16)
+        q = (*triton_nvfp4_mma.pair_weights(plain[0], plain[1], paired), plain[2]) if paired else plain
         copies = max(1, -(-(120 << 20) // (n * k // 2)))  # rotate over > 2x the 60 MB L2
         qs = [q] + [tuple(t.clone() for t in q) for _ in range(copies - 1)]
         ws = []
         if with_bf16:
-            w_bf16 = dequantize_nvfp4(*q, dtype=torch.bfloat16)
+            w_bf16 = dequantize_nvfp4(*plain, dtype=torch.bfloat16)
             ws = [w_bf16] + [w_bf16.clone() for _ in range(max(1, -(-(120 << 20) // (n * k * 2))) - 1)]
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-            ours = _rotating(lambda qq, x=x, y=y: triton_nvfp4.nvfp4_gemv(x, *qq, out=y, config=config), qs)
+            ours = _rotating(lambda qq, x=x, y=y: triton_nvfp4.nvfp4_gemv(x, *qq, out=y, config=config, paired=paired),
+                             qs)
             theirs = _rotating(lambda ww, x=x, y=y: torch.mm(x, ww.t(), out=y), ws)
             us = _time(ours, iters)
             io = 2 * m * k + 2 * m * n
@@ -198,11 +201,14 @@ MMA_STAGING_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8)]
 # launch's products. DEPTH counts pairs. EVICT: weight loads marked evict-first.
 MMA_PAIRED_CONFIGS = ([dict(kind="mma", TILES=1, WARPS=8), dict(kind="mma", TILES=1, WARPS=8, PAIRED=True)]
                       + [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, DEPTH=d) for d in (1, 3)]
-                      + [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, EVICT=1)])
+                      + [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, EVICT=1)]
+                      # programs an SM that each take several row tiles, their weight queue running on between them
+                      + [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, PERSIST=p) for p in (2, 3)])
 
 
 def check_mma_paired(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8, 17, 32)) -> dict:
-    """Paired weights' products against the K-order launch's, bit for bit ({"shape_mM": true when equal})."""
+    """Paired weights' products against the K-order launch's, bit for bit ({"shape_mM": true when equal}), from the
+    table's launch and from programs that take several row tiles (PERSIST 3)."""
     from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
 
     out = {}
@@ -213,7 +219,9 @@ def check_mma_paired(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8, 
         for m in ms:
             want = triton_nvfp4.nvfp4_gemv(x[:m], *q, config=dict(kind="mma", TILES=1, WARPS=8))
             got = triton_nvfp4.nvfp4_gemv(x[:m], *paired, q.row_scale, paired=8)
-            out[f"{name}_m{m}"] = torch.equal(got, want)
+            persist = triton_nvfp4.nvfp4_gemv(x[:m], *paired, q.row_scale, paired=8,
+                                              config=dict(kind="mma", TILES=1, WARPS=8, PERSIST=3))
+            out[f"{name}_m{m}"] = torch.equal(got, want) and torch.equal(persist, want)
     return out
 
 

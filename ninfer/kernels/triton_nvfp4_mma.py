@@ -222,6 +222,39 @@ def _step(accs, ws, xw, TILES: tl.constexpr, XT: tl.constexpr, BYTE: tl.constexp
 
 
 @triton.jit
+def _tile_rows(W32, S8, n0, N, KW: tl.constexpr, KB: tl.constexpr, g, TILES: tl.constexpr, EVEN_N: tl.constexpr):
+    """The lane's weight rows (g and g + 8 of each 16-row tile from row n0): their word and scale-byte pointers."""
+    wrows = ()
+    srows = ()
+    for i in tl.static_range(TILES):
+        for h in tl.static_range(2):
+            n = n0 + 16 * i + 8 * h + g
+            if not EVEN_N:
+                n = tl.minimum(n, N - 1)  # rows past N read the last row; they are not stored
+            wrows = wrows + (W32 + n.to(tl.int64) * KW,)
+            srows = srows + (S8 + n.to(tl.int64) * KB,)
+    return wrows, srows
+
+
+@triton.jit
+def _store_tiles(accs, RS, Y, n0, M, N, stride_ym, TILES: tl.constexpr, XT: tl.constexpr, WARPS: tl.constexpr):
+    """Sum the warps' steps and store rows n0 .. n0 + 16 TILES - 1 of y; lane l = 4 g + t holds rows g, g + 8 and
+    tokens 2t, 2t + 1 of each tile."""
+    rl = tl.arange(0, 32)
+    rg = rl // 4
+    tok = 2 * (rl % 4)
+    for i in tl.static_range(TILES):
+        for h in tl.static_range(2):
+            n = n0 + 16 * i + 8 * h + rg
+            rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
+            for j in tl.static_range(XT):
+                for c in tl.static_range(2):
+                    part = tl.sum(tl.reshape(accs[4 * (XT * i + j) + 2 * h + c], [WARPS, 32]), axis=0)
+                    m = 8 * j + tok + c
+                    tl.store(Y + m * stride_ym + n, (part * rs).to(Y.dtype.element_ty), mask=(m < M) & (n < N))
+
+
+@triton.jit
 def _part(tup, first, count: tl.constexpr):
     res = ()
     for c in tl.static_range(count):
@@ -232,10 +265,10 @@ def _part(tup, first, count: tl.constexpr):
 @triton.jit
 def _gemv_mma_kernel(
     X32, W32, S8, RS, Y,
-    M, N, stride_x32, stride_ym,
+    M, N, stride_x32, stride_ym, NT,
     KW: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr, XT: tl.constexpr,
     DEPTH: tl.constexpr, UNROLL: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    STAGES: tl.constexpr = 0, PAIRED: tl.constexpr = False, EVICT: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0, PAIRED: tl.constexpr = False, EVICT: tl.constexpr = 0, PERSIST: tl.constexpr = False,
 ):
     """One program per 16 * TILES weight rows and all of K, its WARPS warps interleaving steps of 4
     blocks; M <= 8 XT rows of x (X32: bf16 pairs as int32). W32: rows of KW words; S8: rows of KW / 2
@@ -244,7 +277,10 @@ def _gemv_mma_kernel(
     Triton's software pipeline stages STAGES steps of loads through shared memory (cp.async), so the bytes in
     flight hold no registers. PAIRED: W32 and S8 in pair_weights' order (a lane's blocks of steps 2q and 2q + 1
     side by side), loaded a pair of steps at a time (DEPTH then counts pairs); the same blocks meet in the same
-    mma as unpaired, so every result is bit for bit the unpaired launch's."""
+    mma as unpaired, so every result is bit for bit the unpaired launch's. PERSIST: fewer programs than the NT row
+    tiles, program p taking tiles p, p + P, ...: its load queue runs on from one tile into the next (the next
+    tile's first weights load while the current tile's last steps compute and its sums are stored), each tile's
+    sums the same instructions as in a program of its own (bit for bit)."""
     pdl_release(USE_PDL)
     LANES: tl.constexpr = 32 * WARPS
     KB: tl.constexpr = KW // 2
@@ -258,16 +294,9 @@ def _gemv_mma_kernel(
     g = lane // 4
     blk = (idx // 32) * 4 + lane % 4  # this lane's block at step 0 (in K)
     wblk = blk * G  # and where its first load's blocks are stored (paired: its pair of the first two steps)
-    n0 = tl.program_id(0) * (16 * TILES)
-    wrows = ()
-    srows = ()
-    for i in tl.static_range(TILES):
-        for h in tl.static_range(2):
-            n = n0 + 16 * i + 8 * h + g
-            if not EVEN_N:
-                n = tl.minimum(n, N - 1)  # rows past N read the last row; they are not stored
-            wrows = wrows + (W32 + n.to(tl.int64) * KW,)
-            srows = srows + (S8 + n.to(tl.int64) * KB,)
+    pid = tl.program_id(0)
+    n0 = pid * (16 * TILES)
+    wrows, srows = _tile_rows(W32, S8, n0, N, KW, KB, g, TILES, EVEN_N)
     xrows = ()
     xoks = ()
     for j in tl.static_range(XT):
@@ -283,6 +312,42 @@ def _gemv_mma_kernel(
             ws = _load_w_staged(wrows, srows, blk + s * SB, t)
             xw = _load_x(xrows, xoks, blk + s * SB)
             accs = _step(accs, ws, xw, TILES, XT)
+    elif PERSIST:
+        nprog = tl.num_programs(0)
+        total = ((NT - pid + nprog - 1) // nprog) * LOADS  # this program's loads: tiles pid, pid + nprog, ...
+        queue = ()
+        for d in tl.static_range(DEPTH):  # (DEPTH <= LOADS: the first tile's)
+            queue = queue + _load_w(wrows, srows, wblk + d * G * SB, PAIRED, EVICT)
+        pdl_wait(USE_PDL)
+        xw = _load_x(xrows, xoks, blk)
+        for it in tl.range(0, total - DEPTH, loop_unroll_factor=UNROLL):  # load it + DEPTH; compute load it's steps
+            ahead = it + DEPTH
+            wrows_a, srows_a = _tile_rows(W32, S8, (pid + (ahead // LOADS) * nprog) * (16 * TILES), N, KW, KB, g,
+                                          TILES, EVEN_N)
+            nxt = _load_w(wrows_a, srows_a, wblk + (ahead % LOADS) * G * SB, PAIRED, EVICT)
+            cur = _part(queue, 0, NG)
+            q = it % LOADS
+            for i in tl.static_range(G):  # x one step ahead, into the next tile's first step (x is every tile's)
+                xw_next = _load_x(xrows, xoks, blk + ((q * G + i + 1) % STEPS) * SB)
+                accs = _step(accs, _load_step(cur, i, PAIRED, TILES), xw, TILES, XT, i)
+                xw = xw_next
+            if q == LOADS - 1:  # a tile's last load: its sums out, the next tile's from zero
+                _store_tiles(accs, RS, Y, (pid + (it // LOADS) * nprog) * (16 * TILES), M, N, stride_ym, TILES, XT,
+                             WARPS)
+                zeros = ()
+                for _i in tl.static_range(4 * TILES * XT):
+                    zeros = zeros + (tl.zeros([LANES], dtype=tl.float32),)
+                accs = zeros
+            queue = _part(queue, NG, NG * (DEPTH - 1)) + nxt
+        for d in tl.static_range(DEPTH):  # the last tile's last DEPTH loads, loaded already
+            cur = _part(queue, NG * d, NG)
+            for i in tl.static_range(G):
+                if (LOADS - DEPTH + d) * G + i + 1 < STEPS:
+                    xw_next = _load_x(xrows, xoks, blk + ((LOADS - DEPTH + d) * G + i + 1) * SB)
+                accs = _step(accs, _load_step(cur, i, PAIRED, TILES), xw, TILES, XT, i)
+                if (LOADS - DEPTH + d) * G + i + 1 < STEPS:
+                    xw = xw_next
+        n0 = (pid + (total // LOADS - 1) * nprog) * (16 * TILES)  # the last tile's, stored below
     else:
         queue = ()
         for d in tl.static_range(DEPTH):  # the first loads' weights before waiting on the kernel before
@@ -309,19 +374,7 @@ def _gemv_mma_kernel(
                 accs = _step(accs, _load_step(cur, i, PAIRED, TILES), xw, TILES, XT, i)
                 if (LOADS - DEPTH + d) * G + i + 1 < STEPS:
                     xw = xw_next
-    # sum the warps' steps; lane l = 4 g + t holds rows g, g + 8 and tokens 2t, 2t + 1 of each tile
-    rl = tl.arange(0, 32)
-    rg = rl // 4
-    tok = 2 * (rl % 4)
-    for i in tl.static_range(TILES):
-        for h in tl.static_range(2):
-            n = n0 + 16 * i + 8 * h + rg
-            rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
-            for j in tl.static_range(XT):
-                for c in tl.static_range(2):
-                    part = tl.sum(tl.reshape(accs[4 * (XT * i + j) + 2 * h + c], [WARPS, 32]), axis=0)
-                    m = 8 * j + tok + c
-                    tl.store(Y + m * stride_ym + n, (part * rs).to(Y.dtype.element_ty), mask=(m < M) & (n < N))
+    _store_tiles(accs, RS, Y, n0, M, N, stride_ym, TILES, XT, WARPS)
 
 
 def mma_fits(m: int, k: int, warps: int) -> bool:
@@ -378,13 +431,14 @@ def unpair_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tup
 
 def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles: int, warps: int,
               launch: dict, depth: int | None = None, unroll: int | None = None, prefetch: int = 0,
-              stages: int = 0, paired: bool = False, evict: int = 0) -> None:
+              stages: int = 0, paired: bool = False, evict: int = 0, programs: int = 0) -> None:
     """y[:m] = x @ W^T: x32 the bf16 rows of x as int32 pairs, words / sbytes W's codes and scale bytes
     (contiguous rows; paired: in pair_weights' order for `warps`), launch: the PDL launch options
     (ninfer.kernels.pdl). Neither `tiles` (16-row tiles a program), `depth` (steps, or pairs of steps, loaded
     ahead), `unroll` (the K loop's), `prefetch` (L2 prefetch distance in steps; none under the interpreter, which
-    has no L2), `stages` (shared-memory staging instead of the register queue), `paired` nor `evict` (weight loads
-    evict-first) changes a result; `warps` does (which blocks meet in one mma)."""
+    has no L2), `stages` (shared-memory staging instead of the register queue), `paired`, `evict` (weight loads
+    evict-first) nor `programs` (at most this many programs, each taking every programs-th row tile: PERSIST)
+    changes a result; `warps` does (which blocks meet in one mma)."""
     if not mma_fits(m, k, warps):
         raise ValueError(f"the mma GEMV takes 1..{MAX_ROWS} rows of x and K a multiple of {K_STEP * warps}; "
                          f"got M={m}, K={k}")
@@ -396,11 +450,14 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
     loads = k // K_STEP // warps // per_load
     depth = max(1, min(depth or -(-default_depth(xt, k) // per_load), loads))
     unroll = unroll or (1 if stages else depth)  # the queue of loaded steps then rotates by renaming registers
-    grid = (triton.cdiv(n, 16 * tiles),)
+    row_tiles = triton.cdiv(n, 16 * tiles)
+    persist = 0 < programs < row_tiles and not stages
+    grid = (programs if persist else row_tiles,)
     _gemv_mma_kernel[grid](x32, words, sbytes.view(torch.uint8), row_scale, y, m, n, x32.stride(0), y.stride(0),
+                            row_tiles,
                             KW=k // 8, TILES=tiles, WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, DEPTH=depth,
                             UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, PAIRED=paired,
-                            EVICT=evict, num_warps=warps, num_stages=max(stages, 1), **launch)
+                            EVICT=evict, PERSIST=persist, num_warps=warps, num_stages=max(stages, 1), **launch)
 
 
 def check_against_reference(device: torch.device) -> str | None:
