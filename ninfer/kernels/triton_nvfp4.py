@@ -658,12 +658,12 @@ def pair_model_for_mma_(model: torch.nn.Module) -> int:
     return done
 
 
-def _persist_programs(cfg: dict, device: torch.device) -> int:
-    """The mma launch's program cap for its PERSIST key (programs an SM; a sweep knob, not in the table): 0 for one
-    program a row tile."""
+def _persist_programs(cfg: dict, device: torch.device, rows: int) -> int:
+    """The mma launch's program cap for its PERSIST key (programs an SM; a sweep knob, not in the table), at one
+    8-token tile only (more take 178 registers a thread): 0 for one program a row tile."""
     from ninfer.kernels.triton_gemv import sm_count
 
-    return cfg.get("PERSIST", 0) * sm_count(device)
+    return cfg.get("PERSIST", 0) * sm_count(device) if rows <= 8 else 0
 
 
 def _hfma_config(m: int, n: int, k: int) -> dict:
@@ -716,7 +716,7 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
         gemv_mma(_x_words(x), words.contiguous(), sbytes.contiguous(), row_scale, y, m, n, k, tiles=cfg["TILES"],
                  warps=cfg["WARPS"], depth=cfg.get("DEPTH"), unroll=cfg.get("UNROLL"), prefetch=cfg.get("PREFETCH", 0),
                  stages=cfg.get("STAGES", 0), paired=bool(paired), evict=cfg.get("EVICT", 0),
-                 programs=_persist_programs(cfg, x.device), launch=pdl_launch(x.device))
+                 programs=_persist_programs(cfg, x.device, m), launch=pdl_launch(x.device))
         return y
     if kind == "mma":  # fp32 / fp16 x, or no GPU and no interpreter: the packed-fp16 GEMV's fallbacks
         cfg = _hfma_config(m, n, k)
@@ -800,7 +800,8 @@ def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
 
                 gemv_mma(x32[r0:], words, sbytes, row_scale, y[r0:], rows, n, k, tiles=cfg["TILES"],
                          warps=cfg["WARPS"], prefetch=cfg.get("PREFETCH", 0), stages=cfg.get("STAGES", 0),
-                         paired=bool(paired), evict=cfg.get("EVICT", 0), programs=_persist_programs(cfg, x.device),
+                         paired=bool(paired), evict=cfg.get("EVICT", 0),
+                         programs=_persist_programs(cfg, x.device, rows),
                          launch=pdl_launch(x.device))  # its default depth for the rows
             else:
                 nvfp4_gemv(x[r0:r0 + rows], packed, scale, row_scale, out=y[r0:r0 + rows], config=cfg)

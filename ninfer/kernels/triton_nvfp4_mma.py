@@ -43,6 +43,13 @@ bit for bit K order's. Giving each lane consecutive blocks of K instead (no repa
 blocks apart, 2-4 times the cache lines a load: faster at one token row, much slower at 8 and 32
 (bench/results/2026-12-06-h100-s30).
 
+Programs over several row tiles (s31, PERSIST, a sweep knob not yet timed on a device): with fewer programs than
+row tiles, program p takes tiles p, p + P, ... and its weight queue runs on from one tile into the next, so the next
+tile's first weights are in flight while the current tile's last steps compute and its sums are stored (a gate_up
+program streams only ~46 KB, a few memory round trips, so its start and end are a large share of its time). Each
+tile's sums are the same instructions as in a program of its own. 80 registers at one token tile (77 without);
+178 at four, so it suits decode rows, not wide verifies.
+
 Lane layout: a 1-D tensor of 32 * num_warps elements is one element per thread, element i in lane
 i % 32 of warp i // 32 (Triton's default blocked layout); under the CPU interpreter
 ninfer.kernels.ptx_emulator runs the PTX with that mapping.
