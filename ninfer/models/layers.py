@@ -192,7 +192,7 @@ def project(owner: nn.Module, names: Sequence[str], x: torch.Tensor,
     where their module is a DecodeLinear whose other members are all in split_sums too."""
     plan = owner.__dict__.get("_proj_plan") or {}
     members: dict[str, set[str]] = {}
-    for name, (attr, _, _) in plan.items():
+    for name, (attr, _, _) in plan.items() if split_sums else ():
         members.setdefault(attr, set()).add(name)
     outs, done = [], {}
     for n in names:
