@@ -262,6 +262,31 @@ def _store_tiles(accs, RS, Y, n0, M, N, stride_ym, TILES: tl.constexpr, XT: tl.c
 
 
 @triton.jit
+def _zeros(count: tl.constexpr, LANES: tl.constexpr):
+    """`count` fp32 accumulators of a value a lane."""
+    out = ()
+    for _i in tl.static_range(count):
+        out = out + (tl.zeros([LANES], dtype=tl.float32),)
+    return out
+
+
+@triton.jit
+def _drain(accs, queue, xw, xrows, xoks, blk, DEPTH: tl.constexpr, LOADS: tl.constexpr, G: tl.constexpr,
+           STEPS: tl.constexpr, SB: tl.constexpr, NG: tl.constexpr, PAIRED: tl.constexpr, TILES: tl.constexpr,
+           XT: tl.constexpr):
+    """The steps of a row tile's last DEPTH loads, in the queue already (x loaded one step ahead while one is left)."""
+    for d in tl.static_range(DEPTH):
+        cur = _part(queue, NG * d, NG)
+        for i in tl.static_range(G):
+            if (LOADS - DEPTH + d) * G + i + 1 < STEPS:  # (inline: a constexpr in a variable is a runtime value)
+                xw_next = _load_x(xrows, xoks, blk + ((LOADS - DEPTH + d) * G + i + 1) * SB)
+            accs = _step(accs, _load_step(cur, i, PAIRED, TILES), xw, TILES, XT, i)
+            if (LOADS - DEPTH + d) * G + i + 1 < STEPS:
+                xw = xw_next
+    return accs
+
+
+@triton.jit
 def _part(tup, first, count: tl.constexpr):
     res = ()
     for c in tl.static_range(count):
@@ -309,9 +334,7 @@ def _gemv_mma_kernel(
     for j in tl.static_range(XT):
         xrows = xrows + (X32 + (8 * j + g) * stride_x32,)
         xoks = xoks + (8 * j + g < M,)
-    accs = ()
-    for _i in tl.static_range(4 * TILES * XT):
-        accs = accs + (tl.zeros([LANES], dtype=tl.float32),)
+    accs = _zeros(4 * TILES * XT, LANES)
     if STAGES > 0:
         pdl_wait(USE_PDL)
         t = lane % 4
@@ -341,19 +364,10 @@ def _gemv_mma_kernel(
             if q == LOADS - 1:  # a tile's last load: its sums out, the next tile's from zero
                 _store_tiles(accs, RS, Y, (pid + (it // LOADS) * nprog) * (16 * TILES), M, N, stride_ym, TILES, XT,
                              WARPS)
-                zeros = ()
-                for _i in tl.static_range(4 * TILES * XT):
-                    zeros = zeros + (tl.zeros([LANES], dtype=tl.float32),)
-                accs = zeros
+                accs = _zeros(4 * TILES * XT, LANES)
             queue = _part(queue, NG, NG * (DEPTH - 1)) + nxt
-        for d in tl.static_range(DEPTH):  # the last tile's last DEPTH loads, loaded already
-            cur = _part(queue, NG * d, NG)
-            for i in tl.static_range(G):
-                if (LOADS - DEPTH + d) * G + i + 1 < STEPS:
-                    xw_next = _load_x(xrows, xoks, blk + ((LOADS - DEPTH + d) * G + i + 1) * SB)
-                accs = _step(accs, _load_step(cur, i, PAIRED, TILES), xw, TILES, XT, i)
-                if (LOADS - DEPTH + d) * G + i + 1 < STEPS:
-                    xw = xw_next
+        # the last tile's last DEPTH loads, loaded already
+        accs = _drain(accs, queue, xw, xrows, xoks, blk, DEPTH, LOADS, G, STEPS, SB, NG, PAIRED, TILES, XT)
         n0 = (pid + (total // LOADS - 1) * nprog) * (16 * TILES)  # the last tile's, stored below
     else:
         queue = ()
@@ -373,14 +387,8 @@ def _gemv_mma_kernel(
                 accs = _step(accs, _load_step(cur, i, PAIRED, TILES), xw, TILES, XT, i)
                 xw = xw_next
             queue = _part(queue, NG, NG * (DEPTH - 1)) + nxt
-        for d in tl.static_range(DEPTH):  # the last DEPTH loads' steps, loaded already
-            cur = _part(queue, NG * d, NG)
-            for i in tl.static_range(G):
-                if (LOADS - DEPTH + d) * G + i + 1 < STEPS:  # (inline: a constexpr in a variable is a runtime value)
-                    xw_next = _load_x(xrows, xoks, blk + ((LOADS - DEPTH + d) * G + i + 1) * SB)
-                accs = _step(accs, _load_step(cur, i, PAIRED, TILES), xw, TILES, XT, i)
-                if (LOADS - DEPTH + d) * G + i + 1 < STEPS:
-                    xw = xw_next
+        # the last DEPTH loads' steps, loaded already
+        accs = _drain(accs, queue, xw, xrows, xoks, blk, DEPTH, LOADS, G, STEPS, SB, NG, PAIRED, TILES, XT)
     _store_tiles(accs, RS, Y, n0, M, N, stride_ym, TILES, XT, WARPS)
 
 
