@@ -258,33 +258,6 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
         triton_nvfp4.nvfp4_gemv(torch.zeros(33, k, dtype=torch.bfloat16), *q, config=cfg)
 
 
-@needs_interpreter
-@pytest.mark.parametrize("paired", [False, True])
-def test_mma_gemv_programs_over_several_row_tiles_compute_as_one_a_tile(paired):
-    """The mma GEMV with fewer programs than row tiles (PERSIST, a sweep knob: each program's weight queue runs on
-    into its next tile): every product bit for bit the one-program-a-tile launch's, ragged N (6 tiles, the last
-    partial) over 2 and 4 programs, one to four 8-token tiles, K order and paired weights (serving.md "Speculative
-    backends preserve protocol output": whatever the launch, a row computes as its decode row)."""
-    from ninfer.kernels import triton_nvfp4_mma
-    from ninfer.kernels.triton_nvfp4 import _x_words
-
-    gen = torch.Generator().manual_seed(11)
-    n, k, warps = 88, 1024, 4
-    q = quantize_nvfp4(torch.randn(n, k, generator=gen) * 0.02)
-    words, sbytes = triton_nvfp4_mma.pair_weights(q[0], q[1], warps) if paired else q[:2]
-    words = words.contiguous().view(torch.int32)
-    for m in (1, 9, 27):
-        x = _x_words(torch.randn(m, k, generator=gen).to(torch.bfloat16))
-        outs = []
-        for programs in (0, 2, 4):
-            y = torch.empty(m, n, dtype=torch.bfloat16)
-            triton_nvfp4_mma.gemv_mma(x, words, sbytes, q[2], y, m, n, k, tiles=1, warps=warps, launch={},
-                                      paired=paired, programs=programs)
-            outs.append(y)
-        assert all(torch.equal(y, outs[0]) for y in outs[1:]), m
-        assert outs[0].abs().sum() > 0
-
-
 @pytest.mark.skipif(not HAS_TRITON or importlib.util.find_spec("triton.backends.nvidia") is None,
                     reason="needs triton's NVIDIA backend (its bundled ptxas and cuobjdump)")
 def test_gemv_kernels_compile_for_hopper_without_spills():
@@ -301,8 +274,7 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     specs = ["hfma:8,128,2", "hfma:8,128,2,4", "mma:1,8", "mma:1,8,1,4", "mma:1,8,2", "mma:1,8,3", "mma:1,8,4", "mma:1,4",
-             "mma:1,8,1,0,0,0,0,1", "mma:1,8,4,0,0,0,0,1",  # on paired weights
-             "mma:1,8,1,0,0,0,0,1,0,1"]  # and programs taking several row tiles (PERSIST)
+             "mma:1,8,1,0,0,0,0,1", "mma:1,8,4,0,0,0,0,1"]  # on paired weights
     run = subprocess.run([sys.executable, str(root / "bench" / "sass_count.py"), *specs], capture_output=True,
                          text=True, env=env, cwd=root, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]

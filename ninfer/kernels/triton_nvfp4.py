@@ -658,14 +658,6 @@ def pair_model_for_mma_(model: torch.nn.Module) -> int:
     return done
 
 
-def _persist_programs(cfg: dict, device: torch.device, rows: int) -> int:
-    """The mma launch's program cap for its PERSIST key (programs an SM; a sweep knob, not in the table), at one
-    8-token tile only (more take 178 registers a thread): 0 for one program a row tile."""
-    from ninfer.kernels.triton_gemv import sm_count
-
-    return cfg.get("PERSIST", 0) * sm_count(device) if rows <= 8 else 0
-
-
 def _hfma_config(m: int, n: int, k: int) -> dict:
     """The packed-fp16 GEMV's tiles (M <= HFMA_MAX_M), else the tensor-core dot kernel's."""
     if m <= HFMA_MAX_M:  # the packed-fp16 GEMV; BLOCK_W words per step = two per thread and weight row
@@ -716,7 +708,7 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
         gemv_mma(_x_words(x), words.contiguous(), sbytes.contiguous(), row_scale, y, m, n, k, tiles=cfg["TILES"],
                  warps=cfg["WARPS"], depth=cfg.get("DEPTH"), unroll=cfg.get("UNROLL"), prefetch=cfg.get("PREFETCH", 0),
                  stages=cfg.get("STAGES", 0), paired=bool(paired), evict=cfg.get("EVICT", 0),
-                 programs=_persist_programs(cfg, x.device, m), launch=pdl_launch(x.device))
+                 launch=pdl_launch(x.device))
         return y
     if kind == "mma":  # fp32 / fp16 x, or no GPU and no interpreter: the packed-fp16 GEMV's fallbacks
         cfg = _hfma_config(m, n, k)
@@ -801,7 +793,6 @@ def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
                 gemv_mma(x32[r0:], words, sbytes, row_scale, y[r0:], rows, n, k, tiles=cfg["TILES"],
                          warps=cfg["WARPS"], prefetch=cfg.get("PREFETCH", 0), stages=cfg.get("STAGES", 0),
                          paired=bool(paired), evict=cfg.get("EVICT", 0),
-                         programs=_persist_programs(cfg, x.device, rows),
                          launch=pdl_launch(x.device))  # its default depth for the rows
             else:
                 nvfp4_gemv(x[r0:r0 + rows], packed, scale, row_scale, out=y[r0:r0 + rows], config=cfg)

@@ -43,12 +43,10 @@ bit for bit K order's. Giving each lane consecutive blocks of K instead (no repa
 blocks apart, 2-4 times the cache lines a load: faster at one token row, much slower at 8 and 32
 (bench/results/2026-12-06-h100-s30).
 
-Programs over several row tiles (s31, PERSIST, a sweep knob not yet timed on a device): with fewer programs than
-row tiles, program p takes tiles p, p + P, ... and its weight queue runs on from one tile into the next, so the next
-tile's first weights are in flight while the current tile's last steps compute and its sums are stored (a gate_up
-program streams only ~46 KB, a few memory round trips, so its start and end are a large share of its time). Each
-tile's sums are the same instructions as in a program of its own. 80 registers at one token tile (77 without);
-178 at four, so it suits decode rows, not wide verifies.
+Programs over several row tiles (s31, PERSIST: program p taking tiles p, p + P, ..., its weight queue running on
+into the next tile) were slower at every M they applied to (s32 on an H100, bench/results/2026-12-06-h100-s32: the
+five 27B linears at M = 1 in 190 us with two programs an SM, 137 with three, against 114 with one program a tile)
+and were removed.
 
 Lane layout: a 1-D tensor of 32 * num_warps elements is one element per thread, element i in lane
 i % 32 of warp i // 32 (Triton's default blocked layout); under the CPU interpreter
@@ -297,10 +295,10 @@ def _part(tup, first, count: tl.constexpr):
 @triton.jit
 def _gemv_mma_kernel(
     X32, W32, S8, RS, Y,
-    M, N, stride_x32, stride_ym, NT,
+    M, N, stride_x32, stride_ym,
     KW: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr, XT: tl.constexpr,
     DEPTH: tl.constexpr, UNROLL: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    STAGES: tl.constexpr = 0, PAIRED: tl.constexpr = False, EVICT: tl.constexpr = 0, PERSIST: tl.constexpr = False,
+    STAGES: tl.constexpr = 0, PAIRED: tl.constexpr = False, EVICT: tl.constexpr = 0,
 ):
     """One program per 16 * TILES weight rows and all of K, its WARPS warps interleaving steps of 4
     blocks; M <= 8 XT rows of x (X32: bf16 pairs as int32). W32: rows of KW words; S8: rows of KW / 2
@@ -309,10 +307,7 @@ def _gemv_mma_kernel(
     Triton's software pipeline stages STAGES steps of loads through shared memory (cp.async), so the bytes in
     flight hold no registers. PAIRED: W32 and S8 in pair_weights' order (a lane's blocks of steps 2q and 2q + 1
     side by side), loaded a pair of steps at a time (DEPTH then counts pairs); the same blocks meet in the same
-    mma as unpaired, so every result is bit for bit the unpaired launch's. PERSIST: fewer programs than the NT row
-    tiles, program p taking tiles p, p + P, ...: its load queue runs on from one tile into the next (the next
-    tile's first weights load while the current tile's last steps compute and its sums are stored), each tile's
-    sums the same instructions as in a program of its own (bit for bit)."""
+    mma as unpaired, so every result is bit for bit the unpaired launch's."""
     pdl_release(USE_PDL)
     LANES: tl.constexpr = 32 * WARPS
     KB: tl.constexpr = KW // 2
@@ -342,33 +337,6 @@ def _gemv_mma_kernel(
             ws = _load_w_staged(wrows, srows, blk + s * SB, t)
             xw = _load_x(xrows, xoks, blk + s * SB)
             accs = _step(accs, ws, xw, TILES, XT)
-    elif PERSIST:
-        nprog = tl.num_programs(0)
-        total = ((NT - pid + nprog - 1) // nprog) * LOADS  # this program's loads: tiles pid, pid + nprog, ...
-        queue = ()
-        for d in tl.static_range(DEPTH):  # (DEPTH <= LOADS: the first tile's)
-            queue = queue + _load_w(wrows, srows, wblk + d * G * SB, PAIRED, EVICT)
-        pdl_wait(USE_PDL)
-        xw = _load_x(xrows, xoks, blk)
-        for it in tl.range(0, total - DEPTH, loop_unroll_factor=UNROLL):  # load it + DEPTH; compute load it's steps
-            ahead = it + DEPTH
-            wrows_a, srows_a = _tile_rows(W32, S8, (pid + (ahead // LOADS) * nprog) * (16 * TILES), N, KW, KB, g,
-                                          TILES, EVEN_N)
-            nxt = _load_w(wrows_a, srows_a, wblk + (ahead % LOADS) * G * SB, PAIRED, EVICT)
-            cur = _part(queue, 0, NG)
-            q = it % LOADS
-            for i in tl.static_range(G):  # x one step ahead, into the next tile's first step (x is every tile's)
-                xw_next = _load_x(xrows, xoks, blk + ((q * G + i + 1) % STEPS) * SB)
-                accs = _step(accs, _load_step(cur, i, PAIRED, TILES), xw, TILES, XT, i)
-                xw = xw_next
-            if q == LOADS - 1:  # a tile's last load: its sums out, the next tile's from zero
-                _store_tiles(accs, RS, Y, (pid + (it // LOADS) * nprog) * (16 * TILES), M, N, stride_ym, TILES, XT,
-                             WARPS)
-                accs = _zeros(4 * TILES * XT, LANES)
-            queue = _part(queue, NG, NG * (DEPTH - 1)) + nxt
-        # the last tile's last DEPTH loads, loaded already
-        accs = _drain(accs, queue, xw, xrows, xoks, blk, DEPTH, LOADS, G, STEPS, SB, NG, PAIRED, TILES, XT)
-        n0 = (pid + (total // LOADS - 1) * nprog) * (16 * TILES)  # the last tile's, stored below
     else:
         queue = ()
         for d in tl.static_range(DEPTH):  # the first loads' weights before waiting on the kernel before
@@ -446,14 +414,13 @@ def unpair_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tup
 
 def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles: int, warps: int,
               launch: dict, depth: int | None = None, unroll: int | None = None, prefetch: int = 0,
-              stages: int = 0, paired: bool = False, evict: int = 0, programs: int = 0) -> None:
+              stages: int = 0, paired: bool = False, evict: int = 0) -> None:
     """y[:m] = x @ W^T: x32 the bf16 rows of x as int32 pairs, words / sbytes W's codes and scale bytes
     (contiguous rows; paired: in pair_weights' order for `warps`), launch: the PDL launch options
     (ninfer.kernels.pdl). Neither `tiles` (16-row tiles a program), `depth` (steps, or pairs of steps, loaded
     ahead), `unroll` (the K loop's), `prefetch` (L2 prefetch distance in steps; none under the interpreter, which
     has no L2), `stages` (shared-memory staging instead of the register queue), `paired`, `evict` (weight loads
-    evict-first) nor `programs` (at most this many programs, each taking every programs-th row tile: PERSIST)
-    changes a result; `warps` does (which blocks meet in one mma)."""
+    evict-first) changes a result; `warps` does (which blocks meet in one mma)."""
     if not mma_fits(m, k, warps):
         raise ValueError(f"the mma GEMV takes 1..{MAX_ROWS} rows of x and K a multiple of {K_STEP * warps}; "
                          f"got M={m}, K={k}")
@@ -465,14 +432,11 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
     loads = k // K_STEP // warps // per_load
     depth = max(1, min(depth or -(-default_depth(xt, k) // per_load), loads))
     unroll = unroll or (1 if stages else depth)  # the queue of loaded steps then rotates by renaming registers
-    row_tiles = triton.cdiv(n, 16 * tiles)
-    persist = 0 < programs < row_tiles and not stages
-    grid = (programs if persist else row_tiles,)
+    grid = (triton.cdiv(n, 16 * tiles),)
     _gemv_mma_kernel[grid](x32, words, sbytes.view(torch.uint8), row_scale, y, m, n, x32.stride(0), y.stride(0),
-                            row_tiles,
                             KW=k // 8, TILES=tiles, WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, DEPTH=depth,
                             UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, PAIRED=paired,
-                            EVICT=evict, PERSIST=persist, num_warps=warps, num_stages=max(stages, 1), **launch)
+                            EVICT=evict, num_warps=warps, num_stages=max(stages, 1), **launch)
 
 
 def check_against_reference(device: torch.device) -> str | None:
