@@ -69,7 +69,8 @@ def memory_order(fn, signature: dict, constexprs: dict, num_warps: int) -> str:
 
 def small_kernel(name: str) -> dict:
     """A decode step's small kernels at the 27B shapes, by name: `rmsnorm` (residual add + RMSNorm, 5120 wide) or
-    `recurrent` (the GDN recurrent step on raw gate projections as two split-K partial sums): their memory order."""
+    `recurrent` (the GDN recurrent step on raw gate projections as two split-K partial sums), `recurrent_steps` and
+    `conv_steps` (a C=1 k=3 verify's four GDN positions in one launch): their memory order."""
     from ninfer.kernels import triton_fused, triton_gdn
 
     def sig_of(fn, types: dict) -> dict:
@@ -80,13 +81,20 @@ def small_kernel(name: str) -> dict:
         sig = sig_of(fn, {**dict.fromkeys(("X", "H", "W", "RES", "Y"), "*bf16"), "N": "i32", "eps": "fp32"})
         const = {"HAS_ADD": True, "ZERO_CENTERED": True, "BLOCK": 8192, "USE_PDL": False}
         warps = triton_fused._norm_warps(8192)
+    elif name == "conv_steps":
+        fn = triton_gdn._conv_steps_kernel
+        sig = sig_of(fn, {**dict.fromkeys(("X", "W", "S", "Y"), "*bf16"), "C": "i32", "B": "i32",
+                          **dict.fromkeys(("SLOT_IN", "SLOT_OUT"), "*i64")})
+        const = {"STEPS": 4, "WIDTH": 3, "BLOCK_W": 4, "BLOCK_C": 256, "USE_PDL": False}
+        warps = 4
     else:
-        fn = triton_gdn._recurrent_kernel
-        sig = sig_of(fn, {**dict.fromkeys(("Q", "K", "V", "OP"), "*bf16"), "scale": "fp32",
-                          **dict.fromkeys(("G", "BETA", "A_LOG", "DT_BIAS", "H_IN", "H_OUT"), "*fp32"),
+        steps = name == "recurrent_steps"
+        fn = triton_gdn._recurrent_steps_kernel if steps else triton_gdn._recurrent_kernel
+        sig = sig_of(fn, {**dict.fromkeys(("Q", "K", "V", "OP"), "*bf16"), "scale": "fp32", "B": "i32",
+                          **dict.fromkeys(("G", "BETA", "A_LOG", "DT_BIAS", "H", "H_IN", "H_OUT"), "*fp32"),
                           **dict.fromkeys(("SLOT_IN", "SLOT_OUT", "HAS_INIT"), "*i64")})
-        const = {"HK": 16, "HV": 48, "DK": 128, "DV": 128, "BK": 128, "BV": 32, "L2NORM": True, "USE_INIT_MASK": True,
-                 "RAW_GATES": True, "SPLIT": 2, "USE_PDL": False}
+        const = {"HK": 16, "HV": 48, "DK": 128, "DV": 128, "BK": 128, "BV": 32, "L2NORM": True, "RAW_GATES": True,
+                 "SPLIT": 2, "USE_PDL": False, **({"STEPS": 4} if steps else {"USE_INIT_MASK": True})}
         warps = 4
     return {"kernel": name, "num_warps": warps, "memory_order": memory_order(fn, sig, const, warps)}
 

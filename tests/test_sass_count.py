@@ -32,13 +32,13 @@ def test_packed_fp16_gemv_needs_fewer_instructions_per_weight():
     assert packed["instructions_per_weight"] < 0.8 * fp32["instructions_per_weight"], (packed, fp32)
 
 
-@pytest.mark.parametrize("kernel", ["rmsnorm", "recurrent"])
+@pytest.mark.parametrize("kernel", ["rmsnorm", "recurrent", "recurrent_steps", "conv_steps"])
 def test_small_decode_kernels_load_everything_before_their_first_barrier(kernel):
-    """The residual-add RMSNorm and the GDN recurrent step (raw gates as split-K partial sums), compiled for sm_90:
-    every global load comes before the first barrier or store, so a decode step (one of these kernels is mostly a
-    memory round trip at batch 1) pays one round trip, not two: less of serving.md's request_done.engine_timing
-    device_wait for the same tokens. The arithmetic is the references' either way (tests/test_fused.py,
-    tests/test_kernels.py)."""
+    """The residual-add RMSNorm, the GDN recurrent step (raw gates as split-K partial sums) and a verify's four GDN
+    positions in one launch (recurrent and conv), compiled for sm_90: every global load comes before the first
+    barrier or store, so a decode step (one of these kernels is mostly a memory round trip at batch 1) pays one
+    round trip, not one a position: less of serving.md's request_done.engine_timing device_wait for the same tokens.
+    The arithmetic is the references' either way (tests/test_fused.py, tests/test_kernels.py)."""
     (out,) = _count(f"order:{kernel}")
     runs = out["memory_order"].split()
     assert runs[0].startswith("LDG") and not any(r.startswith("LDG") for r in runs[1:]), out

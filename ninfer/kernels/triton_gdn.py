@@ -69,26 +69,35 @@ def _gate_input(P, row, hv, stride_row, stride_split, SPLIT: tl.constexpr, V):
 
 
 @triton.jit
-def _delta_rule_step(h, Q, K, V, G, BETA, A_LOG, DT_BIAS, row, hk, hv, offs_k, offs_v, kmask, vmask, scale,
-                     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_gs,
-                     L2NORM: tl.constexpr, RAW_GATES: tl.constexpr, SPLIT: tl.constexpr):
-    """One gated delta rule position of value head hv (fp32 state h [BK, BV]): the updated state and the output.
-    RAW_GATES: G and BETA hold the projections a and b (in v's dtype; SPLIT > 0: as SPLIT fp32 partial sums,
-    stride_gs apart), and the gates are computed here as the gates kernel computes them (beta rounded to v's
-    dtype as that kernel stores it), one launch a layer fewer (two with the partial sums)."""
-    # every load before the first reduction: loads after one wait for it (its barrier), one memory round trip more
+def _step_loads(Q, K, V, G, BETA, row, hk, hv, offs_k, offs_v, kmask, vmask, stride_qn, stride_qh, stride_kn,
+                stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_gs, RAW_GATES: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """One position's inputs of value head hv, loads only (no reduction, so a kernel can issue every position's
+    before its first barrier): q, k, v in fp32 and the gate inputs (b, a) or (beta, g). RAW_GATES: G and BETA hold
+    the projections a and b (in v's dtype; SPLIT > 0: as SPLIT fp32 partial sums, stride_gs apart, summed here)."""
     q = tl.load(Q + row * stride_qn + hk * stride_qh + offs_k, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(K + row * stride_kn + hk * stride_kh + offs_k, mask=kmask, other=0.0).to(tl.float32)
     v = tl.load(V + row * stride_vn + hv * stride_vh + offs_v, mask=vmask, other=0.0).to(tl.float32)
     if RAW_GATES:
-        b = _gate_input(BETA, row, hv, stride_bn, stride_gs, SPLIT, V)
-        a = _gate_input(G, row, hv, stride_gn, stride_gs, SPLIT, V)
-        beta, g = gdn_gate_values(b, a, tl.load(A_LOG + hv).to(tl.float32), tl.load(DT_BIAS + hv).to(tl.float32),
-                                  _SOFTPLUS)
+        gb = _gate_input(BETA, row, hv, stride_bn, stride_gs, SPLIT, V)
+        ga = _gate_input(G, row, hv, stride_gn, stride_gs, SPLIT, V)
+    else:
+        gb = tl.load(BETA + row * stride_bn + hv).to(tl.float32)
+        ga = tl.load(G + row * stride_gn + hv).to(tl.float32)
+    return q, k, v, gb, ga
+
+
+@triton.jit
+def _delta_rule_update(h, q, k, v, gb, ga, a_log, dt_bias, scale, V, L2NORM: tl.constexpr, RAW_GATES: tl.constexpr):
+    """One gated delta rule position (fp32 state h [BK, BV], _step_loads' inputs): the updated state and the output.
+    RAW_GATES: (gb, ga) are the projections b and a, and beta and g are computed here as the gates kernel computes
+    them (beta rounded to v's dtype as that kernel stores it; a_log, dt_bias: the head's), one launch a layer fewer
+    (two with the partial sums); else they are beta and g."""
+    if RAW_GATES:
+        beta, g = gdn_gate_values(gb, ga, a_log, dt_bias, _SOFTPLUS)
         beta = beta.to(V.dtype.element_ty).to(tl.float32)
     else:
-        g = tl.load(G + row * stride_gn + hv).to(tl.float32)
-        beta = tl.load(BETA + row * stride_bn + hv).to(tl.float32)
+        beta, g = gb, ga
     if L2NORM:  # eps inside the sqrt, as fla and transformers do
         q = q / tl.sqrt(tl.sum(q * q) + 1e-6)
         k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
@@ -97,6 +106,18 @@ def _delta_rule_step(h, Q, K, V, G, BETA, A_LOG, DT_BIAS, row, hk, hv, offs_k, o
     v_new = (v - tl.sum(h * k[:, None], 0)) * beta
     h = h + k[:, None] * v_new[None, :]
     return h, tl.sum(h * q[:, None], 0)  # the output reads the state after the update
+
+
+@triton.jit
+def _head_gate_params(A_LOG, DT_BIAS, hv, RAW_GATES: tl.constexpr):
+    """The head's A_log and dt_bias in fp32 where the kernel computes the gates (RAW_GATES), else zeros (unused)."""
+    if RAW_GATES:
+        a_log = tl.load(A_LOG + hv).to(tl.float32)
+        dt_bias = tl.load(DT_BIAS + hv).to(tl.float32)
+    else:
+        a_log = 0.0
+        dt_bias = 0.0
+    return a_log, dt_bias
 
 
 @triton.jit
@@ -191,9 +212,12 @@ def _recurrent_kernel(
     if USE_INIT_MASK:
         keep = tl.load(HAS_INIT + n) != 0
         h = tl.where(keep, h, tl.zeros_like(h))  # a fresh sequence's slot may hold anything, even NaN
-    h, o = _delta_rule_step(h, Q, K, V, G, BETA, A_LOG, DT_BIAS, n, hk, hv, offs_k, offs_v, kmask, vmask, scale,
-                            stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn,
-                            stride_gs, L2NORM, RAW_GATES, SPLIT)
+    # every load before the first reduction: loads after one wait for its barrier, one memory round trip more
+    q, k, v, gb, ga = _step_loads(Q, K, V, G, BETA, n, hk, hv, offs_k, offs_v, kmask, vmask, stride_qn, stride_qh,
+                                  stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_gs,
+                                  RAW_GATES, SPLIT)
+    a_log, dt_bias = _head_gate_params(A_LOG, DT_BIAS, hv, RAW_GATES)
+    h, o = _delta_rule_update(h, q, k, v, gb, ga, a_log, dt_bias, scale, V, L2NORM, RAW_GATES)
     tl.store(OP + n * stride_on + hv * stride_oh + offs_v, o.to(OP.dtype.element_ty), mask=vmask)
     tl.debug_barrier()  # in place: every read of the old state before any write
     tl.store(H_OUT + slot_out * stride_hout_s + offs_h, h.to(H_OUT.dtype.element_ty), mask=hmask)
@@ -220,13 +244,17 @@ def _conv_steps_kernel(
                     mask=cmask[:, None] & (offs_w[None, :] < WIDTH), other=0.0)
     w = tl.load(W + c[:, None] * stride_wc + offs_w[None, :], mask=cmask[:, None] & (offs_w[None, :] <= WIDTH),
                 other=0.0)
+    xs = ()  # every position's input and slot first (a load after a store waits for it)
+    slots = ()
+    for j in tl.static_range(STEPS):
+        xs = xs + (tl.load(X + (n * STEPS + j) * stride_xn + c, mask=cmask, other=0.0),)
+        slots = slots + (tl.load(SLOT_OUT + j * B + n).to(tl.int64),)
     tl.debug_barrier()  # in place: the state is read before any position writes a slot
     for j in tl.static_range(STEPS):
         row = n * STEPS + j
-        x = tl.load(X + row * stride_xn + c, mask=cmask, other=0.0)
-        window, y = _conv_window(state, x, w, offs_w, WIDTH)
+        window, y = _conv_window(state, xs[j], w, offs_w, WIDTH)
         tl.store(Y + row * stride_yn + c, y.to(Y.dtype.element_ty), mask=cmask)
-        slot_out = tl.load(SLOT_OUT + j * B + n).to(tl.int64)
+        slot_out = slots[j]
         shifted = tl.zeros_like(state)
         for i in tl.static_range(WIDTH):
             col = _window_col(window, offs_w, i + 1).to(S.dtype.element_ty)
@@ -262,14 +290,23 @@ def _recurrent_steps_kernel(
     offs_h = hv * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
     slot_in = tl.load(SLOT_IN + n).to(tl.int64)
     h = tl.load(H + slot_in * stride_h_s + offs_h, mask=hmask, other=0.0).to(tl.float32)
+    # every position's inputs and slot first: a load after a position's reductions or stores would wait for them,
+    # a memory round trip a position
+    ins = ()
+    slots = ()
+    for j in tl.static_range(STEPS):
+        ins = ins + _step_loads(Q, K, V, G, BETA, n * STEPS + j, hk, hv, offs_k, offs_v, kmask, vmask, stride_qn,
+                                stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_gs,
+                                RAW_GATES, SPLIT)
+        slots = slots + (tl.load(SLOT_OUT + j * B + n).to(tl.int64),)
+    a_log, dt_bias = _head_gate_params(A_LOG, DT_BIAS, hv, RAW_GATES)
     tl.debug_barrier()  # in place: the state is read before any position writes a slot
     for j in tl.static_range(STEPS):
         row = n * STEPS + j
-        h, o = _delta_rule_step(h, Q, K, V, G, BETA, A_LOG, DT_BIAS, row, hk, hv, offs_k, offs_v, kmask, vmask,
-                                scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn,
-                                stride_bn, stride_gs, L2NORM, RAW_GATES, SPLIT)
+        h, o = _delta_rule_update(h, ins[5 * j], ins[5 * j + 1], ins[5 * j + 2], ins[5 * j + 3], ins[5 * j + 4],
+                                  a_log, dt_bias, scale, V, L2NORM, RAW_GATES)
         tl.store(OP + row * stride_on + hv * stride_oh + offs_v, o.to(OP.dtype.element_ty), mask=vmask)
-        slot_out = tl.load(SLOT_OUT + j * B + n).to(tl.int64)
+        slot_out = slots[j]
         kept = h.to(H.dtype.element_ty)
         tl.store(H + slot_out * stride_h_s + offs_h, kept, mask=hmask)
         h = kept.to(tl.float32)
