@@ -20,7 +20,8 @@
 # with the MTP head drafting ahead; ahead_c1_fp4: with the proposal head in NVFP4 too), host_c8 (s29: C=8 adaptive with the loop's parts timed), fused_gdn (s29: a verify's GDN positions
 # in one launch, A/B), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
 # pytest_s30 (s30: the mma GEMV on weights stored paired), gates_ab / pytest_s31 (s31: the GDN gates computed in the
-# recurrent kernels), lm_head_c1 (s30:
+# recurrent kernels), gdn_loads_ab (s32: the GDN verify kernels' loads first, against the
+# file AB_OLD_GDN), e2e_c1_mtp3 (MTP3 at C=1, 256 tokens), lm_head_c1 (s30:
 # MTP3 at C=1 with an NVFP4 lm_head), profile_c1 (s30: the C=1 MTP3 round's kernels), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
@@ -131,6 +132,17 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
         -k "${S31_K:-mma or rows_like or raw_projections or verify_gdn_steps or greedy}" > $out/pytest_s31.log 2>&1
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_speculative.py \
         tests/test_mtp.py > $out/pytest_s31_spec.log 2>&1 ;;
+    gdn_loads_ab)  # s32: the GDN verify kernels with every position's loads first (the tree's) against the file
+      # AB_OLD_GDN (an earlier triton_gdn.py): the verify step against a plain one (C = 1, 8; k = 1, 3), old first
+      cp ninfer/kernels/triton_gdn.py .gdn_new.py
+      for v in 0 1; do
+        if [ $v = 0 ]; then cp "$AB_OLD_GDN" ninfer/kernels/triton_gdn.py; else cp .gdn_new.py ninfer/kernels/triton_gdn.py; fi
+        timeout 150 python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 --concurrency 1 8 --drafts 1 3 \
+          > $out/gdn_loads_verify_$v.log 2>&1
+      done ;;
+    e2e_c1_mtp3)  # MTP3 at C=1 (NVFP4 heads, drafting ahead, 256 tokens), as knob_ab's end-to-end half
+      timeout 150 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp --draft-head 32768 \
+        --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 --max-tokens 256 > $out/e2e_c1_mtp3.log 2>&1 ;;
     lm_head_c1)  # s30: MTP3 at C=1 (NVFP4 heads, drafting ahead) on an artifact whose lm_head is NVFP4 too
       timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --nvfp4-lm-head \
         --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 \
