@@ -242,54 +242,21 @@ def _tile_rows(W32, S8, n0, N, KW: tl.constexpr, KB: tl.constexpr, g, TILES: tl.
 
 
 @triton.jit
-def _store_tiles(accs, RS, Y, PART, n0, split, M, N, stride_ym, TILES: tl.constexpr, XT: tl.constexpr,
-                 WARPS: tl.constexpr, SPLIT: tl.constexpr = 1):
+def _store_tiles(accs, RS, Y, n0, M, N, stride_ym, TILES: tl.constexpr, XT: tl.constexpr, WARPS: tl.constexpr):
     """Sum the warps' steps and store rows n0 .. n0 + 16 TILES - 1 of y; lane l = 4 g + t holds rows g, g + 8 and
-    tokens 2t, 2t + 1 of each tile. SPLIT > 1: the sums, unscaled, as K range `split`'s part in PART [SPLIT, M, N]
-    (fp32) instead, for _finish_split."""
+    tokens 2t, 2t + 1 of each tile."""
     rl = tl.arange(0, 32)
     rg = rl // 4
     tok = 2 * (rl % 4)
     for i in tl.static_range(TILES):
         for h in tl.static_range(2):
             n = n0 + 16 * i + 8 * h + rg
-            if SPLIT == 1:
-                rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
+            rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
             for j in tl.static_range(XT):
                 for c in tl.static_range(2):
                     part = tl.sum(tl.reshape(accs[4 * (XT * i + j) + 2 * h + c], [WARPS, 32]), axis=0)
                     m = 8 * j + tok + c
-                    if SPLIT == 1:
-                        tl.store(Y + m * stride_ym + n, (part * rs).to(Y.dtype.element_ty), mask=(m < M) & (n < N))
-                    else:
-                        tl.store(PART + (split * M + m) * N + n, part, mask=(m < M) & (n < N))
-
-
-@triton.jit
-def _finish_split(RS, Y, PART, CNT, n0, M, N, stride_ym, SPLIT: tl.constexpr, TILES: tl.constexpr,
-                  XT: tl.constexpr):
-    """Split K, after _store_tiles stored this program's part: the last of the tile's SPLIT programs to count
-    itself in at CNT[tile] adds the parts in range order (the same sum whichever program comes last), scales,
-    stores y and sets the count back to 0 for the next launch."""
-    tl.debug_barrier()  # every thread's part stored before the count (its release orders them for the others)
-    tile = n0 // (16 * TILES)
-    arrived = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
-    if arrived == SPLIT - 1:
-        rl = tl.arange(0, 32)
-        tok = 2 * (rl % 4)
-        for i in tl.static_range(TILES):
-            for h in tl.static_range(2):
-                n = n0 + 16 * i + 8 * h + rl // 4
-                rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
-                for j in tl.static_range(XT):
-                    for c in tl.static_range(2):
-                        m = 8 * j + tok + c
-                        ok = (m < M) & (n < N)
-                        total = tl.zeros([32], dtype=tl.float32)
-                        for s in tl.static_range(SPLIT):
-                            total += tl.load(PART + (s * M + m) * N + n, mask=ok, other=0.0, cache_modifier=".cg")
-                        tl.store(Y + m * stride_ym + n, (total * rs).to(Y.dtype.element_ty), mask=ok)
-        tl.store(CNT + tile, 0)
+                    tl.store(Y + m * stride_ym + n, (part * rs).to(Y.dtype.element_ty), mask=(m < M) & (n < N))
 
 
 @triton.jit
@@ -318,6 +285,42 @@ def _drain(accs, queue, xw, xrows, xoks, blk, end, DEPTH: tl.constexpr, G: tl.co
 
 
 @triton.jit
+def _store_split(accs, RS, Y, PART, CNT, n0, split, M, N, stride_ym, SPLIT: tl.constexpr, TILES: tl.constexpr,
+                 XT: tl.constexpr, WARPS: tl.constexpr):
+    """Split K (SPLIT programs a row tile): this program's sums (its warps' added, no row scale) into PART
+    [SPLIT, M, N] fp32; the last of the tile's programs to count itself in at CNT[tile] adds the SPLIT parts in
+    split order (the same sum whichever program comes last), scales, stores y and sets the count back to 0."""
+    rl = tl.arange(0, 32)
+    rg = rl // 4
+    tok = 2 * (rl % 4)
+    for i in tl.static_range(TILES):
+        for h in tl.static_range(2):
+            n = n0 + 16 * i + 8 * h + rg
+            for j in tl.static_range(XT):
+                for c in tl.static_range(2):
+                    part = tl.sum(tl.reshape(accs[4 * (XT * i + j) + 2 * h + c], [WARPS, 32]), axis=0)
+                    m = 8 * j + tok + c
+                    tl.store(PART + (split * M + m) * N + n, part, mask=(m < M) & (n < N))
+    tl.debug_barrier()  # every thread's part stored before the count (the release orders them for the others)
+    tile = n0 // (16 * TILES)
+    arrived = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
+    if arrived == SPLIT - 1:
+        for i in tl.static_range(TILES):
+            for h in tl.static_range(2):
+                n = n0 + 16 * i + 8 * h + rg
+                rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
+                for j in tl.static_range(XT):
+                    for c in tl.static_range(2):
+                        m = 8 * j + tok + c
+                        ok = (m < M) & (n < N)
+                        total = tl.zeros([32], dtype=tl.float32)
+                        for s in tl.static_range(SPLIT):
+                            total += tl.load(PART + (s * M + m) * N + n, mask=ok, other=0.0, cache_modifier=".cg")
+                        tl.store(Y + m * stride_ym + n, (total * rs).to(Y.dtype.element_ty), mask=ok)
+        tl.store(CNT + tile, 0)
+
+
+@triton.jit
 def _part(tup, first, count: tl.constexpr):
     res = ()
     for c in tl.static_range(count):
@@ -342,7 +345,7 @@ def _gemv_mma_kernel(
     side by side), loaded a pair of steps at a time (DEPTH then counts pairs); the same blocks meet in the same
     mma as unpaired, so every result is bit for bit the unpaired launch's. SPLIT > 1: program (tile, split) takes
     loads split * LPS .. of the row (LPS = ceil(LOADS / SPLIT), the last split fewer), its sums finished by
-    _finish_split (PART, CNT: its workspace and zeroed counters)."""
+    _store_split (PART, CNT: its workspace and zeroed counters)."""
     pdl_release(USE_PDL)
     LANES: tl.constexpr = 32 * WARPS
     KB: tl.constexpr = KW // 2
@@ -401,9 +404,10 @@ def _gemv_mma_kernel(
             queue = _part(queue, NG, NG * (DEPTH - 1)) + nxt
         # the last DEPTH loads' steps, loaded already
         accs = _drain(accs, queue, xw, xrows, xoks, blk, end, DEPTH, G, SB, NG, PAIRED, TILES, XT)
-    _store_tiles(accs, RS, Y, PART, n0, split, M, N, stride_ym, TILES, XT, WARPS, SPLIT)
-    if SPLIT > 1:
-        _finish_split(RS, Y, PART, CNT, n0, M, N, stride_ym, SPLIT, TILES, XT)
+    if SPLIT == 1:
+        _store_tiles(accs, RS, Y, n0, M, N, stride_ym, TILES, XT, WARPS)
+    else:
+        _store_split(accs, RS, Y, PART, CNT, n0, split, M, N, stride_ym, SPLIT, TILES, XT, WARPS)
 
 
 def mma_fits(m: int, k: int, warps: int) -> bool:
