@@ -121,13 +121,13 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     sweep_mma_split)  # s32: the tensor-core NVFP4 GEMV with split K (paired weights): checks, times at SPLIT 1-6
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-split --out $out/mma_split.json \
         > $out/mma_split.log 2>&1 ;;
-    split_ab)  # s32: split K for the N = 5120 linears (NINFER_NVFP4_MMA_SPLIT in $SPLITS, default 1 3): the verify
-      # step against a plain one (C = 1, 8; k = 1, 3), then MTP3 at C=1
-      for v in ${SPLITS:-1 3}; do
+    split_ab)  # s32: split K for the N = 5120 linears (NINFER_NVFP4_MMA_SPLIT = 1, 2, 3): the verify step against a
+      # plain one (C = 1, 8; k = 1, 3), then MTP3 at C=1 at SPLIT 1 and 3
+      for v in 1 2 3; do
         NINFER_NVFP4_MMA_SPLIT=$v timeout 150 python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 \
           --concurrency 1 8 --drafts 1 3 > $out/split_verify_$v.log 2>&1
       done
-      for v in ${SPLITS:-1 3}; do
+      for v in 1 3; do
         NINFER_NVFP4_MMA_SPLIT=$v timeout 150 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
           --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 \
           --max-tokens 256 > $out/split_c1_$v.log 2>&1

@@ -223,10 +223,10 @@ def check_mma_paired(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8, 
 
 # Split K (s32): SPLIT programs a row tile, each over a range of K, the last to arrive adding their sums; the
 # N = 5120 linears (MLP down, attention/GDN output) have only 320 row tiles, fewer than the resident programs.
-MMA_SPLIT_CONFIGS = [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, SPLIT=s) for s in (1, 2, 3, 4)]
+MMA_SPLIT_CONFIGS = [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, SPLIT=s) for s in (1, 2, 3, 4, 6)]
 
 
-def check_mma_split(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 17, 32), splits=(2, 3)) -> dict:
+def check_mma_split(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8, 17, 32), splits=(2, 3, 4, 6)) -> dict:
     """Split-K launches on paired weights ({"shape_sS": problem or "ok"}): within the reference's bound
     (2^-8 of the largest output), every row bit for bit the same at every M (a verify row computes as its decode
     row), and five launches bit for bit alike (whichever program arrives last)."""
