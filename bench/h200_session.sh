@@ -21,8 +21,7 @@
 # in one launch, A/B), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
 # pytest_s30 (s30: the mma GEMV on weights stored paired), gates_ab / pytest_s31 (s31: the GDN gates computed in the
 # recurrent kernels), gdn_loads_ab (s32: the GDN verify kernels' loads first, against the
-# file AB_OLD_GDN), sweep_mma_split / split_ab (s32: the mma GEMV with split
-# K), e2e_c1_mtp3 (MTP3 at C=1, 256 tokens), lm_head_c1 (s30:
+# file AB_OLD_GDN), e2e_c1_mtp3 (MTP3 at C=1, 256 tokens), lm_head_c1 (s30:
 # MTP3 at C=1 with an NVFP4 lm_head), profile_c1 (s30: the C=1 MTP3 round's kernels), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
@@ -118,20 +117,6 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     sweep_mma_paired)  # s30: the tensor-core NVFP4 GEMV on weights stored paired: bitwise against K order, times
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-paired --out $out/mma_paired.json \
         > $out/mma_paired.log 2>&1 ;;
-    sweep_mma_split)  # s32: the tensor-core NVFP4 GEMV with split K (paired weights): checks, times at SPLIT 1-6
-      timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-split --out $out/mma_split.json \
-        > $out/mma_split.log 2>&1 ;;
-    split_ab)  # s32: split K for the N = 5120 linears (NINFER_NVFP4_MMA_SPLIT = 1, 2, 3): the verify step against a
-      # plain one (C = 1, 8; k = 1, 3), then MTP3 at C=1 at SPLIT 1 and 3
-      for v in 1 2 3; do
-        NINFER_NVFP4_MMA_SPLIT=$v timeout 150 python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 \
-          --concurrency 1 8 --drafts 1 3 > $out/split_verify_$v.log 2>&1
-      done
-      for v in 1 3; do
-        NINFER_NVFP4_MMA_SPLIT=$v timeout 150 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
-          --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 \
-          --max-tokens 256 > $out/split_c1_$v.log 2>&1
-      done ;;
     paired_ab)  # s30: the verify step and MTP3 at C=1 (NVFP4 heads), K-order weights then paired (NINFER_NVFP4_PAIRED)
       knob_ab NINFER_NVFP4_PAIRED paired ;;
     pytest_s30)  # s30: the mma GEMV's CUDA tests (rows_like verification, K order and paired weights) and the

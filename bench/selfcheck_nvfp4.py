@@ -221,40 +221,6 @@ def check_mma_paired(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8, 
     return out
 
 
-# Split K (s32): SPLIT programs a row tile, each over a range of K, the last to arrive adding their sums; the
-# N = 5120 linears (MLP down, attention/GDN output) have only 320 row tiles, fewer than the resident programs.
-MMA_SPLIT_CONFIGS = [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, SPLIT=s) for s in (1, 2, 3, 4, 6)]
-
-
-def check_mma_split(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8, 17, 32), splits=(2, 3, 4, 6)) -> dict:
-    """Split-K launches on paired weights ({"shape_sS": problem or "ok"}): within the reference's bound
-    (2^-8 of the largest output), every row bit for bit the same at every M (a verify row computes as its decode
-    row), and five launches bit for bit alike (whichever program arrives last)."""
-    from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
-    from ninfer.quant.nvfp4 import dequantize_nvfp4
-
-    out = {}
-    for name, (n, k) in (shapes or SHAPES_27B).items():
-        q, _ = _problem(n, k, 1, device, torch.bfloat16)
-        paired = triton_nvfp4_mma.pair_weights(q.packed, q.scale, 8)
-        x = _problem(1, k, max(ms), device, torch.bfloat16, seed=7)[1]
-        ref = x.float() @ dequantize_nvfp4(q.packed, q.scale, q.row_scale).T
-        for split in splits:
-            cfg = dict(kind="mma", TILES=1, WARPS=8, SPLIT=split)
-            full = triton_nvfp4.nvfp4_gemv(x, *paired, q.row_scale, paired=8, config=cfg)
-            err = (full.float() - ref).abs().max().item()
-            problem = None if err <= 2**-8 * ref.abs().max().item() else f"max error {err:.3g}"
-            for m in ms:
-                if problem is None and not torch.equal(
-                        triton_nvfp4.nvfp4_gemv(x[:m], *paired, q.row_scale, paired=8, config=cfg), full[:m]):
-                    problem = f"rows differ at M={m}"
-            again = [triton_nvfp4.nvfp4_gemv(x[:4], *paired, q.row_scale, paired=8, config=cfg) for _ in range(5)]
-            if problem is None and not all(torch.equal(a, full[:4]) for a in again):
-                problem = "launches differ"
-            out[f"{name}_s{split}"] = problem or "ok"
-    return out
-
-
 def check_mma_staging(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8), configs=None) -> dict:
     """Each staging / prefetch config against the plain mma launch of its warps (TILES 1, no staging), bit for
     bit (neither may change a result): {"shape_mM_config": true when equal}; a config the compiler refuses maps
@@ -420,9 +386,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-mma-paired", action="store_true",
                         help="only the tensor-core GEMV on weights stored paired: bitwise against K order, then times "
                              "of MMA_PAIRED_CONFIGS at M = 1, 4, 8, 32")
-    parser.add_argument("--sweep-mma-split", action="store_true",
-                        help="only the tensor-core GEMV with split K on paired weights: checks, then times of "
-                             "MMA_SPLIT_CONFIGS at M = 1, 4, 8, 32")
     parser.add_argument("--sweep-mma-staging", action="store_true",
                         help="only the tensor-core GEMV with shared-memory staging / L2 prefetch: bitwise against the "
                              "table's launch, then times at M = 1, 2, 4, 8 beside the table's kernels")
@@ -449,9 +412,6 @@ def main(argv: list[str] | None = None) -> int:
     elif args.sweep_mma_paired:
         result["check_mma_paired"] = check_mma_paired("cuda")
         result["sweep_mma_paired"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 32), configs=MMA_PAIRED_CONFIGS)
-    elif args.sweep_mma_split:
-        result["check_mma_split"] = check_mma_split("cuda")
-        result["sweep_mma_split"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 32), configs=MMA_SPLIT_CONFIGS)
     elif args.sweep_mma_wide:
         result["check_mma_wide"] = check_mma_wide("cuda")
         result["sweep_mma_wide"] = sweep_gemv_configs("cuda", ms=(8, 16, 24, 32), configs=MMA_WIDE_CONFIGS)

@@ -258,51 +258,6 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
         triton_nvfp4.nvfp4_gemv(torch.zeros(33, k, dtype=torch.bfloat16), *q, config=cfg)
 
 
-@needs_interpreter
-@pytest.mark.parametrize("paired", [False, True])
-def test_mma_gemv_split_k_sums_every_row_alike(paired):
-    """Split K (SPLIT: K in ranges, a program each; the last program of a row tile to arrive adds the ranges' sums in
-    range order): within the reference's tolerance; at every M a row's products bit for bit the same (a verify row
-    computes as its decode row: serving.md "Speculative backends preserve protocol output"), the same again on a
-    second launch whichever program arrives last, with ragged ranges (8 loads in 3: 3, 3, 2), paired weights equal
-    to K order's, and the arrival counters left at zero for the next launch (a CUDA graph replays them)."""
-    from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
-    from ninfer.kernels.triton_nvfp4 import _x_words
-
-    gen = torch.Generator().manual_seed(5)
-    n, k, warps = 40, 1024, 2  # 8 steps of 2 warps: 8 loads in K order, 4 paired
-    q = quantize_nvfp4(torch.randn(n, k, generator=gen) * 0.02)
-    ref_w = dequantize_nvfp4(*q)
-    x = torch.randn(27, k, generator=gen).to(torch.bfloat16)
-    ref = x.float() @ ref_w.T
-    words = triton_nvfp4_mma.pair_weights(q[0], q[1], warps) if paired else q[:2]
-    cfg = dict(kind="mma", TILES=1, WARPS=warps)
-
-    def sums32(split: int) -> torch.Tensor:  # the sums before bf16 rounding (an fp32 y), which show the ranges
-        y = torch.empty(8, n)
-        triton_nvfp4_mma.gemv_mma(_x_words(x[:8]), words[0].view(torch.int32), words[1], q[2], y, 8, n, k, tiles=1,
-                                  warps=warps, launch={}, paired=paired, split=split)
-        return y
-
-    for split in (2, 3):
-        run = dict(config=cfg | {"SPLIT": split}, paired=warps if paired else 0)
-        full = triton_nvfp4.nvfp4_gemv(x, *words, q[2], **run)
-        assert (full.float() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item(), split
-        assert not torch.equal(sums32(split), sums32(1))  # other sums than one range (else the test proves nothing)
-        assert torch.equal(full[:8], sums32(split).to(torch.bfloat16))
-        for m in (1, 3, 8, 13):
-            assert torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *words, q[2], **run), full[:m]), (split, m)
-        for r0 in range(0, 27, 8):
-            assert torch.equal(triton_nvfp4.nvfp4_gemv(x[r0:r0 + 8], *words, q[2], **run), full[r0:r0 + 8])
-        assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *words, q[2], **run), full)
-        if paired:
-            assert torch.equal(full, triton_nvfp4.nvfp4_gemv(x, *q, config=cfg | {"SPLIT": split})), split
-        counters = [c for key, c in triton_nvfp4_mma._COUNTERS.items() if key[1] == words[0].data_ptr()]
-        assert counters and all(int(c.abs().sum()) == 0 for c in counters)
-    assert triton_nvfp4_mma.split_loads(8, 3) == 3 and triton_nvfp4_mma.split_loads(6, 4) == 3
-    assert triton_nvfp4_mma.split_loads(17, 5) == 5 and triton_nvfp4_mma.split_loads(4, 9) == 4
-
-
 @pytest.mark.skipif(not HAS_TRITON or importlib.util.find_spec("triton.backends.nvidia") is None,
                     reason="needs triton's NVIDIA backend (its bundled ptxas and cuobjdump)")
 def test_gemv_kernels_compile_for_hopper_without_spills():

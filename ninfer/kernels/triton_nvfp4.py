@@ -94,12 +94,6 @@ MMA_LAUNCH = json.loads(os.environ.get("NINFER_NVFP4_MMA_LAUNCH") or "{}")
 # MMA_MAX_ROWS rows (the dot and packed-fp16 kernels read K order) and the dequantizing kernel above that.
 # NINFER_NVFP4_PAIRED=0 keeps K order.
 PAIRED_ENABLED = os.environ.get("NINFER_NVFP4_PAIRED", "1") != "0"
-# Split K for the mma GEMV where a launch has few row tiles (N <= SPLIT_MAX_N: the 27B's 5120-row outputs, MLP down
-# and the attention / GDN output projections, 320 tiles against ~400 resident 8-warp programs on an H100): each
-# tile's K in MMA_SPLIT ranges, a program each, the last to arrive adding their sums in range order (the same sums at
-# every M). By shape only, so a verify row still computes as its decode row. NINFER_NVFP4_MMA_SPLIT sets it.
-MMA_SPLIT = int(os.environ.get("NINFER_NVFP4_MMA_SPLIT") or 1)
-SPLIT_MAX_N = 8192
 # Rows of x per mma launch in speculative verification (triton_nvfp4_mma.MAX_ROWS)
 MMA_MAX_ROWS = 32
 # Off when NINFER_NVFP4_MMA=0 or when its start-up check failed (use_mma below; the runner calls it).
@@ -613,12 +607,11 @@ def _gemv_config(m: int, n: int, k: int, paired: bool = False) -> dict:
     fastest tiles (bench/results/2026-11-30-h200-s4, and -s7 for the L2 prefetch distances at
     M = 1, 2). Few rows (N < 8192, e.g. 5120) want wide steps or prefetch to keep bytes in flight;
     prefetch pays only with long rows (K >= 4096), never at M >= 3."""
-    split = {"SPLIT": MMA_SPLIT} if MMA_SPLIT > 1 and n <= SPLIT_MAX_N else {}
     if paired:  # stored for the mma GEMV's launch of mma_warps(k) warps: no other GEMV reads them, nor other warps
         knobs = {key: v for key, v in MMA_LAUNCH.items() if key not in ("WARPS", "STAGES", "PREFETCH")}
-        return dict(kind="mma", TILES=MMA_TILES, WARPS=mma_warps(k), PAIRED=True) | split | knobs
+        return dict(kind="mma", TILES=MMA_TILES, WARPS=mma_warps(k), PAIRED=True) | knobs
     if MMA_ENABLED and MMA_MIN_M <= m <= HFMA_MAX_M and k % 256 == 0:  # tensor cores: triton_nvfp4_mma
-        cfg = dict(kind="mma", TILES=MMA_TILES, WARPS=mma_warps(k)) | split | MMA_LAUNCH
+        cfg = dict(kind="mma", TILES=MMA_TILES, WARPS=mma_warps(k)) | MMA_LAUNCH
         return cfg if k % (64 * cfg["WARPS"]) == 0 else cfg | {"WARPS": 4}
     return _hfma_config(m, n, k)
 
@@ -715,7 +708,7 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
         gemv_mma(_x_words(x), words.contiguous(), sbytes.contiguous(), row_scale, y, m, n, k, tiles=cfg["TILES"],
                  warps=cfg["WARPS"], depth=cfg.get("DEPTH"), unroll=cfg.get("UNROLL"), prefetch=cfg.get("PREFETCH", 0),
                  stages=cfg.get("STAGES", 0), paired=bool(paired), evict=cfg.get("EVICT", 0),
-                 split=cfg.get("SPLIT", 1), launch=pdl_launch(x.device))
+                 launch=pdl_launch(x.device))
         return y
     if kind == "mma":  # fp32 / fp16 x, or no GPU and no interpreter: the packed-fp16 GEMV's fallbacks
         cfg = _hfma_config(m, n, k)
@@ -799,7 +792,7 @@ def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
 
                 gemv_mma(x32[r0:], words, sbytes, row_scale, y[r0:], rows, n, k, tiles=cfg["TILES"],
                          warps=cfg["WARPS"], prefetch=cfg.get("PREFETCH", 0), stages=cfg.get("STAGES", 0),
-                         paired=bool(paired), evict=cfg.get("EVICT", 0), split=cfg.get("SPLIT", 1),
+                         paired=bool(paired), evict=cfg.get("EVICT", 0),
                          launch=pdl_launch(x.device))  # its default depth for the rows
             else:
                 nvfp4_gemv(x[r0:r0 + rows], packed, scale, row_scale, out=y[r0:r0 + rows], config=cfg)

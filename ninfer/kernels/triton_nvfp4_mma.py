@@ -269,55 +269,19 @@ def _zeros(count: tl.constexpr, LANES: tl.constexpr):
 
 
 @triton.jit
-def _drain(accs, queue, xw, xrows, xoks, blk, end, DEPTH: tl.constexpr, G: tl.constexpr, SB: tl.constexpr,
-           NG: tl.constexpr, PAIRED: tl.constexpr, TILES: tl.constexpr, XT: tl.constexpr):
-    """The steps of the last DEPTH loads before load `end` (the program's K range's end), in the queue already
-    (x loaded one step ahead while one is left)."""
+def _drain(accs, queue, xw, xrows, xoks, blk, DEPTH: tl.constexpr, LOADS: tl.constexpr, G: tl.constexpr,
+           STEPS: tl.constexpr, SB: tl.constexpr, NG: tl.constexpr, PAIRED: tl.constexpr, TILES: tl.constexpr,
+           XT: tl.constexpr):
+    """The steps of a row tile's last DEPTH loads, in the queue already (x loaded one step ahead while one is left)."""
     for d in tl.static_range(DEPTH):
         cur = _part(queue, NG * d, NG)
         for i in tl.static_range(G):
-            if d * G + i + 1 < DEPTH * G:  # (inline: a constexpr in a variable is a runtime value)
-                xw_next = _load_x(xrows, xoks, blk + ((end - DEPTH + d) * G + i + 1) * SB)
+            if (LOADS - DEPTH + d) * G + i + 1 < STEPS:  # (inline: a constexpr in a variable is a runtime value)
+                xw_next = _load_x(xrows, xoks, blk + ((LOADS - DEPTH + d) * G + i + 1) * SB)
             accs = _step(accs, _load_step(cur, i, PAIRED, TILES), xw, TILES, XT, i)
-            if d * G + i + 1 < DEPTH * G:
+            if (LOADS - DEPTH + d) * G + i + 1 < STEPS:
                 xw = xw_next
     return accs
-
-
-@triton.jit
-def _store_split(accs, RS, Y, PART, CNT, n0, split, M, N, stride_ym, SPLIT: tl.constexpr, TILES: tl.constexpr,
-                 XT: tl.constexpr, WARPS: tl.constexpr):
-    """Split K (SPLIT programs a row tile): this program's sums (its warps' added, no row scale) into PART
-    [SPLIT, M, N] fp32; the last of the tile's programs to count itself in at CNT[tile] adds the SPLIT parts in
-    split order (the same sum whichever program comes last), scales, stores y and sets the count back to 0."""
-    rl = tl.arange(0, 32)
-    rg = rl // 4
-    tok = 2 * (rl % 4)
-    for i in tl.static_range(TILES):
-        for h in tl.static_range(2):
-            n = n0 + 16 * i + 8 * h + rg
-            for j in tl.static_range(XT):
-                for c in tl.static_range(2):
-                    part = tl.sum(tl.reshape(accs[4 * (XT * i + j) + 2 * h + c], [WARPS, 32]), axis=0)
-                    m = 8 * j + tok + c
-                    tl.store(PART + (split * M + m) * N + n, part, mask=(m < M) & (n < N))
-    tl.debug_barrier()  # every thread's part stored before the count (the release orders them for the others)
-    tile = n0 // (16 * TILES)
-    arrived = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
-    if arrived == SPLIT - 1:
-        for i in tl.static_range(TILES):
-            for h in tl.static_range(2):
-                n = n0 + 16 * i + 8 * h + rg
-                rs = tl.load(RS + n, mask=n < N, other=0.0) * _F16_UNSCALE
-                for j in tl.static_range(XT):
-                    for c in tl.static_range(2):
-                        m = 8 * j + tok + c
-                        ok = (m < M) & (n < N)
-                        total = tl.zeros([32], dtype=tl.float32)
-                        for s in tl.static_range(SPLIT):
-                            total += tl.load(PART + (s * M + m) * N + n, mask=ok, other=0.0, cache_modifier=".cg")
-                        tl.store(Y + m * stride_ym + n, (total * rs).to(Y.dtype.element_ty), mask=ok)
-        tl.store(CNT + tile, 0)
 
 
 @triton.jit
@@ -330,11 +294,11 @@ def _part(tup, first, count: tl.constexpr):
 
 @triton.jit
 def _gemv_mma_kernel(
-    X32, W32, S8, RS, Y, PART, CNT,
+    X32, W32, S8, RS, Y,
     M, N, stride_x32, stride_ym,
     KW: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr, XT: tl.constexpr,
     DEPTH: tl.constexpr, UNROLL: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    STAGES: tl.constexpr = 0, PAIRED: tl.constexpr = False, EVICT: tl.constexpr = 0, SPLIT: tl.constexpr = 1,
+    STAGES: tl.constexpr = 0, PAIRED: tl.constexpr = False, EVICT: tl.constexpr = 0,
 ):
     """One program per 16 * TILES weight rows and all of K, its WARPS warps interleaving steps of 4
     blocks; M <= 8 XT rows of x (X32: bf16 pairs as int32). W32: rows of KW words; S8: rows of KW / 2
@@ -343,9 +307,7 @@ def _gemv_mma_kernel(
     Triton's software pipeline stages STAGES steps of loads through shared memory (cp.async), so the bytes in
     flight hold no registers. PAIRED: W32 and S8 in pair_weights' order (a lane's blocks of steps 2q and 2q + 1
     side by side), loaded a pair of steps at a time (DEPTH then counts pairs); the same blocks meet in the same
-    mma as unpaired, so every result is bit for bit the unpaired launch's. SPLIT > 1: program (tile, split) takes
-    loads split * LPS .. of the row (LPS = ceil(LOADS / SPLIT), the last split fewer), its sums finished by
-    _store_split (PART, CNT: its workspace and zeroed counters)."""
+    mma as unpaired, so every result is bit for bit the unpaired launch's."""
     pdl_release(USE_PDL)
     LANES: tl.constexpr = 32 * WARPS
     KB: tl.constexpr = KW // 2
@@ -361,15 +323,6 @@ def _gemv_mma_kernel(
     wblk = blk * G  # and where its first load's blocks are stored (paired: its pair of the first two steps)
     pid = tl.program_id(0)
     n0 = pid * (16 * TILES)
-    LPS: tl.constexpr = (LOADS + SPLIT - 1) // SPLIT  # loads a split takes (the last one fewer)
-    if SPLIT == 1:
-        split = 0
-        lo = 0
-        end = LOADS
-    else:
-        split = tl.program_id(1)
-        lo = split * LPS
-        end = tl.minimum(lo + LPS, LOADS)
     wrows, srows = _tile_rows(W32, S8, n0, N, KW, KB, g, TILES, EVEN_N)
     xrows = ()
     xoks = ()
@@ -387,12 +340,12 @@ def _gemv_mma_kernel(
     else:
         queue = ()
         for d in tl.static_range(DEPTH):  # the first loads' weights before waiting on the kernel before
-            queue = queue + _load_w(wrows, srows, wblk + (lo + d) * G * SB, PAIRED, EVICT)
+            queue = queue + _load_w(wrows, srows, wblk + d * G * SB, PAIRED, EVICT)
         for s in tl.static_range(PREFETCH):  # (unpaired only)
             _prefetch_w(wrows, srows, blk + (DEPTH + s) * SB, KB)
         pdl_wait(USE_PDL)
-        xw = _load_x(xrows, xoks, blk + lo * G * SB)
-        for q in tl.range(lo, end - DEPTH, loop_unroll_factor=UNROLL):  # load q + DEPTH; compute load q's steps
+        xw = _load_x(xrows, xoks, blk)
+        for q in tl.range(0, LOADS - DEPTH, loop_unroll_factor=UNROLL):  # load q + DEPTH; compute load q's steps
             if PREFETCH > 0:
                 _prefetch_w(wrows, srows, blk + (q + DEPTH + PREFETCH) * SB, KB)
             nxt = _load_w(wrows, srows, wblk + (q + DEPTH) * G * SB, PAIRED, EVICT)
@@ -403,11 +356,8 @@ def _gemv_mma_kernel(
                 xw = xw_next
             queue = _part(queue, NG, NG * (DEPTH - 1)) + nxt
         # the last DEPTH loads' steps, loaded already
-        accs = _drain(accs, queue, xw, xrows, xoks, blk, end, DEPTH, G, SB, NG, PAIRED, TILES, XT)
-    if SPLIT == 1:
-        _store_tiles(accs, RS, Y, n0, M, N, stride_ym, TILES, XT, WARPS)
-    else:
-        _store_split(accs, RS, Y, PART, CNT, n0, split, M, N, stride_ym, SPLIT, TILES, XT, WARPS)
+        accs = _drain(accs, queue, xw, xrows, xoks, blk, DEPTH, LOADS, G, STEPS, SB, NG, PAIRED, TILES, XT)
+    _store_tiles(accs, RS, Y, n0, M, N, stride_ym, TILES, XT, WARPS)
 
 
 def mma_fits(m: int, k: int, warps: int) -> bool:
@@ -464,14 +414,13 @@ def unpair_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tup
 
 def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles: int, warps: int,
               launch: dict, depth: int | None = None, unroll: int | None = None, prefetch: int = 0,
-              stages: int = 0, paired: bool = False, evict: int = 0, split: int = 1) -> None:
+              stages: int = 0, paired: bool = False, evict: int = 0) -> None:
     """y[:m] = x @ W^T: x32 the bf16 rows of x as int32 pairs, words / sbytes W's codes and scale bytes
     (contiguous rows; paired: in pair_weights' order for `warps`), launch: the PDL launch options
     (ninfer.kernels.pdl). Neither `tiles` (16-row tiles a program), `depth` (steps, or pairs of steps, loaded
     ahead), `unroll` (the K loop's), `prefetch` (L2 prefetch distance in steps; none under the interpreter, which
     has no L2), `stages` (shared-memory staging instead of the register queue), `paired`, `evict` (weight loads
-    evict-first) changes a result; `warps` does (which blocks meet in one mma), and so does `split` (K in that many
-    ranges, each a program of its own, their sums added in range order: the same at every M)."""
+    evict-first) changes a result; `warps` does (which blocks meet in one mma)."""
     if not mma_fits(m, k, warps):
         raise ValueError(f"the mma GEMV takes 1..{MAX_ROWS} rows of x and K a multiple of {K_STEP * warps}; "
                          f"got M={m}, K={k}")
@@ -481,48 +430,18 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
     xt = triton.cdiv(m, 8)
     per_load = 2 if paired else 1
     loads = k // K_STEP // warps // per_load
-    split = split_loads(loads, split, stages)
-    shortest = loads - (split - 1) * -(-loads // split)  # the last split's loads
-    depth = max(1, min(depth or -(-default_depth(xt, k) // per_load), shortest))
+    depth = max(1, min(depth or -(-default_depth(xt, k) // per_load), loads))
     unroll = unroll or (1 if stages else depth)  # the queue of loaded steps then rotates by renaming registers
-    row_tiles = triton.cdiv(n, 16 * tiles)
-    grid = (row_tiles, split)
-    part = cnt = y  # (unread without a split)
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=y.device)
-        cnt = _split_counters(y.device, words, row_tiles)
-    _gemv_mma_kernel[grid](x32, words, sbytes.view(torch.uint8), row_scale, y, part, cnt, m, n, x32.stride(0),
-                            y.stride(0),
+    grid = (triton.cdiv(n, 16 * tiles),)
+    _gemv_mma_kernel[grid](x32, words, sbytes.view(torch.uint8), row_scale, y, m, n, x32.stride(0), y.stride(0),
                             KW=k // 8, TILES=tiles, WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, DEPTH=depth,
                             UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, PAIRED=paired,
-                            EVICT=evict, SPLIT=split, num_warps=warps, num_stages=max(stages, 1), **launch)
-
-
-def split_loads(loads: int, split: int, stages: int = 0) -> int:
-    """The K ranges a launch of `loads` weight loads a row takes for a requested `split`: ceil(loads / split)
-    loads each but the last (never an empty one), and one with staging (its software pipeline wants a whole row)."""
-    if stages or split <= 1:
-        return 1
-    per = -(-loads // split)
-    return -(-loads // per)
-
-
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, words: torch.Tensor, tiles: int) -> torch.Tensor:
-    """Split K's arrival counters for one weight (its row tiles), zero between launches (the last program of a
-    tile sets its count back): one buffer a weight, so launches on other streams never share one."""
-    key = (str(device), words.data_ptr(), tiles)
-    cnt = _COUNTERS.get(key)
-    if cnt is None:
-        cnt = _COUNTERS[key] = torch.zeros(tiles, dtype=torch.int32, device=device)
-    return cnt
+                            EVICT=evict, num_warps=warps, num_stages=max(stages, 1), **launch)
 
 
 def check_against_reference(device: torch.device) -> str | None:
     """The kernel beside the dequantized reference on one fixed problem on `device` (8 rows of x,
-    ragged N, the table's tile, and split K): None when it agrees, else why not. The runner calls this at
+    ragged N, the table's tile): None when it agrees, else why not. The runner calls this at
     start-up, before capturing graphs, when the model has NVFP4 weights: the lane layout the kernel
     assumes is Triton's, so a Triton that lays 1-D tensors out otherwise must not serve from it."""
     from ninfer.kernels.triton_nvfp4 import nvfp4_gemv
@@ -532,8 +451,7 @@ def check_against_reference(device: torch.device) -> str | None:
         x, (packed, scale, row_scale) = _check_problem(device)
         want = x.float() @ dequantize_nvfp4(packed, scale, row_scale).T
         got = nvfp4_gemv(x, packed, scale, row_scale, config=dict(kind="mma", TILES=2, WARPS=8, DEPTH=2))
-        split = nvfp4_gemv(x, packed, scale, row_scale, config=dict(kind="mma", TILES=2, WARPS=8, SPLIT=2))
-        err = max((got.float() - want).abs().max().item(), (split.float() - want).abs().max().item())
+        err = (got.float() - want).abs().max().item()
         bound = 2**-8 * want.abs().max().item()
     except Exception as exc:  # a Triton build that cannot compile it: the packed-fp16 GEMV runs
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
