@@ -46,7 +46,9 @@ blocks apart, 2-4 times the cache lines a load: faster at one token row, much sl
 Programs over several row tiles (s31, PERSIST: program p taking tiles p, p + P, ..., its weight queue running on
 into the next tile) were slower at every M they applied to (s32 on an H100, bench/results/2026-12-06-h100-s32: the
 five 27B linears at M = 1 in 190 us with two programs an SM, 137 with three, against 114 with one program a tile)
-and were removed.
+and were removed. So was split K (s32: a row tile's K in 2-4 ranges, a program each, the last to arrive adding their
+sums): at every M slower, the five 27B linears at M = 1 in 155-160 us against 116, the N = 5120 ones (320 row
+tiles, fewer than the resident programs) included: mlp_down 30.7-32.6 us against 27.8.
 
 Lane layout: a 1-D tensor of 32 * num_warps elements is one element per thread, element i in lane
 i % 32 of warp i // 32 (Triton's default blocked layout); under the CPU interpreter
