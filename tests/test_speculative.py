@@ -66,6 +66,38 @@ def _drafted_run(path, proposer, device=CPU):
         engine.shutdown()
 
 
+def test_oracle_corrupts_positions_independently_and_the_benchmark_hits_its_acceptance_length(tiny_qwen_path):
+    """The oracle drafter (benchmarks and tests) corrupts each output position with its probability, independently
+    of the position before (s32: CRC-32 draws almost never corrupted two positions in a row, 0.5 % instead of 19 %,
+    so rounds met fewer corruptions and a requested acceptance length of 3.0 measured ~3.6), and bench/spec_e2e.py's
+    corruption_for finds the rate at which the engine's rounds over these draws commit the requested length
+    (issue 21's goal is stated at an acceptance length; serving.md's ninfer_spec_decode_* counters measure it)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from spec_e2e import corruption_for
+
+    oracle = OracleProposer({}, corrupt=0.19, vocab=900, seed=3)
+    marks = [oracle._replacement("r0", p, 7) != 7 for p in range(20000)]
+    rate = sum(marks) / len(marks)
+    after = sum(a and b for a, b in zip(marks, marks[1:])) / sum(marks)
+    assert 0.18 < rate < 0.20 and 0.17 < after < 0.21, (rate, after)
+    requests = [EngineRequest("r0", mixed_prompts(1)[0], max_tokens=160, sampling=GREEDY)]
+    settings = EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16, draft_tokens=3)
+    base = token_ids(_without_drafts(tiny_qwen_path, settings, requests)[0])
+    oracle.continuations = {"r0": base}
+    oracle.corrupt = corruption_for(oracle, ["r0"], 3.0, 3, len(base))
+    engine = load_engine(tiny_qwen_path, settings, proposer=oracle, device=CPU)
+    try:
+        assert token_ids(run_all(engine, requests)[0]) == base
+        counters = engine.counters
+    finally:
+        engine.shutdown()
+    measured = 1 + counters.spec_accepted_tokens / counters.spec_rounds
+    assert len(base) > 100 and abs(measured - 3.0) < 0.15, (len(base), measured)
+
+
 @pytest.mark.parametrize("fixture, corrupt", [("tiny_qwen_path", 0.0), ("tiny_qwen_path", 0.35), ("tiny_qwen_path", 1.0),
                                               ("tiny_llama_path", 0.35), ("tiny_qwen_moe_path", 0.35)])
 def test_greedy_output_with_drafts_equals_greedy_output_without(fixture, corrupt, request, device=CPU):

@@ -24,7 +24,7 @@ forced thinking-budget suffix do not speculate (the suffix is known; nothing is 
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from typing import Protocol
 
 from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
@@ -153,11 +153,14 @@ class OracleProposer:
         self.seed = seed
 
     def _replacement(self, request_id: str, position: int, token: int) -> int:
-        """The draft at `position` of this request's output: `token`, or with probability `corrupt` another."""
-        draw = zlib.crc32(f"{self.seed}:{request_id}:{position}".encode())
-        if draw / 2**32 >= self.corrupt:
+        """The draft at `position` of this request's output: `token`, or with probability `corrupt` another. The
+        draws come from a cryptographic hash of (seed, request, position), independent from position to position:
+        CRC-32 (before s32) is linear, and its draws for consecutive positions clustered, so rounds met fewer
+        corruptions than the rate says (a set acceptance length of 3.0 measured 3.5-3.65)."""
+        digest = hashlib.blake2b(f"{self.seed}:{request_id}:{position}".encode(), digest_size=16).digest()
+        if int.from_bytes(digest[:8], "little") / 2**64 >= self.corrupt:
             return token
-        other = zlib.crc32(f"{self.seed}:{request_id}:{position}:token".encode()) % (self.vocab - 1)
+        other = int.from_bytes(digest[8:], "little") % (self.vocab - 1)
         return (token + 1 + other) % self.vocab
 
     def drafts(self, seq, budget: int) -> list[int]:
