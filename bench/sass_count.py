@@ -156,13 +156,13 @@ def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unro
            "stride_x32": "i32", "stride_ym": "i32", "KW": "constexpr", "TILES": "constexpr",
            "WARPS": "constexpr", "EVEN_N": "constexpr", "XT": "constexpr", "DEPTH": "constexpr", "UNROLL": "constexpr",
            "USE_PDL": "constexpr", "PREFETCH": "constexpr", "STAGES": "constexpr", "PAIRED": "constexpr",
-           "EVICT": "constexpr"}
+           "EVICT": "constexpr", "W_ROW": "constexpr", "S_ROW": "constexpr"}
     per_load = 2 if paired else 1  # steps a weight load covers
     depth = depth or -(-t.default_depth(token_tiles, 8 * kw) // per_load)
     unroll = unroll or (1 if stages else depth)
     const = {"KW": kw, "TILES": tiles, "WARPS": warps, "EVEN_N": True, "XT": token_tiles,
              "DEPTH": depth, "UNROLL": unroll, "USE_PDL": False, "PREFETCH": prefetch, "STAGES": stages,
-             "PAIRED": bool(paired), "EVICT": evict}
+             "PAIRED": bool(paired), "EVICT": evict, "W_ROW": 0, "S_ROW": 0}
     out = loop_profile(t._gemv_mma_kernel, sig, const, warps, num_stages=max(stages, 1))
     weights_per_thread = 16 * tiles * t.K_STEP / 32 * unroll * per_load  # a step: 1/32 of 16 rows x 64 codes a tile
     return {"kernel": "nvfp4_mma", "tiles": tiles, "num_warps": warps, "token_tiles": token_tiles,

@@ -108,12 +108,16 @@ def time_nvfp4_gemv(device="cuda", *, shapes: dict | None = None, ms=(1, 2, 3, 4
     from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
 
     paired = (config or {}).get("WARPS", 0) if (config or {}).get("PAIRED") else 0  # weights stored for that launch
+    pad = (config or {}).get("PAD", 0)  # bytes between stored rows (the mma GEMV: W_ROW, S_ROW)
+    config = {key: v for key, v in config.items() if key != "PAD"} if config else config
     out = []
     for name, (n, k) in (shapes or SHAPES_27B).items():
         plain, _ = _problem(n, k, 1, device, torch.bfloat16)
         q = (*triton_nvfp4_mma.pair_weights(plain[0], plain[1], paired), plain[2]) if paired else plain
         copies = max(1, -(-(120 << 20) // (n * k // 2)))  # rotate over > 2x the 60 MB L2
         qs = [q] + [tuple(t.clone() for t in q) for _ in range(copies - 1)]
+        if pad:
+            qs = [padded_rows(qq, pad) for qq in qs]
         ws = []
         if with_bf16:
             w_bf16 = dequantize_nvfp4(*plain, dtype=torch.bfloat16)
@@ -134,6 +138,19 @@ def time_nvfp4_gemv(device="cuda", *, shapes: dict | None = None, ms=(1, 2, 3, 4
                            speedup=round(us_bf16 / us, 2))
             out.append(row)
     return out
+
+
+def padded_rows(q, pad: int):
+    """NVFP4 (codes, block scales, row scales) with each codes row `pad` bytes and each scale row pad / 8 bytes
+    apart from the next (views into wider buffers): the same weight, other DRAM addresses for its rows."""
+    codes, scales, row_scale = q
+    n = codes.shape[0]
+    wide = torch.zeros(n, codes.shape[1] + pad, dtype=codes.dtype, device=codes.device)
+    wide[:, : codes.shape[1]] = codes
+    sbytes = scales.view(torch.uint8)
+    swide = torch.zeros(n, sbytes.shape[1] + max(pad // 8, 4), dtype=torch.uint8, device=codes.device)
+    swide[:, : sbytes.shape[1]] = sbytes
+    return wide[:, : codes.shape[1]], swide[:, : sbytes.shape[1]].view(scales.dtype), row_scale
 
 
 def time_nvfp4_prefill(device="cuda", *, shapes: dict | None = None, m: int = 1024, iters: int = 5) -> list[dict]:
@@ -218,6 +235,30 @@ def check_mma_paired(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8, 
             want = triton_nvfp4.nvfp4_gemv(x[:m], *q, config=dict(kind="mma", TILES=1, WARPS=8))
             got = triton_nvfp4.nvfp4_gemv(x[:m], *paired, q.row_scale, paired=8)
             out[f"{name}_m{m}"] = torch.equal(got, want)
+    return out
+
+
+# Padded rows (s32, not yet run): the 27B MLP down projection (rows 8,704 bytes apart) streams at ~1.8 TB/s where
+# gate_up (2,560) reaches 2.6 and neither more programs (split K) nor fewer (PERSIST) helped; rows placed at other
+# strides test whether its concurrent row streams meet in the same DRAM channels or banks.
+MMA_PAD_CONFIGS = [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, PAD=p) for p in (0, 128, 256, 512, 1024, 2048)]
+
+
+def check_mma_pad(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 32), pads=(128, 2048)) -> dict:
+    """The paired mma launch on padded rows against the same weights stored back to back, bit for bit
+    ({"shape_mM_padP": true when equal})."""
+    from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
+
+    out = {}
+    for name, (n, k) in (shapes or SHAPES_27B).items():
+        q, _ = _problem(n, k, 1, device, torch.bfloat16)
+        paired = (*triton_nvfp4_mma.pair_weights(q.packed, q.scale, 8), q.row_scale)
+        x = _problem(1, k, max(ms), device, torch.bfloat16, seed=7)[1]
+        for pad in pads:
+            wide = padded_rows(paired, pad)
+            for m in ms:
+                out[f"{name}_m{m}_pad{pad}"] = torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *wide, paired=8),
+                                                           triton_nvfp4.nvfp4_gemv(x[:m], *paired, paired=8))
     return out
 
 
@@ -386,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-mma-paired", action="store_true",
                         help="only the tensor-core GEMV on weights stored paired: bitwise against K order, then times "
                              "of MMA_PAIRED_CONFIGS at M = 1, 4, 8, 32")
+    parser.add_argument("--sweep-mma-pad", action="store_true",
+                        help="only the tensor-core GEMV on paired weights whose rows are stored apart (MMA_PAD_CONFIGS): "
+                             "bitwise against rows back to back, then times at M = 1, 4, 8, 32")
     parser.add_argument("--sweep-mma-staging", action="store_true",
                         help="only the tensor-core GEMV with shared-memory staging / L2 prefetch: bitwise against the "
                              "table's launch, then times at M = 1, 2, 4, 8 beside the table's kernels")
@@ -412,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.sweep_mma_paired:
         result["check_mma_paired"] = check_mma_paired("cuda")
         result["sweep_mma_paired"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 32), configs=MMA_PAIRED_CONFIGS)
+    elif args.sweep_mma_pad:
+        result["check_mma_pad"] = check_mma_pad("cuda")
+        result["sweep_mma_pad"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 32), configs=MMA_PAD_CONFIGS)
     elif args.sweep_mma_wide:
         result["check_mma_wide"] = check_mma_wide("cuda")
         result["sweep_mma_wide"] = sweep_gemv_configs("cuda", ms=(8, 16, 24, 32), configs=MMA_WIDE_CONFIGS)

@@ -587,6 +587,11 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
     return packed.view(torch.int32)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t with each row's values contiguous (rows may stand apart: the mma GEMV takes their stride)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _x_words(x: torch.Tensor) -> torch.Tensor:
     """bf16 x [M, K] as int32 pairs [M, K / 2] (copied when its rows are not 4-byte aligned)."""
     aligned = x.storage_offset() % 2 == 0 and x.stride(0) % 2 == 0
@@ -705,7 +710,7 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
     if mma:
         from ninfer.kernels.triton_nvfp4_mma import gemv_mma
 
-        gemv_mma(_x_words(x), words.contiguous(), sbytes.contiguous(), row_scale, y, m, n, k, tiles=cfg["TILES"],
+        gemv_mma(_x_words(x), _rows(words), _rows(sbytes), row_scale, y, m, n, k, tiles=cfg["TILES"],
                  warps=cfg["WARPS"], depth=cfg.get("DEPTH"), unroll=cfg.get("UNROLL"), prefetch=cfg.get("PREFETCH", 0),
                  stages=cfg.get("STAGES", 0), paired=bool(paired), evict=cfg.get("EVICT", 0),
                  launch=pdl_launch(x.device))

@@ -229,8 +229,9 @@ def _step(accs, ws, xw, TILES: tl.constexpr, XT: tl.constexpr, BYTE: tl.constexp
 
 
 @triton.jit
-def _tile_rows(W32, S8, n0, N, KW: tl.constexpr, KB: tl.constexpr, g, TILES: tl.constexpr, EVEN_N: tl.constexpr):
-    """The lane's weight rows (g and g + 8 of each 16-row tile from row n0): their word and scale-byte pointers."""
+def _tile_rows(W32, S8, n0, N, WR: tl.constexpr, SR: tl.constexpr, g, TILES: tl.constexpr, EVEN_N: tl.constexpr):
+    """The lane's weight rows (g and g + 8 of each 16-row tile from row n0): their word and scale-byte pointers
+    (rows WR words and SR scale bytes apart)."""
     wrows = ()
     srows = ()
     for i in tl.static_range(TILES):
@@ -238,8 +239,8 @@ def _tile_rows(W32, S8, n0, N, KW: tl.constexpr, KB: tl.constexpr, g, TILES: tl.
             n = n0 + 16 * i + 8 * h + g
             if not EVEN_N:
                 n = tl.minimum(n, N - 1)  # rows past N read the last row; they are not stored
-            wrows = wrows + (W32 + n.to(tl.int64) * KW,)
-            srows = srows + (S8 + n.to(tl.int64) * KB,)
+            wrows = wrows + (W32 + n.to(tl.int64) * WR,)
+            srows = srows + (S8 + n.to(tl.int64) * SR,)
     return wrows, srows
 
 
@@ -300,7 +301,8 @@ def _gemv_mma_kernel(
     M, N, stride_x32, stride_ym,
     KW: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr, XT: tl.constexpr,
     DEPTH: tl.constexpr, UNROLL: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    STAGES: tl.constexpr = 0, PAIRED: tl.constexpr = False, EVICT: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0, PAIRED: tl.constexpr = False, EVICT: tl.constexpr = 0, W_ROW: tl.constexpr = 0,
+    S_ROW: tl.constexpr = 0,
 ):
     """One program per 16 * TILES weight rows and all of K, its WARPS warps interleaving steps of 4
     blocks; M <= 8 XT rows of x (X32: bf16 pairs as int32). W32: rows of KW words; S8: rows of KW / 2
@@ -309,7 +311,8 @@ def _gemv_mma_kernel(
     Triton's software pipeline stages STAGES steps of loads through shared memory (cp.async), so the bytes in
     flight hold no registers. PAIRED: W32 and S8 in pair_weights' order (a lane's blocks of steps 2q and 2q + 1
     side by side), loaded a pair of steps at a time (DEPTH then counts pairs); the same blocks meet in the same
-    mma as unpaired, so every result is bit for bit the unpaired launch's."""
+    mma as unpaired, so every result is bit for bit the unpaired launch's. W_ROW / S_ROW: the rows' strides in
+    words / scale bytes where they are stored apart (padded rows; 0: KW, KW / 2)."""
     pdl_release(USE_PDL)
     LANES: tl.constexpr = 32 * WARPS
     KB: tl.constexpr = KW // 2
@@ -325,7 +328,9 @@ def _gemv_mma_kernel(
     wblk = blk * G  # and where its first load's blocks are stored (paired: its pair of the first two steps)
     pid = tl.program_id(0)
     n0 = pid * (16 * TILES)
-    wrows, srows = _tile_rows(W32, S8, n0, N, KW, KB, g, TILES, EVEN_N)
+    WR: tl.constexpr = W_ROW if W_ROW else KW
+    SR: tl.constexpr = S_ROW if S_ROW else KB
+    wrows, srows = _tile_rows(W32, S8, n0, N, WR, SR, g, TILES, EVEN_N)
     xrows = ()
     xoks = ()
     for j in tl.static_range(XT):
@@ -418,7 +423,7 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
               launch: dict, depth: int | None = None, unroll: int | None = None, prefetch: int = 0,
               stages: int = 0, paired: bool = False, evict: int = 0) -> None:
     """y[:m] = x @ W^T: x32 the bf16 rows of x as int32 pairs, words / sbytes W's codes and scale bytes
-    (contiguous rows; paired: in pair_weights' order for `warps`), launch: the PDL launch options
+    (rows of contiguous values, any row stride; paired: in pair_weights' order for `warps`), launch: the PDL launch options
     (ninfer.kernels.pdl). Neither `tiles` (16-row tiles a program), `depth` (steps, or pairs of steps, loaded
     ahead), `unroll` (the K loop's), `prefetch` (L2 prefetch distance in steps; none under the interpreter, which
     has no L2), `stages` (shared-memory staging instead of the register queue), `paired`, `evict` (weight loads
@@ -438,7 +443,14 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
     _gemv_mma_kernel[grid](x32, words, sbytes.view(torch.uint8), row_scale, y, m, n, x32.stride(0), y.stride(0),
                             KW=k // 8, TILES=tiles, WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, DEPTH=depth,
                             UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, PAIRED=paired,
-                            EVICT=evict, num_warps=warps, num_stages=max(stages, 1), **launch)
+                            EVICT=evict, W_ROW=_row_stride(words, k // 8), S_ROW=_row_stride(sbytes, k // 16),
+                            num_warps=warps, num_stages=max(stages, 1), **launch)
+
+
+def _row_stride(t: torch.Tensor, row: int) -> int:
+    """A launch's W_ROW / S_ROW: 0 for rows stored back to back (one compiled kernel for them all), else the stride."""
+    assert t.stride(-1) == 1, "the mma GEMV reads rows of contiguous values"
+    return 0 if t.stride(0) == row else t.stride(0)
 
 
 def check_against_reference(device: torch.device) -> str | None:
