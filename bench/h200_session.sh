@@ -21,7 +21,8 @@
 # in one launch, A/B), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
 # pytest_s30 (s30: the mma GEMV on weights stored paired), gates_ab / pytest_s31 (s31: the GDN gates computed in the
 # recurrent kernels), gdn_loads_ab (s32: the GDN verify kernels' loads first, against the
-# file AB_OLD_GDN), sweep_mma_pad (s32: the mma GEMV on rows stored apart), e2e_c1_mtp3 (MTP3 at C=1, 256 tokens), lm_head_c1 (s30:
+# file AB_OLD_GDN), sweep_mma_pad (s32: the mma GEMV on rows stored apart), rollback_ab (s33: rollback by copy, then by
+# trading state slots, C = 1 and 8), e2e_c1_mtp3 (MTP3 at C=1, 256 tokens), lm_head_c1 (s30:
 # MTP3 at C=1 with an NVFP4 lm_head), profile_c1 (s30: the C=1 MTP3 round's kernels), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
 # tests), prefetch (the NVFP4 GEMV's L2 prefetch sweep), sampled35 (35B-A3B bf16 decode, greedy and
@@ -142,6 +143,16 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
         if [ $v = 0 ]; then cp "$AB_OLD_GDN" ninfer/kernels/triton_gdn.py; else cp .gdn_new.py ninfer/kernels/triton_gdn.py; fi
         timeout 150 python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 --concurrency 1 8 --drafts 1 3 \
           > $out/gdn_loads_verify_$v.log 2>&1
+      done ;;
+    rollback_ab)  # s33 (not run yet): rollback by copying the accepted state back (NINFER_ROLLBACK_COPY=1, before s33)
+      # against trading slots (0): MTP3 at C=1 (NVFP4 heads, acceptance 3.0), then k=3 every round at C=8 (2.5)
+      for v in 1 0; do
+        NINFER_ROLLBACK_COPY=$v timeout 150 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
+          --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 --max-tokens 256 \
+          > $out/rollback_c1_$v.log 2>&1
+        NINFER_ROLLBACK_COPY=$v timeout 150 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
+          --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 8 --acceptance 2.5 --max-tokens 128 \
+          > $out/rollback_c8_$v.log 2>&1
       done ;;
     e2e_c1_mtp3)  # MTP3 at C=1 (NVFP4 heads, drafting ahead, 256 tokens), as knob_ab's end-to-end half
       timeout 150 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp --draft-head 32768 \

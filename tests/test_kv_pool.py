@@ -69,6 +69,23 @@ def test_slot_pool():
     assert slots.allocate() == a and b != a
 
 
+def test_a_slot_traded_for_a_verify_row_leaves_the_pool_and_the_row_joins_it():
+    """Speculative rollback (ModelRunner.rollback) trades a sequence's slot for the verify row holding the
+    accepted state: the pool keeps as many slots, and releases follow the trade."""
+    slots = SlotPool(2)
+    a = slots.allocate()
+    slots.exchange(a, 7)
+    assert slots.members == {7, 1 - a} and slots.used_slots == 1
+    with pytest.raises(ValueError):
+        slots.release(a)  # the runner's now
+    with pytest.raises(ValueError):
+        slots.exchange(1 - a, 9)  # free: nobody holds it to trade
+    with pytest.raises(ValueError):
+        slots.exchange(7, 1 - a)  # already the pool's
+    slots.release(7)
+    assert slots.free_slots == 2 and {slots.allocate(), slots.allocate()} == {7, 1 - a}
+
+
 def test_fresh_sequences_start_at_the_longest_free_run_and_grow_in_place():
     """What keeps a CPU decode row's context one run of pages (kernels.attention reads it in place)."""
     pool = PagePool(12, 4)

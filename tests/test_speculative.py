@@ -103,11 +103,14 @@ def test_oracle_corrupts_positions_independently_and_the_benchmark_hits_its_acce
 def test_greedy_output_with_drafts_equals_greedy_output_without(fixture, corrupt, request, device=CPU):
     """The oracle proposes each request's own greedy continuation, a share of drafts corrupted: every
     acceptance length from all to none occurs, and the hybrid models' rejected rows exercise the
-    recurrent-state rollback."""
+    recurrent-state rollback (a trade of state slots: the pool ends with verify rows among its slots)."""
     path = request.getfixturevalue(fixture)
     base = _baseline(path, device=device)
     oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=corrupt, vocab=900, seed=3)
     spec, counters, engine = _drafted_run(path, oracle, device)
+    slots = engine.scheduler.slots
+    if slots is not None and 0 < corrupt < 1:
+        assert slots.members != frozenset(range(slots.num_slots))
     assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
     assert [e[-1].reason for e in spec] == [e[-1].reason for e in base]
     assert [e[-1].usage.completion_tokens for e in spec] == [e[-1].usage.completion_tokens for e in base]
@@ -117,6 +120,18 @@ def test_greedy_output_with_drafts_equals_greedy_output_without(fixture, corrupt
         assert counters.decode_steps < sum(len(token_ids(e)) for e in base) // 4 * 2
     if corrupt == 1.0:
         assert counters.spec_accepted_tokens < counters.spec_drafted_tokens // 4
+    assert_no_leak(engine)
+
+
+def test_a_rollback_that_copies_the_state_back_keeps_greedy_output(tiny_qwen_path, monkeypatch):
+    """NINFER_ROLLBACK_COPY=1 (the benchmarks' A/B of the slot trade) puts the accepted state back by copy."""
+    monkeypatch.setenv("NINFER_ROLLBACK_COPY", "1")
+    base = _baseline(tiny_qwen_path)
+    oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=0.35, vocab=900, seed=3)
+    spec, counters, engine = _drafted_run(tiny_qwen_path, oracle)
+    assert [token_ids(e) for e in spec] == [token_ids(e) for e in base]
+    assert counters.spec_accepted_tokens < counters.spec_drafted_tokens
+    assert engine.scheduler.slots.members == frozenset(range(engine.scheduler.slots.num_slots))
     assert_no_leak(engine)
 
 
@@ -522,7 +537,11 @@ def test_mtp_keeps_rows_without_drafts_until_the_sequence_drafts(tiny_qwen_mtp_p
         assert sum(plain) > 0  # caught up without waiting for a draft
     if graphs:
         windows = {k for k in proposer._graphs if k[0] == "observe_verify" and k[2] == mtp_proposer.WINDOW}
-        assert captured and bool(windows) == (cap is None or cap <= mtp_proposer.WINDOW)
+        assert captured
+        # a WINDOW that is also a verify width (2..4 here) has its graph replayed by verify steps of that width as
+        # well (since s32's oracle draws, a width-2 verify occurs in this run): the check means something otherwise
+        if mtp_proposer.WINDOW > settings.draft_tokens + 1:
+            assert bool(windows) == (cap is None or cap <= mtp_proposer.WINDOW)
         if mtp_proposer.CAP > mtp_proposer.WINDOW:  # more rows than WINDOW (a catch-up, a short prefill chunk): CAP's
             assert any(k[0] == "observe_verify" and k[2] == mtp_proposer.CAP for k in proposer._graphs)
     for tokens, drafts, budget in seen:

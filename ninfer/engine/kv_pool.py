@@ -94,11 +94,15 @@ class PagePool:
 
 
 class SlotPool:
-    """Recurrent-state slots (hybrid models): max_concurrency + device_state_slots of them."""
+    """Recurrent-state slots (hybrid models): max_concurrency + device_state_slots of them.
+
+    A speculative rollback may trade a held slot for one of the runner's verify slots (`exchange`): the
+    pool's slots are then a different set of the cache's rows, always as many."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self._free: deque[int] = deque(range(num_slots))
+        self._slots = set(range(num_slots))
 
     @property
     def free_slots(self) -> int:
@@ -108,12 +112,25 @@ class SlotPool:
     def used_slots(self) -> int:
         return self.num_slots - len(self._free)
 
+    @property
+    def members(self) -> frozenset[int]:
+        """The cache rows that are the pool's slots now."""
+        return frozenset(self._slots)
+
     def allocate(self) -> int:
         if not self._free:
             raise PoolExhausted("no free state slot")
         return self._free.popleft()
 
     def release(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.num_slots:
+        if slot in self._free or slot not in self._slots:
             raise ValueError(f"state slot {slot} released twice or unknown")
         self._free.append(slot)
+
+    def exchange(self, held: int, replacement: int) -> None:
+        """The holder of `held` now holds `replacement`, a cache row outside the pool, which takes its
+        place; `held` leaves the pool (the runner keeps it as a verify slot)."""
+        if held not in self._slots or held in self._free or replacement in self._slots:
+            raise ValueError(f"state slot {held} is not held, or {replacement} is already the pool's")
+        self._slots.remove(held)
+        self._slots.add(replacement)

@@ -53,6 +53,8 @@ PIECES_ENV = "NINFER_PREFILL_PIECES"
 # NINFER_GRAPH_PIECES=1: decode and verify graphs are captured in pieces (graphs.PieceGraphs), cut between
 # decoder layers (graph_cut_layers), so the GPU starts a step while the host still launches most of it
 GRAPH_PIECES_ENV = "NINFER_GRAPH_PIECES"
+# "1": a speculative rollback copies the accepted state back instead of trading slots (ModelRunner.rollback)
+ROLLBACK_COPY_ENV = "NINFER_ROLLBACK_COPY"
 # The prefill plan's cost model, in tokens: a forward of up to `knee` tokens costs about the same (its
 # weight reads), beyond that its compute; each replay adds REPLAY_COST (the step's small kernels and
 # launch). The knee depends on the model (`piece_costs`; H200, bench/results/2026-11-30-h200-s9/call3-5):
@@ -153,7 +155,7 @@ class ModelRunner:
         """draft_tokens: the most drafts a decode row may carry (speculative decoding; 0: none). Hybrid
         models then get draft_tokens state slots per lane after the live slots: a verify forward keeps
         the recurrent state of each verified position there (ForwardBatch.verify_slots), and `rollback`
-        puts the accepted one back with one copy. Verify forwards of every batch size replay CUDA graphs
+        makes the accepted one the sequence's state slot (it trades slots with the lane). Verify forwards of every batch size replay CUDA graphs
         of width draft_tokens + 1 (shorter rows padded).
         cache_spec: the cache to allocate (default the model's; a drafter may ride in it as extra layers).
         exact_verify: verified positions round exactly as plain decode steps (`verify`).
@@ -171,8 +173,12 @@ class ModelRunner:
         self.feature_layers = tuple(feature_layers)
         if self.feature_layers:  # before any graph is captured: the features become a static output
             model.capture_layers = self.feature_layers
-        self.verify_base = num_state_slots  # state of lane l after verified position j: verify_base + l*k + j
+        # the state of lane l after verified position j goes to lane_slots[l][j]: at first the rows after the
+        # live slots, then whichever rows rollback traded for them
         verify_slots = num_lanes * draft_tokens if num_state_slots else 0
+        self.lane_slots = [list(range(num_state_slots + lane * draft_tokens, num_state_slots + (lane + 1) * draft_tokens))
+                           for lane in range(num_lanes if verify_slots else 0)]
+        self.copy_rollback = os.environ.get(ROLLBACK_COPY_ENV) == "1"
         self.cache = ModelCache(cache_spec or model.cache_spec(), num_pages, page_size, num_state_slots + verify_slots,
                                 dtype, self.device, kv_dtype=kv_dtype)
         # generated-token counts per lane, for presence/frequency penalties
@@ -651,8 +657,7 @@ class ModelRunner:
         """The lane's per-position state slots of a verify forward (see __init__)."""
         if not self.cache.conv.shape[0]:
             return [0] * (width - 1)
-        base = self.verify_base + (lane or 0) * self.draft_tokens
-        return list(range(base, base + width - 1))
+        return self.lane_slots[lane or 0][: width - 1]
 
     def collect(self, plan: StepPlan, launched: list[torch.Tensor]) -> RunnerOutput:
         """Read the sampled ids back, and the drafts the verify took on the device: the one host
@@ -686,22 +691,30 @@ class ModelRunner:
 
     # ---- speculative rollback ----------------------------------------------------------------
     @torch.inference_mode()
-    def rollback(self, works, committed: list[int], width: int | None = None) -> None:
+    def rollback(self, works, committed: list[int], width: int | None = None) -> list[tuple[int, int]]:
         """After a verify forward of `width` tokens per row: a row that committed c tokens needs the recurrent
-        state after its position c-1, which the forward left in that position's slot (the last position's
-        in the sequence's own slot). One indexed copy per state tensor brings it back for every row that
-        committed fewer than `width` (padded rows always do). Attention KV needs nothing: slots past the
-        frontier are rewritten before anything reads them."""
+        state after its position c-1, which the forward left in the lane's verify slot c-1 (the last position's
+        in the sequence's own slot). The two trade places: the verify slot becomes the sequence's state slot
+        and its old slot the lane's verify slot c-1, so no state moves (a copy would read and write a row's
+        151 MB of 27B state). Returns the trades (old slot, new slot), which the slot pool must follow
+        (SlotPool.exchange). Attention KV needs nothing: slots past the frontier are rewritten before anything
+        reads them. NINFER_ROLLBACK_COPY=1 copies the state back instead (the A/B of the trade)."""
         if self.cache.conv.shape[0] == 0:
-            return
+            return []
         width = width or self.last_verify_width
         # every row of the forward, drafts or not: a shorter row was padded up to the width
         redo = [(w.seq, c) for w, c in zip(works, committed) if width > 1 and 0 < c < width]
-        # a copy a row: it reads and writes each slot once (151 MB of 27B state), where one indexed copy of all rows
-        # gathers them into a temporary and scatters that back, twice the bytes
+        trades = []
         for seq, c in redo:
-            transfers.copy_state(self.cache, self.verify_base + (seq.lane or 0) * self.draft_tokens + c - 1,
-                                 seq.state_slot)
+            lane = self.lane_slots[seq.lane or 0]
+            if seq.state_slot is None:  # released during the step: nothing to put back
+                continue
+            if self.copy_rollback:
+                transfers.copy_state(self.cache, lane[c - 1], seq.state_slot)
+                continue
+            trades.append((seq.state_slot, lane[c - 1]))
+            seq.state_slot, lane[c - 1] = lane[c - 1], seq.state_slot
+        return trades
 
     def reset_lane(self, lane: int, output_ids: list[int]) -> None:
         """Start a lane's penalty counts over (from a restored request's committed output, if any)."""
