@@ -381,9 +381,14 @@ def test_a_well_drafted_request_drafts_after_poorly_drafted_ones(tiny_qwen_path)
     A new request is now probed at its first step, its own rounds take over, and the back-off is its own."""
     base = _baseline(tiny_qwen_path, max_tokens=40)
     oracle = OracleProposer({f"r{i}": token_ids(ev) for i, ev in enumerate(base)}, corrupt=1.0, vocab=900, seed=3)
+    # six requests on four lanes: on a loaded machine the last two waited past the 30 s admission timeout
     settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, draft_tokens=3,
-                              adaptive_drafts=True)
+                              adaptive_drafts=True, pending_timeout_ms=600_000)
     engine = load_engine(tiny_qwen_path, settings, proposer=oracle, device=torch.device("cpu"))
+    # the controller prices widths by modeled step times (a verify row costs 15 % of a plain step), not the wall
+    # clock: on a loaded machine CPU step times made drafting look unprofitable and the test flaky
+    measured = engine.drafts_control.step_time
+    engine.drafts_control.step_time = lambda batch, width, seconds: measured(batch, width, 0.010 * (0.85 + 0.15 * width))
     try:
         run_all(engine, _requests(40))  # every draft wrong: the engine learns to decode plainly
         assert engine.drafts_control.acceptance("a new request") < 0.2
@@ -396,7 +401,7 @@ def test_a_well_drafted_request_drafts_after_poorly_drafted_ones(tiny_qwen_path)
     finally:
         engine.shutdown()
     assert token_ids(spec[0]) == token_ids(base[0])
-    assert rounds > plain and accepted >= rounds  # it drafts most steps (1-3 a round, by CPU step times), and they stand
+    assert rounds > plain and accepted >= rounds  # it drafts most steps, and they stand
     assert_no_leak(engine)
 
 
