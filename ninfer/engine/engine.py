@@ -409,7 +409,8 @@ class Engine:
             if predicted:
                 self._sample(predicted, plan, output)
             if any(w.draft_ids for w in plan.decode):  # finished rows too: a retained endpoint keeps the state slot
-                for held, verify_slot in self.runner.rollback(plan.decode, [committed[id(w.seq)] for w in plan.decode]):
+                trades = self.runner.rollback(plan.decode, [committed[id(w.seq)] for w in plan.decode])
+                for held, verify_slot in trades:  # the accepted states' slots are the pool's now
                     self.scheduler.slots.exchange(held, verify_slot)
             self.scheduler.update(plan, output, committed)
             if hasattr(self.proposer, "observe"):  # the drafter's half-step over the committed positions

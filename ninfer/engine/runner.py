@@ -155,8 +155,8 @@ class ModelRunner:
         """draft_tokens: the most drafts a decode row may carry (speculative decoding; 0: none). Hybrid
         models then get draft_tokens state slots per lane after the live slots: a verify forward keeps
         the recurrent state of each verified position there (ForwardBatch.verify_slots), and `rollback`
-        makes the accepted one the sequence's state slot (it trades slots with the lane). Verify forwards of every batch size replay CUDA graphs
-        of width draft_tokens + 1 (shorter rows padded).
+        makes the accepted one the sequence's state slot (it trades slots with the lane). Verify forwards
+        of every batch size replay CUDA graphs of width draft_tokens + 1 (shorter rows padded).
         cache_spec: the cache to allocate (default the model's; a drafter may ride in it as extra layers).
         exact_verify: verified positions round exactly as plain decode steps (`verify`).
         feature_layers: the hidden states handed to drafters (RunnerOutput.hidden / prefill_hidden) are these
@@ -176,8 +176,8 @@ class ModelRunner:
         # the state of lane l after verified position j goes to lane_slots[l][j]: at first the rows after the
         # live slots, then whichever rows rollback traded for them
         verify_slots = num_lanes * draft_tokens if num_state_slots else 0
-        self.lane_slots = [list(range(num_state_slots + lane * draft_tokens, num_state_slots + (lane + 1) * draft_tokens))
-                           for lane in range(num_lanes if verify_slots else 0)]
+        first = [num_state_slots + lane * draft_tokens for lane in range(num_lanes if verify_slots else 0)]
+        self.lane_slots = [list(range(f, f + draft_tokens)) for f in first]
         self.copy_rollback = os.environ.get(ROLLBACK_COPY_ENV) == "1"
         self.cache = ModelCache(cache_spec or model.cache_spec(), num_pages, page_size, num_state_slots + verify_slots,
                                 dtype, self.device, kv_dtype=kv_dtype)
@@ -703,12 +703,11 @@ class ModelRunner:
             return []
         width = width or self.last_verify_width
         # every row of the forward, drafts or not: a shorter row was padded up to the width
-        redo = [(w.seq, c) for w, c in zip(works, committed) if width > 1 and 0 < c < width]
+        redo = [(w.seq, c) for w, c in zip(works, committed)
+                if width > 1 and 0 < c < width and w.seq.state_slot is not None]
         trades = []
         for seq, c in redo:
             lane = self.lane_slots[seq.lane or 0]
-            if seq.state_slot is None:  # released during the step: nothing to put back
-                continue
             if self.copy_rollback:
                 transfers.copy_state(self.cache, lane[c - 1], seq.state_slot)
                 continue
