@@ -244,13 +244,11 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
                 got = triton_nvfp4.nvfp4_gemv(x[:m], pw[0], pw[1], q[2], config=cfg | ahead, paired=warps)
                 assert torch.equal(got, full[:m]), (m, ahead)
         # rows stored apart (views into wider rows: the launch takes their strides) compute the same
-        wide = torch.zeros(n, k // 2 + 96, dtype=torch.uint8)
-        wide[:, : k // 2] = pw[0]
-        swide = torch.zeros(n, k // 16 + 12, dtype=torch.uint8)
-        swide[:, : k // 16] = pw[1].view(torch.uint8)
-        got = triton_nvfp4.nvfp4_gemv(x, wide[:, : k // 2], swide[:, : k // 16].view(pw[1].dtype), q[2], config=cfg,
-                                      paired=warps)
-        assert torch.equal(got, full)
+        from bench.selfcheck_nvfp4 import padded_rows
+
+        wide = padded_rows((pw[0], pw[1], q[2]), 96)
+        assert wide[0].stride(0) == k // 2 + 96 and wide[1].stride(0) == k // 16 + 12
+        assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *wide, config=cfg, paired=warps), full)
         assert torch.equal(triton_nvfp4.nvfp4_dequantize(pw[0], pw[1], q[2], torch.float32, paired=warps),
                            triton_nvfp4.nvfp4_dequantize(*q, torch.float32))
     # Up to four tiles of 8 tokens share a launch (speculative verification): every token equals its
