@@ -123,3 +123,12 @@ def test_gc_pause_dry_run_freezes_start_up_objects():
     (record,) = _records("gc_pause.py")
     assert record["kind"] == "gc_pause" and record["tracked_objects"] > 10_000
     assert record["frozen"] >= record["tracked_objects"] * 0.9
+
+
+def test_read_ceiling_readers_see_every_weight_byte_once():
+    """bench/read_ceiling.py's readers (the mma GEMV's loads without the mma, and a flat stream) under the
+    interpreter: the XOR of what they read is the XOR of the weight, so their timings on the device are of
+    every byte."""
+    from bench.read_ceiling import check
+
+    assert check("cpu") == {"rows": True, "flat": True}
