@@ -248,6 +248,30 @@ def test_cancel_during_decode_returns_every_page(tok):
     assert not engine.scheduler.resident
 
 
+def test_a_consumer_whose_loop_closed_cancels_its_request_and_the_engine_serves_on(tok):
+    """The engine thread emits into an asyncio loop that closed under a live request, without the consumer's
+    cancel (contract "Execution behavior": one request's end never fails the others). The request is cancelled,
+    its pages come back, and the next request is served; before, the closed loop's RuntimeError inside the
+    engine loop failed the engine and every request in it."""
+    engine = make_engine(tok, [{"trigger": [5], "output": [6] * 100_000}], max_context=200_000)
+    loop = asyncio.new_event_loop()
+    try:
+        async def first_event():
+            stream = engine.stream(EngineRequest("gone", [5] * 4, max_tokens=100_000))
+            return stream, await anext(stream)
+
+        stream, _ = loop.run_until_complete(first_event())
+        loop.close()  # the stream's `finally` (its cancel) never runs
+        assert _wait_until(lambda: engine.counters.requests.get("cancelled", 0) == 1, timeout=30)
+        assert engine.healthy
+        events = engine.generate(EngineRequest("next", [5] * 4, max_tokens=3))
+        assert finish_of(events).reason is FinishReason.LENGTH
+    finally:
+        engine.shutdown()
+    assert_no_leak(engine)
+    del stream
+
+
 def test_cancel_during_prefill_returns_every_page(tok):
     engine = make_engine(tok, [{"trigger": [5], "output": [6]}], prefill_chunk=4, max_context=100_000)
     events = []

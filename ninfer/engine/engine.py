@@ -20,6 +20,7 @@ import torch
 from ninfer.engine import media_inputs, transfers
 from ninfer.engine.context_ops import ContextExecutor
 from ninfer.engine.counters import Counters, HostWork
+from ninfer.engine.emitter import loop_emitter
 from ninfer.engine.kv_manager import KVManager
 from ninfer.engine.kv_pool import PagePool, SlotPool
 from ninfer.engine.kv_sizing import auto_kv_capacity
@@ -249,7 +250,7 @@ class Engine:
         """Submit and yield events until the terminal FinishEvent; cancels the request if abandoned."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        self.submit(request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        self.submit(request, loop_emitter(loop, events.put_nowait, lambda: self.cancel(request.request_id)))
         done = False
         try:
             while True:

@@ -12,6 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
+from ninfer.engine.emitter import loop_emitter
 from ninfer.engine.types import (
     ContextLengthExceededError,
     EngineError,
@@ -60,7 +61,7 @@ async def engine_events(engine, request: EngineRequest) -> AsyncIterator[Any]:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     try:
-        engine.submit(request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        engine.submit(request, loop_emitter(loop, events.put_nowait, lambda: engine.cancel(request.request_id)))
     except EngineError as exc:
         yield EngineFailure.of(exc)
         return
