@@ -114,6 +114,8 @@ def time_nvfp4_gemv(device="cuda", *, shapes: dict | None = None, ms=(1, 2, 3, 4
     for name, (n, k) in (shapes or SHAPES_27B).items():
         plain, _ = _problem(n, k, 1, device, torch.bfloat16)
         q = (*triton_nvfp4_mma.pair_weights(plain[0], plain[1], paired), plain[2]) if paired else plain
+        if (config or {}).get("TILED"):
+            q = (*triton_nvfp4_mma.tile_weights(q[0], q[1], paired), q[2])
         copies = max(1, -(-(120 << 20) // (n * k // 2)))  # rotate over > 2x the 60 MB L2
         qs = [q] + [tuple(t.clone() for t in q) for _ in range(copies - 1)]
         if pad:
@@ -242,23 +244,30 @@ def check_mma_paired(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8, 
 # gate_up (2,560) reaches 2.6 and neither more programs (split K) nor fewer (PERSIST) helped; rows placed at other
 # strides test whether its concurrent row streams meet in the same DRAM channels or banks.
 MMA_PAD_CONFIGS = [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, PAD=p) for p in (0, 128, 256, 512, 1024, 2048)]
+# Tiled storage (s34): each 16-row tile's weights one contiguous run (triton_nvfp4_mma.tile_weights), so a program
+# streams one region instead of 16 rows far apart; TILES 2 makes it 32 rows, two runs
+MMA_TILED_CONFIGS = [dict(kind="mma", TILES=t, WARPS=8, PAIRED=True, TILED=tiled) for t in (1, 2)
+                     for tiled in (False, True)]
 
 
 def check_mma_pad(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 32), pads=(128, 2048)) -> dict:
-    """The paired mma launch on padded rows against the same weights stored back to back, bit for bit
-    ({"shape_mM_padP": true when equal})."""
+    """The paired mma launch on padded rows, and on tiled storage, against the same weights stored back to back,
+    bit for bit ({"shape_mM_padP": true when equal, "shape_mM_tiled": likewise})."""
     from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
 
     out = {}
     for name, (n, k) in (shapes or SHAPES_27B).items():
         q, _ = _problem(n, k, 1, device, torch.bfloat16)
         paired = (*triton_nvfp4_mma.pair_weights(q.packed, q.scale, 8), q.row_scale)
+        tiled = (*triton_nvfp4_mma.tile_weights(paired[0], paired[1], 8), q.row_scale)
         x = _problem(1, k, max(ms), device, torch.bfloat16, seed=7)[1]
-        for pad in pads:
-            wide = padded_rows(paired, pad)
+        layouts = {f"pad{pad}": (padded_rows(paired, pad), {}) for pad in pads}
+        layouts["tiled"] = (tiled, {"kind": "mma", "TILES": 1, "WARPS": 8, "TILED": True})
+        for key, (weights, config) in layouts.items():
             for m in ms:
-                out[f"{name}_m{m}_pad{pad}"] = torch.equal(triton_nvfp4.nvfp4_gemv(x[:m], *wide, paired=8),
-                                                           triton_nvfp4.nvfp4_gemv(x[:m], *paired, paired=8))
+                want = triton_nvfp4.nvfp4_gemv(x[:m], *paired, paired=8)
+                got = triton_nvfp4.nvfp4_gemv(x[:m], *weights, paired=8, config=config or None)
+                out[f"{name}_m{m}_{key}"] = torch.equal(got, want)
     return out
 
 
@@ -430,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-mma-pad", action="store_true",
                         help="only the tensor-core GEMV on paired weights whose rows are stored apart (MMA_PAD_CONFIGS): "
                              "bitwise against rows back to back, then times at M = 1, 4, 8, 32")
+    parser.add_argument("--sweep-mma-tiled", action="store_true",
+                        help="only the tensor-core GEMV on paired weights stored tiled (MMA_TILED_CONFIGS): bitwise "
+                             "against rows back to back, then times at M = 1, 4, 8, 32 beside the untiled launch")
     parser.add_argument("--sweep-mma-staging", action="store_true",
                         help="only the tensor-core GEMV with shared-memory staging / L2 prefetch: bitwise against the "
                              "table's launch, then times at M = 1, 2, 4, 8 beside the table's kernels")
@@ -459,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.sweep_mma_pad:
         result["check_mma_pad"] = check_mma_pad("cuda")
         result["sweep_mma_pad"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 32), configs=MMA_PAD_CONFIGS)
+    elif args.sweep_mma_tiled:
+        result["check_mma_layouts"] = check_mma_pad("cuda", pads=())
+        result["sweep_mma_tiled"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 32), configs=MMA_TILED_CONFIGS)
     elif args.sweep_mma_wide:
         result["check_mma_wide"] = check_mma_wide("cuda")
         result["sweep_mma_wide"] = sweep_gemv_configs("cuda", ms=(8, 16, 24, 32), configs=MMA_WIDE_CONFIGS)

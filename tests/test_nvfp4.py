@@ -249,6 +249,12 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
         wide = padded_rows((pw[0], pw[1], q[2]), 96)
         assert wide[0].stride(0) == k // 2 + 96 and wide[1].stride(0) == k // 16 + 12
         assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *wide, config=cfg, paired=warps), full)
+        if n % 16 == 0:  # tiled storage (each 16-row tile one contiguous run) computes the same too
+            tw = triton_nvfp4_mma.tile_weights(pw[0], pw[1], warps)
+            assert not torch.equal(tw[0], pw[0]) and not torch.equal(tw[1].view(torch.uint8), pw[1].view(torch.uint8))
+            for m in (1, 8):
+                got = triton_nvfp4.nvfp4_gemv(x[:m], tw[0], tw[1], q[2], config=cfg | {"TILED": True}, paired=warps)
+                assert torch.equal(got, full[:m]), m
         assert torch.equal(triton_nvfp4.nvfp4_dequantize(pw[0], pw[1], q[2], torch.float32, paired=warps),
                            triton_nvfp4.nvfp4_dequantize(*q, torch.float32))
     # Up to four tiles of 8 tokens share a launch (speculative verification): every token equals its

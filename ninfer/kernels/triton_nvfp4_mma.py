@@ -229,9 +229,11 @@ def _step(accs, ws, xw, TILES: tl.constexpr, XT: tl.constexpr, BYTE: tl.constexp
 
 
 @triton.jit
-def _tile_rows(W32, S8, n0, N, WR: tl.constexpr, SR: tl.constexpr, g, TILES: tl.constexpr, EVEN_N: tl.constexpr):
+def _tile_rows(W32, S8, n0, N, WR: tl.constexpr, SR: tl.constexpr, g, TILES: tl.constexpr, EVEN_N: tl.constexpr,
+               KW: tl.constexpr = 0):
     """The lane's weight rows (g and g + 8 of each 16-row tile from row n0): their word and scale-byte pointers
-    (rows WR words and SR scale bytes apart)."""
+    (rows WR words and SR scale bytes apart). KW > 0: tiled storage (tile_weights), each 16-row tile's KW * 16
+    words (KW * 8 scale bytes) together, its rows WR words (SR bytes) apart within a load's chunk."""
     wrows = ()
     srows = ()
     for i in tl.static_range(TILES):
@@ -239,8 +241,13 @@ def _tile_rows(W32, S8, n0, N, WR: tl.constexpr, SR: tl.constexpr, g, TILES: tl.
             n = n0 + 16 * i + 8 * h + g
             if not EVEN_N:
                 n = tl.minimum(n, N - 1)  # rows past N read the last row; they are not stored
-            wrows = wrows + (W32 + n.to(tl.int64) * WR,)
-            srows = srows + (S8 + n.to(tl.int64) * SR,)
+            if KW > 0:
+                tile = (n // 16).to(tl.int64)
+                wrows = wrows + (W32 + tile * (16 * KW) + (n % 16) * WR,)
+                srows = srows + (S8 + tile * (8 * KW) + (n % 16) * SR,)
+            else:
+                wrows = wrows + (W32 + n.to(tl.int64) * WR,)
+                srows = srows + (S8 + n.to(tl.int64) * SR,)
     return wrows, srows
 
 
@@ -302,7 +309,7 @@ def _gemv_mma_kernel(
     KW: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr, XT: tl.constexpr,
     DEPTH: tl.constexpr, UNROLL: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     STAGES: tl.constexpr = 0, PAIRED: tl.constexpr = False, EVICT: tl.constexpr = 0, W_ROW: tl.constexpr = 0,
-    S_ROW: tl.constexpr = 0,
+    S_ROW: tl.constexpr = 0, TILED: tl.constexpr = False,
 ):
     """One program per 16 * TILES weight rows and all of K, its WARPS warps interleaving steps of 4
     blocks; M <= 8 XT rows of x (X32: bf16 pairs as int32). W32: rows of KW words; S8: rows of KW / 2
@@ -312,7 +319,8 @@ def _gemv_mma_kernel(
     flight hold no registers. PAIRED: W32 and S8 in pair_weights' order (a lane's blocks of steps 2q and 2q + 1
     side by side), loaded a pair of steps at a time (DEPTH then counts pairs); the same blocks meet in the same
     mma as unpaired, so every result is bit for bit the unpaired launch's. W_ROW / S_ROW: the rows' strides in
-    words / scale bytes where they are stored apart (padded rows; 0: KW, KW / 2)."""
+    words / scale bytes where they are stored apart (padded rows; 0: KW, KW / 2). TILED (paired only): W32 and S8
+    in tile_weights' order, each 16-row tile's loads one after another, so a program streams one contiguous run."""
     pdl_release(USE_PDL)
     LANES: tl.constexpr = 32 * WARPS
     KB: tl.constexpr = KW // 2
@@ -328,9 +336,10 @@ def _gemv_mma_kernel(
     wblk = blk * G  # and where its first load's blocks are stored (paired: its pair of the first two steps)
     pid = tl.program_id(0)
     n0 = pid * (16 * TILES)
-    WR: tl.constexpr = W_ROW if W_ROW else KW
-    SR: tl.constexpr = S_ROW if S_ROW else KB
-    wrows, srows = _tile_rows(W32, S8, n0, N, WR, SR, g, TILES, EVEN_N)
+    WR: tl.constexpr = 2 * G * SB if TILED else (W_ROW if W_ROW else KW)  # tiled: a row's words of one load
+    SR: tl.constexpr = G * SB if TILED else (S_ROW if S_ROW else KB)
+    QS: tl.constexpr = 16 if TILED else 1  # tiled: a load's blocks of all 16 rows lie between one load and the next
+    wrows, srows = _tile_rows(W32, S8, n0, N, WR, SR, g, TILES, EVEN_N, KW if TILED else 0)
     xrows = ()
     xoks = ()
     for j in tl.static_range(XT):
@@ -347,7 +356,7 @@ def _gemv_mma_kernel(
     else:
         queue = ()
         for d in tl.static_range(DEPTH):  # the first loads' weights before waiting on the kernel before
-            queue = queue + _load_w(wrows, srows, wblk + d * G * SB, PAIRED, EVICT)
+            queue = queue + _load_w(wrows, srows, wblk + d * G * SB * QS, PAIRED, EVICT)
         for s in tl.static_range(PREFETCH):  # (unpaired only)
             _prefetch_w(wrows, srows, blk + (DEPTH + s) * SB, KB)
         pdl_wait(USE_PDL)
@@ -355,7 +364,7 @@ def _gemv_mma_kernel(
         for q in tl.range(0, LOADS - DEPTH, loop_unroll_factor=UNROLL):  # load q + DEPTH; compute load q's steps
             if PREFETCH > 0:
                 _prefetch_w(wrows, srows, blk + (q + DEPTH + PREFETCH) * SB, KB)
-            nxt = _load_w(wrows, srows, wblk + (q + DEPTH) * G * SB, PAIRED, EVICT)
+            nxt = _load_w(wrows, srows, wblk + (q + DEPTH) * G * SB * QS, PAIRED, EVICT)
             cur = _part(queue, 0, NG)
             for i in tl.static_range(G):  # x one step ahead
                 xw_next = _load_x(xrows, xoks, blk + (q * G + i + 1) * SB)
@@ -414,6 +423,21 @@ def _reorder(packed: torch.Tensor, scale: torch.Tensor, order: torch.Tensor) -> 
     return packed.view(n, -1, 8)[:, order].reshape(n, -1).contiguous(), scale_bytes.view(scale.dtype)
 
 
+def tile_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights stored paired for `warps` warps (pair_weights) and tiled (TILED): each 16-row tile's rows side by side
+    one load at a time (a load: two steps of every warp, 8 blocks a warp of each row), so a program of the mma GEMV
+    reads one contiguous run instead of 16 rows far apart. Same shapes, new tensors; N a multiple of 16."""
+    n, half_k = packed.shape
+    loads = half_k * 2 // K_STEP // warps // 2
+    if n % 16 or not pairable(half_k * 2, warps):
+        raise ValueError(f"tiled weights take N a multiple of 16 and whole pairs of steps; got N={n}, K={half_k * 2}")
+
+    def tiled(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(n // 16, 16, loads, -1).transpose(1, 2).reshape(n, -1).contiguous()
+
+    return tiled(packed), tiled(scale.view(torch.uint8)).view(scale.dtype)
+
+
 def unpair_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """pair_weights undone: the codes and block scales back in K order."""
     return _reorder(packed, scale, torch.argsort(pair_order(packed.shape[1] * 2, warps, packed.device)))
@@ -421,7 +445,7 @@ def unpair_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tup
 
 def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles: int, warps: int,
               launch: dict, depth: int | None = None, unroll: int | None = None, prefetch: int = 0,
-              stages: int = 0, paired: bool = False, evict: int = 0) -> None:
+              stages: int = 0, paired: bool = False, evict: int = 0, tiled: bool = False) -> None:
     """y[:m] = x @ W^T: x32 the bf16 rows of x as int32 pairs, words / sbytes W's codes and scale bytes
     (rows of contiguous values, any row stride; paired: in pair_weights' order for `warps`), launch: the PDL launch options
     (ninfer.kernels.pdl). Neither `tiles` (16-row tiles a program), `depth` (steps, or pairs of steps, loaded
@@ -434,6 +458,8 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
     if paired and (stages or prefetch or not pairable(k, warps)):
         raise ValueError(f"paired weights take neither staging nor prefetch, and K={k} whole pairs of steps of "
                          f"{warps} warps")
+    if tiled and not (paired and n % 16 == 0):
+        raise ValueError(f"tiled weights are paired weights of N a multiple of 16; got N={n}")
     xt = triton.cdiv(m, 8)
     per_load = 2 if paired else 1
     loads = k // K_STEP // warps // per_load
@@ -443,7 +469,7 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
     _gemv_mma_kernel[grid](x32, words, sbytes.view(torch.uint8), row_scale, y, m, n, x32.stride(0), y.stride(0),
                             KW=k // 8, TILES=tiles, WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, DEPTH=depth,
                             UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, PAIRED=paired,
-                            EVICT=evict, W_ROW=_row_stride(words, k // 8), S_ROW=_row_stride(sbytes, k // 16),
+                            EVICT=evict, W_ROW=_row_stride(words, k // 8), S_ROW=_row_stride(sbytes, k // 16), TILED=tiled,
                             num_warps=warps, num_stages=max(stages, 1), **launch)
 
 
