@@ -21,7 +21,7 @@
 # in one launch, A/B), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
 # pytest_s30 (s30: the mma GEMV on weights stored paired), gates_ab / pytest_s31 (s31: the GDN gates computed in the
 # recurrent kernels), gdn_loads_ab (s32: the GDN verify kernels' loads first, against the
-# file AB_OLD_GDN), sweep_mma_pad (s32: the mma GEMV on rows stored apart), read_ceiling (s34: the 27B linears' bytes read without decoding), sweep_mma_tiled (s34: the mma GEMV on tiled weights), rollback_ab (s33: rollback by copy, then by
+# file AB_OLD_GDN), sweep_mma_pad (s32: the mma GEMV on rows stored apart), read_ceiling (s34: the 27B linears' bytes read without decoding), sweep_mma_tiled / tiled_ab / pytest_tiled (s34: the mma GEMV on tiled weights; the verify and MTP3 at C=1 with them; their CUDA tests), rollback_ab (s33: rollback by copy, then by
 # trading state slots, C = 1 and 8), e2e_c1_mtp3 (MTP3 at C=1, 256 tokens), lm_head_c1 (s30:
 # MTP3 at C=1 with an NVFP4 lm_head), profile_c1 (s30: the C=1 MTP3 round's kernels), spec_c8
 # (MTP speculation at real C = 8, controlled acceptance), pieces27 / pieces35 (short-prompt TTFT by the prefill plan), pytest_graphs (the CUDA-graph
@@ -124,6 +124,13 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     sweep_mma_tiled)  # s34: the paired mma GEMV on tiled weights (each 16-row tile one contiguous run), bitwise, times
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-tiled --out $out/mma_tiled.json \
         > $out/mma_tiled.log 2>&1 ;;
+    tiled_ab)  # s34: the verify step against a plain one (C = 1, 8; k = 1, 3) and MTP3 at C=1, paired weights, then
+      # paired and tiled (NINFER_NVFP4_TILED)
+      knob_ab NINFER_NVFP4_TILED tiled ;;
+    pytest_tiled)  # s34: the NVFP4 CUDA tests (tiled weights in rows_like and the kernels) and the speculative ones
+      # with tiled storage on (greedy output with drafts equals without)
+      NINFER_NVFP4_TILED=1 timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider \
+        tests/test_nvfp4.py tests/test_speculative.py -k "mma or rows_like or greedy" > $out/pytest_tiled.log 2>&1 ;;
     read_ceiling)  # s34: the five 27B linears read without decoding (the GEMV's loads alone, then flat per program)
       timeout $(( $(left) - 10 )) python3 -m bench.read_ceiling --out $out/read_ceiling.json > $out/read_ceiling.log 2>&1 ;;
     paired_ab)  # s30: the verify step and MTP3 at C=1 (NVFP4 heads), K-order weights then paired (NINFER_NVFP4_PAIRED)

@@ -249,12 +249,16 @@ def test_mma_gemv_matches_the_reference(n, k, tiles, warps):
         wide = padded_rows((pw[0], pw[1], q[2]), 96)
         assert wide[0].stride(0) == k // 2 + 96 and wide[1].stride(0) == k // 16 + 12
         assert torch.equal(triton_nvfp4.nvfp4_gemv(x, *wide, config=cfg, paired=warps), full)
-        if n % 16 == 0:  # tiled storage (each 16-row tile one contiguous run) computes the same too
+        if n % 16 == 0:  # tiled storage (each 16-row tile one contiguous run) computes the same too, and round-trips
             tw = triton_nvfp4_mma.tile_weights(pw[0], pw[1], warps)
             assert not torch.equal(tw[0], pw[0]) and not torch.equal(tw[1].view(torch.uint8), pw[1].view(torch.uint8))
+            back = triton_nvfp4_mma.untile_weights(*tw, warps)
+            assert torch.equal(back[0], pw[0]) and torch.equal(back[1].view(torch.uint8), pw[1].view(torch.uint8))
             for m in (1, 8):
                 got = triton_nvfp4.nvfp4_gemv(x[:m], tw[0], tw[1], q[2], config=cfg | {"TILED": True}, paired=warps)
                 assert torch.equal(got, full[:m]), m
+            assert torch.equal(triton_nvfp4.nvfp4_dequantize(*tw, q[2], torch.float32, paired=warps, tiled=True),
+                               triton_nvfp4.nvfp4_dequantize(*q, torch.float32))
         assert torch.equal(triton_nvfp4.nvfp4_dequantize(pw[0], pw[1], q[2], torch.float32, paired=warps),
                            triton_nvfp4.nvfp4_dequantize(*q, torch.float32))
     # Up to four tiles of 8 tokens share a launch (speculative verification): every token equals its
@@ -305,6 +309,7 @@ def test_mma_start_up_check(monkeypatch):
 
     assert triton_nvfp4_mma.check_against_reference(torch.device("cpu")) is None
     assert triton_nvfp4_mma.check_paired(torch.device("cpu")) is None
+    assert triton_nvfp4_mma.check_paired(torch.device("cpu"), tiled=True) is None
     monkeypatch.setattr(triton_nvfp4, "MMA_ENABLED", True)
     monkeypatch.setattr(triton_nvfp4, "MMA_MIN_M", triton_nvfp4.MMA_MIN_M)  # restored after the test
     # an engine that verifies drafts decodes on tensor cores from one row, so its C=1 verify rows (k + 1 of
@@ -330,24 +335,26 @@ def test_mma_start_up_check(monkeypatch):
     assert triton_nvfp4.use_mma(torch.device("cpu")).startswith("packed fp16 only")  # stays off, no re-check
 
 
-def _rows_like_matches_decode(device: str, n: int, k: int, cases, paired: bool = False) -> None:
+def _rows_like_matches_decode(device: str, n: int, k: int, cases, paired: bool = False, tiled: bool = False) -> None:
     """nvfp4_gemv_rows_like (speculative verification, kernels.linear.rows_like): in a product of
     like * width rows, position i of sequence j (row j * width + i) equals row j of the like-row decode
     GEMV of every sequence's position i, bit for bit (what keeps serving.md's "Speculative backends preserve
     protocol output" exact). paired: the weights stored paired for the mma GEMV, whose products must also equal the
-    K-order weights' mma products."""
+    K-order weights' mma products; tiled: paired and tiled (triton_nvfp4_mma.tile_weights)."""
     from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
 
     gen = torch.Generator(device=device).manual_seed(n + k)
     q = quantize_nvfp4(torch.randn(n, k, generator=gen, device=device) * 0.02)
     warps = triton_nvfp4.mma_warps(k) if paired else 0
     stored = (*triton_nvfp4_mma.pair_weights(q[0], q[1], warps), q[2]) if paired else q
+    if tiled:
+        stored = (*triton_nvfp4_mma.tile_weights(stored[0], stored[1], warps), q[2])
     for like, width in cases:
         x = torch.randn(like * width, k, generator=gen, device=device).to(torch.bfloat16)
-        got = triton_nvfp4.nvfp4_gemv_rows_like(x, *stored, like, paired=warps)
+        got = triton_nvfp4.nvfp4_gemv_rows_like(x, *stored, like, paired=warps, tiled=tiled)
         for i in range(width):
             decode = x.view(like, width, k)[:, i]
-            want = triton_nvfp4.nvfp4_gemv(decode, *stored, paired=warps)
+            want = triton_nvfp4.nvfp4_gemv(decode, *stored, paired=warps, tiled=tiled)
             assert torch.equal(got.view(like, width, n)[:, i], want), (like, width, i)
             if paired:
                 mma = dict(kind="mma", TILES=1, WARPS=warps)
@@ -368,6 +375,7 @@ def test_rows_like_computes_each_row_as_its_decode_row(monkeypatch):
     # K = 1024 stored paired (two steps of a lane's weights a load): verify rows as their decode rows, and as the
     # weights in K order give them
     _rows_like_matches_decode("cpu", 24, 1024, [(1, 4), (3, 2)], paired=True)
+    _rows_like_matches_decode("cpu", 32, 1024, [(2, 3)], paired=True, tiled=True)  # and tiled
 
 
 def test_gemv_table_takes_tensor_cores_where_the_packed_fp16_gemv_needs_two_passes(monkeypatch):
@@ -611,11 +619,12 @@ def test_prefetch_tiles_on_cuda(n, k, m):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("n,k", [(1000, 2048), (320, 8704)])
+@pytest.mark.parametrize("n,k", [(1000, 2048), (1008, 2048), (320, 8704)])
 def test_rows_like_on_cuda(n, k):
     """On the device (whose kernels' lane layouts and reductions are the real ones): verify rows equal
     their decode rows bit for bit for 1..8 sequences and up to 8 positions (k = 7 drafts); where K allows, also
-    with the weights stored paired, as a speculative engine stores them (and equal to K order's products)."""
+    with the weights stored paired, as a speculative engine stores them (and equal to K order's products), and
+    where N allows, paired and tiled."""
     if not HAS_TRITON:
         pytest.skip("triton is not importable")
     from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
@@ -624,6 +633,8 @@ def test_rows_like_on_cuda(n, k):
     _rows_like_matches_decode("cuda", n, k, cases)
     if triton_nvfp4_mma.pairable(k, triton_nvfp4.mma_warps(k)):
         _rows_like_matches_decode("cuda", n, k, cases, paired=True)
+        if n % 16 == 0:
+            _rows_like_matches_decode("cuda", n, k, cases, paired=True, tiled=True)
 
 
 def test_nvfp4_linear_paired_for_the_mma_gemv_computes_as_before():
@@ -637,6 +648,11 @@ def test_nvfp4_linear_paired_for_the_mma_gemv_computes_as_before():
     assert linear.pair_for_mma_(8) and linear.paired == 8 and not linear.pair_for_mma_(8)
     assert not torch.equal(linear.weight_packed, packed)
     assert torch.equal(linear(x), before)
+    tiled = NVFP4Linear.from_weights(quantize_nvfp4(torch.randn(48, 1024, generator=gen) * 0.02))
+    reference = tiled(x)
+    assert tiled.pair_for_mma_(8, tiled=True) and tiled.tiled and torch.equal(tiled(x), reference)
+    ragged = NVFP4Linear.from_weights(quantize_nvfp4(torch.randn(40, 1024, generator=gen) * 0.02))
+    assert ragged.pair_for_mma_(8, tiled=True) and not ragged.tiled  # N not whole 16-row tiles: paired only
     short = NVFP4Linear.from_weights(quantize_nvfp4(torch.randn(8, 256, generator=gen)))
     assert not short.pair_for_mma_(4) and short.paired == 0  # one step a warp: no pair
     with pytest.raises(ValueError, match="before pair_for_mma_"):

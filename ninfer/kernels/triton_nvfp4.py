@@ -94,6 +94,9 @@ MMA_LAUNCH = json.loads(os.environ.get("NINFER_NVFP4_MMA_LAUNCH") or "{}")
 # MMA_MAX_ROWS rows (the dot and packed-fp16 kernels read K order) and the dequantizing kernel above that.
 # NINFER_NVFP4_PAIRED=0 keeps K order.
 PAIRED_ENABLED = os.environ.get("NINFER_NVFP4_PAIRED", "1") != "0"
+# Paired weights of N a multiple of 16 also stored tiled (triton_nvfp4_mma.tile_weights: each 16-row tile one
+# contiguous run, so a program streams one region); NINFER_NVFP4_TILED=1 until the device measures it (s34)
+TILED_ENABLED = os.environ.get("NINFER_NVFP4_TILED", "0") == "1"
 # Rows of x per mma launch in speculative verification (triton_nvfp4_mma.MAX_ROWS)
 MMA_MAX_ROWS = 32
 # Off when NINFER_NVFP4_MMA=0 or when its start-up check failed (use_mma below; the runner calls it).
@@ -303,11 +306,12 @@ def _dequant_kernel(
     W, S, RS, OUT,
     N, KW,
     stride_wn, stride_sn, stride_on,
-    ROWS: tl.constexpr, BLOCK_W: tl.constexpr, PAIR_SB: tl.constexpr = 0,
+    ROWS: tl.constexpr, BLOCK_W: tl.constexpr, PAIR_SB: tl.constexpr = 0, TILED: tl.constexpr = False,
 ):
     """W in OUT's dtype; each program ROWS rows x BLOCK_W words (BLOCK_W = 32 * num_warps: one word
     per thread, 8 outputs stored as one 16-byte vector). PAIR_SB > 0: W and S stored paired
-    (triton_nvfp4_mma.pair_weights, SB = PAIR_SB blocks a step), read where each block of K is stored."""
+    (triton_nvfp4_mma.pair_weights, SB = PAIR_SB blocks a step), read where each block of K is stored; TILED: and
+    tiled (triton_nvfp4_mma.tile_weights: 16 rows' 4 SB words, 2 SB scale bytes, of a load side by side)."""
     pid_w = tl.program_id(1)
     cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     cmask = cols < KW
@@ -323,8 +327,16 @@ def _dequant_kernel(
         row = tl.program_id(0) * ROWS + r
         rmask = cmask & (row < N)
         row64 = row.to(tl.int64)
-        words = tl.load(W + row64 * stride_wn + src, mask=rmask, other=0)
-        scale = _e4m3(tl.load(S + row64 * stride_sn + blocks, mask=rmask, other=0))
+        if TILED:  # (rows a multiple of 16, contiguous)
+            cw: tl.constexpr = 4 * PAIR_SB  # a row's words of one load, and 2 SB scale bytes
+            tile = (row64 // 16) * 16
+            w_at = tile * KW + (src // cw) * (16 * cw) + (row64 % 16) * cw + src % cw
+            s_at = tile * (KW // 2) + (blocks // (cw // 2)) * (8 * cw) + (row64 % 16) * (cw // 2) + blocks % (cw // 2)
+        else:
+            w_at = row64 * stride_wn + src
+            s_at = row64 * stride_sn + blocks
+        words = tl.load(W + w_at, mask=rmask, other=0)
+        scale = _e4m3(tl.load(S + s_at, mask=rmask, other=0))
         rs = tl.load(RS + row, mask=row < N, other=0.0) * _DOT_UNSCALE
         vals = _decode_tile(words[None, :], (scale * _DOT_SCALE)[None, :]) * rs  # as the reference rounds
         tl.store(OUT + row64 * stride_on + offs_k[None, :], vals.to(OUT.dtype.element_ty),
@@ -652,14 +664,14 @@ def pair_model_for_mma_(model: torch.nn.Module) -> int:
     cuda = [m for m in model.modules() if isinstance(m, NVFP4Linear) and m.weight_packed.is_cuda]
     if not cuda:
         return 0
-    problem = check_paired(cuda[0].weight_packed.device)
+    problem = check_paired(cuda[0].weight_packed.device, tiled=TILED_ENABLED)
     if problem is not None:
         log.warning("NVFP4 weights stay in K order: %s", problem)
         PAIRED_ENABLED = False
         return 0
     done = 0
     for module in cuda:
-        done += module.pair_for_mma_(mma_warps(module.in_features))
+        done += module.pair_for_mma_(mma_warps(module.in_features), tiled=TILED_ENABLED)
     return done
 
 
@@ -685,9 +697,10 @@ def _hfma_config(m: int, n: int, k: int) -> dict:
 
 
 def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
-               out: torch.Tensor | None = None, config: dict | None = None, paired: int = 0) -> torch.Tensor:
+               out: torch.Tensor | None = None, config: dict | None = None, paired: int = 0,
+               tiled: bool = False) -> torch.Tensor:
     """x [M, K] (M small, last dim contiguous) -> y [M, N] in x.dtype. paired: the warps W was stored paired
-    for (NVFP4Linear.pair_for_mma_), 0 for K order."""
+    for (NVFP4Linear.pair_for_mma_), 0 for K order; tiled: and tiled (triton_nvfp4_mma.tile_weights)."""
     m, k = x.shape
     n = packed.shape[0]
     if packed.shape[1] * 2 != k:
@@ -701,11 +714,12 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
     kind = cfg.pop("kind")
     if cfg.pop("PAIRED", False) and not paired:  # a config's claim (benchmarks): stored paired for its warps
         paired = cfg["WARPS"]
+    tiled = cfg.pop("TILED", False) or tiled  # likewise
     args = (x, words, sbytes, row_scale, y, m, n, k // 8, x.stride(0), words.stride(0), sbytes.stride(0),
             y.stride(0))
     mma = kind == "mma" and x.dtype == torch.bfloat16 and (x.is_cuda or interpreting())
     if paired and not (mma and 1 <= m <= MMA_MAX_ROWS and cfg["WARPS"] == paired):  # only that launch reads them
-        w = nvfp4_dequantize(packed, scale, row_scale, x.dtype, paired=paired)
+        w = nvfp4_dequantize(packed, scale, row_scale, x.dtype, paired=paired, tiled=tiled)
         return torch.matmul(x, w.T, out=y)
     if mma:
         from ninfer.kernels.triton_nvfp4_mma import gemv_mma
@@ -713,7 +727,7 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
         gemv_mma(_x_words(x), _rows(words), _rows(sbytes), row_scale, y, m, n, k, tiles=cfg["TILES"],
                  warps=cfg["WARPS"], depth=cfg.get("DEPTH"), unroll=cfg.get("UNROLL"), prefetch=cfg.get("PREFETCH", 0),
                  stages=cfg.get("STAGES", 0), paired=bool(paired), evict=cfg.get("EVICT", 0),
-                 tiled=cfg.get("TILED", False), launch=pdl_launch(x.device))
+                 tiled=tiled, launch=pdl_launch(x.device))
         return y
     if kind == "mma":  # fp32 / fp16 x, or no GPU and no interpreter: the packed-fp16 GEMV's fallbacks
         cfg = _hfma_config(m, n, k)
@@ -768,13 +782,14 @@ def _decode_passes(like: int, n: int, k: int, paired: bool = False) -> list[tupl
 
 
 def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
-                         like: int, paired: int = 0) -> torch.Tensor:
+                         like: int, paired: int = 0, tiled: bool = False) -> torch.Tensor:
     """Speculative verification (ninfer.kernels.linear.rows_like): x [like * width, K] bf16 on CUDA, the rows
     of decode row j (0 <= j < like) at j * width .. (j + 1) * width - 1; each row computed exactly as row j of
     a `like`-row decode GEMV computes it: that pass's kernel and tiles, with more rows of x per launch (the
     kernels' rows are independent: each row's products and sums do not depend on the others'), so the
     weights stream once per launch of up to 4 (packed fp16), 32 (mma: four tiles of 8 tokens sharing each
-    decoded block) or 16 (dot) rows, not once per row. paired: as nvfp4_gemv's (the mma GEMV at every `like`)."""
+    decoded block) or 16 (dot) rows, not once per row. paired, tiled: as nvfp4_gemv's (the mma GEMV at every
+    `like`)."""
     m, k = x.shape
     n = packed.shape[0]
     if m % like:
@@ -797,7 +812,7 @@ def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
 
                 gemv_mma(x32[r0:], words, sbytes, row_scale, y[r0:], rows, n, k, tiles=cfg["TILES"],
                          warps=cfg["WARPS"], prefetch=cfg.get("PREFETCH", 0), stages=cfg.get("STAGES", 0),
-                         paired=bool(paired), evict=cfg.get("EVICT", 0),
+                         paired=bool(paired), evict=cfg.get("EVICT", 0), tiled=tiled,
                          launch=pdl_launch(x.device))  # its default depth for the rows
             else:
                 nvfp4_gemv(x[r0:r0 + rows], packed, scale, row_scale, out=y[r0:r0 + rows], config=cfg)
@@ -806,9 +821,9 @@ def nvfp4_gemv_rows_like(x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
 
 def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
                      dtype: torch.dtype = torch.bfloat16, rows: int = 8, num_warps: int = 4, paired: int = 0,
-                     ) -> torch.Tensor:
+                     tiled: bool = False) -> torch.Tensor:
     """The weight [N, K] in `dtype` (same values as ninfer.quant.nvfp4.dequantize_nvfp4), in K order also from
-    weights stored paired for `paired` warps."""
+    weights stored paired for `paired` warps, and tiled."""
     n = packed.shape[0]
     words = _words(packed)
     sbytes = scale.view(torch.uint8)
@@ -817,12 +832,13 @@ def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, row_scale: torch
     block_w = 32 * num_warps
     grid = (triton.cdiv(n, rows), triton.cdiv(kw, block_w))
     _dequant_kernel[grid](words, sbytes, row_scale, out, n, kw, words.stride(0), sbytes.stride(0), out.stride(0),
-                          ROWS=rows, BLOCK_W=block_w, PAIR_SB=4 * paired, num_warps=num_warps)
+                          ROWS=rows, BLOCK_W=block_w, PAIR_SB=4 * paired, TILED=tiled, num_warps=num_warps)
     return out
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None, rows_like: int | None = None, paired: int = 0) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, rows_like: int | None = None, paired: int = 0,
+                 tiled: bool = False) -> torch.Tensor:
     """F.linear(x, W, bias) for x [..., K] with W in NVFP4; output in x.dtype. rows_like: see
     nvfp4_gemv_rows_like (bf16 x on CUDA; elsewhere, or past MAX_ROWS_LIKE rows, the plain product). paired: the
     warps W was stored paired for (NVFP4Linear.pair_for_mma_), 0 for K order."""
@@ -831,7 +847,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row
     x2 = x.reshape(-1, x.shape[-1])
     if (rows_like and x2.shape[0] % rows_like == 0 and x2.shape[0] <= MAX_ROWS_LIKE and x.dtype == torch.bfloat16
             and x.is_cuda):
-        y = nvfp4_gemv_rows_like(x2, packed, scale, row_scale, rows_like, paired)
+        y = nvfp4_gemv_rows_like(x2, packed, scale, row_scale, rows_like, paired, tiled)
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.view(*lead, n)
@@ -839,10 +855,10 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row
     # fp16's range; paired weights the mma GEMV for up to MMA_MAX_ROWS rows
     gemv_rows = MMA_MAX_ROWS if paired and x.dtype == torch.bfloat16 else GEMV_MAX_M
     if x2.shape[0] == 1 or (x2.shape[0] <= gemv_rows and x.dtype != torch.float16):
-        y = nvfp4_gemv(x2, packed, scale, row_scale, paired=paired)
+        y = nvfp4_gemv(x2, packed, scale, row_scale, paired=paired, tiled=tiled)
         if bias is not None:
             y = y + bias.to(y.dtype)
     else:
-        w = nvfp4_dequantize(packed, scale, row_scale, x.dtype, paired=paired)
+        w = nvfp4_dequantize(packed, scale, row_scale, x.dtype, paired=paired, tiled=tiled)
         y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype))
     return y.view(*lead, n)

@@ -438,6 +438,17 @@ def tile_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tuple
     return tiled(packed), tiled(scale.view(torch.uint8)).view(scale.dtype)
 
 
+def untile_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """tile_weights undone: the codes and block scales back in paired order."""
+    n, half_k = packed.shape
+    loads = half_k * 2 // K_STEP // warps // 2
+
+    def untiled(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(n // 16, loads, 16, -1).transpose(1, 2).reshape(n, -1).contiguous()
+
+    return untiled(packed), untiled(scale.view(torch.uint8)).view(scale.dtype)
+
+
 def unpair_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """pair_weights undone: the codes and block scales back in K order."""
     return _reorder(packed, scale, torch.argsort(pair_order(packed.shape[1] * 2, warps, packed.device)))
@@ -500,8 +511,8 @@ def check_against_reference(device: torch.device) -> str | None:
     return None
 
 
-def check_paired(device: torch.device) -> str | None:
-    """The mma launch and the dequantizing kernel (prefill) on paired weights beside K order's, on
+def check_paired(device: torch.device, tiled: bool = False) -> str | None:
+    """The mma launch and the dequantizing kernel (prefill) on paired weights (and tiled ones) beside K order's, on
     check_against_reference's problem: None when bit for bit equal, else why not (the runner then keeps K order)."""
     from ninfer.kernels.triton_nvfp4 import nvfp4_dequantize, nvfp4_gemv
 
@@ -512,11 +523,20 @@ def check_paired(device: torch.device) -> str | None:
         got = nvfp4_gemv(x, *paired, row_scale, paired=8, config=dict(kind="mma", TILES=2, WARPS=8, DEPTH=1))
         dequantized = torch.equal(nvfp4_dequantize(*paired, row_scale, paired=8),
                                   nvfp4_dequantize(packed, scale, row_scale))
+        if tiled:
+            tiles = tile_weights(*paired, 8)
+            got_tiled = nvfp4_gemv(x, *tiles, row_scale, paired=8, tiled=True)
+            dequantized_tiled = torch.equal(nvfp4_dequantize(*tiles, row_scale, paired=8, tiled=True),
+                                            nvfp4_dequantize(packed, scale, row_scale))
     except Exception as exc:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     if not torch.equal(got, want):
         return "the mma GEMV gives other products on paired weights than on K order"
-    return None if dequantized else "the dequantizing kernel gives another weight from paired storage"
+    if not dequantized:
+        return "the dequantizing kernel gives another weight from paired storage"
+    if tiled and not torch.equal(got_tiled, want):
+        return "the mma GEMV gives other products on tiled weights than on K order"
+    return None if not tiled or dequantized_tiled else "the dequantizing kernel gives another weight from tiled storage"
 
 
 def _check_problem(device: torch.device):

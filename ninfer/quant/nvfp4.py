@@ -160,6 +160,7 @@ class NVFP4Linear(nn.Module):
                                                          dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("weight_row_scale", torch.ones(out_features, dtype=torch.float32, device=device))
         self.paired = 0  # the warps the codes and scales are stored paired for (pair_for_mma_), 0: K order
+        self.tiled = False  # paired and tiled too (pair_for_mma_)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype or torch.get_default_dtype(),
                                                  device=device), requires_grad=False)
@@ -203,22 +204,30 @@ class NVFP4Linear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         packed, scale = self.weight_packed, self.weight_scale
+        if self.tiled:
+            from ninfer.kernels.triton_nvfp4_mma import untile_weights
+
+            packed, scale = untile_weights(packed, scale, self.paired)
         if self.paired:
             from ninfer.kernels.triton_nvfp4_mma import unpair_weights
 
             packed, scale = unpair_weights(packed, scale, self.paired)
         return dequantize_nvfp4(packed, scale, self.weight_row_scale, dtype)
 
-    def pair_for_mma_(self, warps: int) -> bool:
+    def pair_for_mma_(self, warps: int, tiled: bool = False) -> bool:
         """Store the codes and block scales paired for the tensor-core GEMV's launches of `warps` warps
         (ninfer.kernels.triton_nvfp4_mma.pair_weights: two steps of a lane's weights in one load), in place, where
-        K allows; products stay bit for bit what they were. Only for serving: the buffers then no longer hold a
+        K allows; tiled: and each 16-row tile's weights as one run, where N is a multiple of 16 (tile_weights).
+        Products stay bit for bit what they were. Only for serving: the buffers then no longer hold a
         checkpoint's layout (dequantize still gives the weight in K order). Returns whether it did."""
-        from ninfer.kernels.triton_nvfp4_mma import pair_weights, pairable
+        from ninfer.kernels.triton_nvfp4_mma import pair_weights, pairable, tile_weights
 
         if self.paired or not pairable(self.in_features, warps):
             return False
         packed, scale = pair_weights(self.weight_packed, self.weight_scale, warps)
+        self.tiled = tiled and self.out_features % 16 == 0
+        if self.tiled:
+            packed, scale = tile_weights(packed, scale, warps)
         self.weight_packed.copy_(packed)
         self.weight_scale.copy_(scale)
         self.paired = warps
@@ -232,7 +241,7 @@ class NVFP4Linear(nn.Module):
             from ninfer.kernels.triton_nvfp4 import nvfp4_linear
 
             return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_row_scale, self.bias,
-                                rows_like=rows_like.current, paired=self.paired)
+                                rows_like=rows_like.current, paired=self.paired, tiled=self.tiled)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
