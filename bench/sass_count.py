@@ -8,7 +8,7 @@ quoted in ninfer/kernels/triton_nvfp4.py.
 
   python bench/sass_count.py                     # the NVFP4 GEMVs at their table tiles
   python bench/sass_count.py hfma:8,128,2 hfma:4,256,4,2 fma:4,128,4   # [kind:block_n,block_w,warps(,x rows)]
-  python bench/sass_count.py mma:1,8 mma:1,8,4,2  # the tensor-core GEMV [mma:16-row tiles,warps(,8-token tiles,depth,unroll,prefetch,stages,paired,evict)]
+  python bench/sass_count.py mma:1,8 mma:1,8,4,2  # the tensor-core GEMV [mma:16-row tiles,warps(,8-token tiles,depth,unroll,prefetch,stages,paired,evict,tiled)]
   python bench/sass_count.py order:rmsnorm order:recurrent  # a small kernel's loads, stores and barriers in order
   SASS_TOP=40 python bench/sass_count.py ...      # more of the loop's opcodes
 Prints one JSON line per kernel: registers, loop instructions, its loads by width, instructions per weight,
@@ -143,12 +143,12 @@ def nvfp4(kind: str, block_n: int, block_w: int, num_warps: int, x_rows: int = 1
 
 
 def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unroll: int = 0, prefetch: int = 0,
-              stages: int = 0, paired: int = 0, evict: int = 0) -> dict:
+              stages: int = 0, paired: int = 0, evict: int = 0, tiled: int = 0) -> dict:
     """The tensor-core GEMV (triton_nvfp4_mma) at K = 17408 (27B MLP down; shorter rows leave so few steps that
     the loop is unrolled whole) for `token_tiles` tiles of 8 rows of x, `depth` steps of weights ahead, its K
     loop unrolled `unroll` times (0: as gemv_mma launches) and an L2 prefetch `prefetch` steps past them, or
     `stages` steps staged through shared memory instead; `paired`: the weights stored paired (two steps a load;
-    depth then counts pairs)."""
+    depth then counts pairs); `tiled`: paired and tiled (each 16-row tile one run)."""
     from ninfer.kernels import triton_nvfp4_mma as t
 
     kw = 2176  # the kernel's KW: K = 17408 (27B MLP down) in words of 8 codes
@@ -156,18 +156,18 @@ def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unro
            "stride_x32": "i32", "stride_ym": "i32", "KW": "constexpr", "TILES": "constexpr",
            "WARPS": "constexpr", "EVEN_N": "constexpr", "XT": "constexpr", "DEPTH": "constexpr", "UNROLL": "constexpr",
            "USE_PDL": "constexpr", "PREFETCH": "constexpr", "STAGES": "constexpr", "PAIRED": "constexpr",
-           "EVICT": "constexpr", "W_ROW": "constexpr", "S_ROW": "constexpr"}
+           "EVICT": "constexpr", "W_ROW": "constexpr", "S_ROW": "constexpr", "TILED": "constexpr"}
     per_load = 2 if paired else 1  # steps a weight load covers
     depth = depth or -(-t.default_depth(token_tiles, 8 * kw) // per_load)
     unroll = unroll or (1 if stages else depth)
     const = {"KW": kw, "TILES": tiles, "WARPS": warps, "EVEN_N": True, "XT": token_tiles,
              "DEPTH": depth, "UNROLL": unroll, "USE_PDL": False, "PREFETCH": prefetch, "STAGES": stages,
-             "PAIRED": bool(paired), "EVICT": evict, "W_ROW": 0, "S_ROW": 0}
+             "PAIRED": bool(paired), "EVICT": evict, "W_ROW": 0, "S_ROW": 0, "TILED": bool(tiled)}
     out = loop_profile(t._gemv_mma_kernel, sig, const, warps, num_stages=max(stages, 1))
     weights_per_thread = 16 * tiles * t.K_STEP / 32 * unroll * per_load  # a step: 1/32 of 16 rows x 64 codes a tile
     return {"kernel": "nvfp4_mma", "tiles": tiles, "num_warps": warps, "token_tiles": token_tiles,
             "depth": const["DEPTH"], "unroll": unroll, "prefetch": prefetch, "stages": stages,
-            "paired": bool(paired), **out,
+            "paired": bool(paired), "tiled": bool(tiled), **out,
             "instructions_per_weight": round(out["loop_instructions"] / weights_per_thread, 2)}
 
 

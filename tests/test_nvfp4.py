@@ -281,7 +281,7 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
     (s15: a conditional expression choosing between two PTX strings) or a tile that spills registers
     would first show on the device. Compiled here for sm_90 on the CPU (bench/sass_count.py) at the
     configs decode and verification launch: the packed-fp16 GEMV for 1 and 4 rows, the tensor-core
-    GEMV for one to four 8-token tiles, on K-order and on paired weights (one and four tiles)."""
+    GEMV for one to four 8-token tiles, on K-order, paired and tiled weights (one and four tiles)."""
     import os
     import subprocess
     import sys
@@ -290,7 +290,8 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     specs = ["hfma:8,128,2", "hfma:8,128,2,4", "mma:1,8", "mma:1,8,1,4", "mma:1,8,2", "mma:1,8,3", "mma:1,8,4", "mma:1,4",
-             "mma:1,8,1,0,0,0,0,1", "mma:1,8,4,0,0,0,0,1"]  # on paired weights
+             "mma:1,8,1,0,0,0,0,1", "mma:1,8,4,0,0,0,0,1",  # on paired weights
+             "mma:1,8,1,0,0,0,0,1,0,1", "mma:1,8,4,0,0,0,0,1,0,1"]  # paired and tiled
     run = subprocess.run([sys.executable, str(root / "bench" / "sass_count.py"), *specs], capture_output=True,
                          text=True, env=env, cwd=root, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]

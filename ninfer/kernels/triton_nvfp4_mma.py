@@ -339,7 +339,8 @@ def _gemv_mma_kernel(
     WR: tl.constexpr = 2 * G * SB if TILED else (W_ROW if W_ROW else KW)  # tiled: a row's words of one load
     SR: tl.constexpr = G * SB if TILED else (S_ROW if S_ROW else KB)
     QS: tl.constexpr = 16 if TILED else 1  # tiled: a load's blocks of all 16 rows lie between one load and the next
-    wrows, srows = _tile_rows(W32, S8, n0, N, WR, SR, g, TILES, EVEN_N, KW if TILED else 0)
+    TKW: tl.constexpr = KW if TILED else 0  # (a conditional expression as an argument is no constexpr)
+    wrows, srows = _tile_rows(W32, S8, n0, N, WR, SR, g, TILES, EVEN_N, TKW)
     xrows = ()
     xoks = ()
     for j in tl.static_range(XT):
