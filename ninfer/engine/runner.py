@@ -273,7 +273,9 @@ class ModelRunner:
 
         status = use_mma(self.device, speculative=self.draft_tokens > 0)
         paired = pair_model_for_mma_(self.model) if self.draft_tokens > 0 else 0
-        return status + (f"; {paired} linears stored paired (two steps a load)" if paired else "")
+        tiled = sum(1 for m in self.model.modules() if isinstance(m, NVFP4Linear) and m.tiled)
+        return (status + (f"; {paired} linears stored paired (two steps a load)" if paired else "")
+                + (f", {tiled} of them tiled (16 rows a run)" if tiled else ""))
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:
