@@ -442,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-mma-tiled", action="store_true",
                         help="only the tensor-core GEMV on paired weights stored tiled (MMA_TILED_CONFIGS): bitwise "
                              "against rows back to back, then times at M = 1, 4, 8, 32 beside the untiled launch")
+    parser.add_argument("--ms", type=int, nargs="*", help="with --sweep-mma-tiled: the rows of x to time")
     parser.add_argument("--sweep-mma-staging", action="store_true",
                         help="only the tensor-core GEMV with shared-memory staging / L2 prefetch: bitwise against the "
                              "table's launch, then times at M = 1, 2, 4, 8 beside the table's kernels")
@@ -473,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         result["sweep_mma_pad"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 32), configs=MMA_PAD_CONFIGS)
     elif args.sweep_mma_tiled:
         result["check_mma_layouts"] = check_mma_pad("cuda", pads=())
-        result["sweep_mma_tiled"] = sweep_gemv_configs("cuda", ms=(1, 4, 8, 32), configs=MMA_TILED_CONFIGS)
+        result["sweep_mma_tiled"] = sweep_gemv_configs("cuda", ms=tuple(args.ms or (1, 4, 8, 32)),
+                                                       configs=MMA_TILED_CONFIGS)
     elif args.sweep_mma_wide:
         result["check_mma_wide"] = check_mma_wide("cuda")
         result["sweep_mma_wide"] = sweep_gemv_configs("cuda", ms=(8, 16, 24, 32), configs=MMA_WIDE_CONFIGS)
