@@ -827,6 +827,8 @@ def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, row_scale: torch
     n = packed.shape[0]
     words = _words(packed)
     sbytes = scale.view(torch.uint8)
+    if tiled and not (n % 16 == 0 and words.is_contiguous() and sbytes.is_contiguous()):
+        raise ValueError(f"tiled weights are contiguous, N a multiple of 16; got N={n}")
     kw = words.shape[1]
     out = torch.empty(n, kw * 8, dtype=dtype, device=packed.device)
     block_w = 32 * num_warps

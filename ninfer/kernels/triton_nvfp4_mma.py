@@ -470,8 +470,8 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
     if paired and (stages or prefetch or not pairable(k, warps)):
         raise ValueError(f"paired weights take neither staging nor prefetch, and K={k} whole pairs of steps of "
                          f"{warps} warps")
-    if tiled and not (paired and n % 16 == 0):
-        raise ValueError(f"tiled weights are paired weights of N a multiple of 16; got N={n}")
+    if tiled and not (paired and n % 16 == 0 and words.is_contiguous() and sbytes.is_contiguous()):
+        raise ValueError(f"tiled weights are contiguous paired weights of N a multiple of 16; got N={n}")
     xt = triton.cdiv(m, 8)
     per_load = 2 if paired else 1
     loads = k // K_STEP // warps // per_load
