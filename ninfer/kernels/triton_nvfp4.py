@@ -655,7 +655,7 @@ def use_mma(device: torch.device, speculative: bool = False) -> str:
 def pair_model_for_mma_(model: torch.nn.Module) -> int:
     """A speculative engine's NVFP4 linears stored paired for the mma GEMV (PAIRED_ENABLED, after use_mma chose it
     from one row, where check_paired finds the paired launch bit for bit K order's). Returns how many were paired."""
-    global PAIRED_ENABLED
+    global PAIRED_ENABLED, TILED_ENABLED
     from ninfer.kernels.triton_nvfp4_mma import check_paired
     from ninfer.quant.nvfp4 import NVFP4Linear
 
@@ -665,6 +665,10 @@ def pair_model_for_mma_(model: torch.nn.Module) -> int:
     if not cuda:
         return 0
     problem = check_paired(cuda[0].weight_packed.device, tiled=TILED_ENABLED)
+    if problem is not None and TILED_ENABLED:  # tiled storage alone may be at fault: keep paired storage then
+        log.warning("NVFP4 weights stay untiled: %s", problem)
+        TILED_ENABLED = False
+        problem = check_paired(cuda[0].weight_packed.device)
     if problem is not None:
         log.warning("NVFP4 weights stay in K order: %s", problem)
         PAIRED_ENABLED = False
