@@ -7,6 +7,7 @@ templates; the other encodes them as ordinary text, for anything a client wrote.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -32,7 +33,7 @@ class Tokenizer:
 
     @classmethod
     def from_json_str(cls, text: str) -> "Tokenizer":
-        return cls(text)
+        return _parsed(text) if cls is Tokenizer else cls(text)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -127,3 +128,11 @@ class IncrementalDecoder:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return delta
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(tokenizer_json: str) -> Tokenizer:
+    """One Tokenizer per distinct tokenizer.json in a process: parsing Qwen's 151k-token vocabulary twice takes
+    ~2.5 s on a laptop core, and a process that loads an artifact's engine, router and proposal head (or a test
+    run's many engines) would pay it each time. Safe to share: a Tokenizer never changes after construction."""
+    return Tokenizer(tokenizer_json)

@@ -429,25 +429,27 @@ def tile_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tuple
     one load at a time (a load: two steps of every warp, 8 blocks a warp of each row), so a program of the mma GEMV
     reads one contiguous run instead of 16 rows far apart. Same shapes, new tensors; N a multiple of 16."""
     n, half_k = packed.shape
-    loads = half_k * 2 // K_STEP // warps // 2
     if n % 16 or not pairable(half_k * 2, warps):
         raise ValueError(f"tiled weights take N a multiple of 16 and whole pairs of steps; got N={n}, K={half_k * 2}")
-
-    def tiled(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(n // 16, 16, loads, -1).transpose(1, 2).reshape(n, -1).contiguous()
-
-    return tiled(packed), tiled(scale.view(torch.uint8)).view(scale.dtype)
+    return _swap_tile_axes(packed, scale, warps, rows_first=True)
 
 
 def untile_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """tile_weights undone: the codes and block scales back in paired order."""
+    return _swap_tile_axes(packed, scale, warps, rows_first=False)
+
+
+def _swap_tile_axes(packed, scale, warps: int, *, rows_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Within each 16-row tile, swap its row axis and its load axis: (rows, loads) -> (loads, rows) when the
+    input is rows_first (paired order), else back. Codes and scale bytes alike."""
     n, half_k = packed.shape
     loads = half_k * 2 // K_STEP // warps // 2
+    inner = (16, loads) if rows_first else (loads, 16)
 
-    def untiled(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(n // 16, loads, 16, -1).transpose(1, 2).reshape(n, -1).contiguous()
+    def swapped(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(n // 16, *inner, -1).transpose(1, 2).reshape(n, -1).contiguous()
 
-    return untiled(packed), untiled(scale.view(torch.uint8)).view(scale.dtype)
+    return swapped(packed), swapped(scale.view(torch.uint8)).view(scale.dtype)
 
 
 def unpair_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
