@@ -31,7 +31,7 @@ serve: install artifact
 	$(VENV)/bin/serve run $(CONFIG)
 
 test: install
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadgroup
 
 lint: install
 	$(VENV)/bin/ruff check ninfer deployments tests bench

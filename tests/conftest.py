@@ -16,6 +16,12 @@ from ninfer.tokenizer import Tokenizer
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's `make test` runs two workers) each worker computes on one thread: two
+# workers of two torch threads each on two cores would only take turns.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER and not torch.cuda.is_available():
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer() -> Tokenizer:
@@ -59,7 +65,21 @@ def tiny_qwen_moe_path(artifacts_dir):
 
 
 @pytest.fixture(scope="session")
-def smollm2_path(artifacts_dir):
+def smollm2_path(artifacts_dir, tmp_path_factory):
+    """Exactly what `make serve` builds. Converting the GGUF takes ~20 s, so xdist's workers share one: the first
+    converts it into the run's common folder while the others wait on the lock."""
+    from filelock import FileLock
+
     from ninfer.cli import build_default
 
-    return build_default(artifacts_dir / "smollm2-135m-instruct.ninfer")  # exactly what `make serve` builds
+    folder = tmp_path_factory.getbasetemp().parent if XDIST_WORKER else artifacts_dir
+    with FileLock(str(folder / "smollm2.lock")):
+        return build_default(folder / "smollm2-135m-instruct.ninfer")  # reuses one that exists
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`), the tests that start a Ray instance run on one worker, one
+    after the other: two local Ray clusters at once would contend for the same two cores and ports."""
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
