@@ -335,4 +335,8 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
   esac
   echo "=== $stage rc=$? at $(( $(date +%s) - t0 )) s"
 done
-[ "${PACK:-1}" = 1 ] && tar czf $OUT/tcache.tgz .tcache 2>/dev/null; ls -la $OUT
+[ "${PACK:-1}" = 1 ] && tar czf $OUT/tcache.tgz .tcache 2>/dev/null
+# the device returns at most 8 files (s35 lost three rollback_ab logs): more go back as one results.tgz
+results=$(cd $OUT && find . -type f ! -name tcache.tgz)
+if [ "$(echo "$results" | wc -l)" -gt 7 ]; then (cd $OUT && tar czf results.tgz --remove-files $results); fi
+ls -laR $OUT
