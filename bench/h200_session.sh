@@ -124,6 +124,9 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     sweep_mma_tiled)  # s34: the paired mma GEMV on tiled weights (each 16-row tile one contiguous run), bitwise, times
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-tiled ${TILED_MS:+--ms $TILED_MS} --out $out/mma_tiled.json \
         > $out/mma_tiled.log 2>&1 ;;
+    sweep_mma_down)  # s35: mlp_down and o_proj on tiled weights at other depths, unrolls and warps a program
+      timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-down --out $out/mma_down.json \
+        > $out/mma_down.log 2>&1 ;;
     tiled_ab)  # s34: the verify step against a plain one (C = 1, 8; k = 1, 3) and MTP3 at C=1, paired weights, then
       # paired and tiled (NINFER_NVFP4_TILED)
       knob_ab NINFER_NVFP4_TILED tiled ;;

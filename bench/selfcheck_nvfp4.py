@@ -248,6 +248,12 @@ MMA_PAD_CONFIGS = [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, PAD=p) for p 
 # streams one region instead of 16 rows far apart; TILES 2 makes it 32 rows, two runs
 MMA_TILED_CONFIGS = [dict(kind="mma", TILES=t, WARPS=8, PAIRED=True, TILED=tiled) for t in (1, 2)
                      for tiled in (False, True)]
+# The N = 5120 linears on tiled storage (s35): mlp_down reads its bytes in 20.6 us in the GEMV's own load pattern
+# but takes 27.3 through the GEMV (o_proj 8.4 against 9.5), and split K (s32) did not help: how far ahead a warp
+# loads (DEPTH, in pairs of steps; None: the table's) and the warps a program (which sets the programs an SM holds)
+MMA_DOWN_SHAPES = {name: SHAPES_27B[name] for name in ("mlp_down", "o_proj")}
+MMA_DOWN_CONFIGS = [dict(kind="mma", TILES=1, WARPS=w, PAIRED=True, TILED=True, DEPTH=d, UNROLL=u)
+                    for w in (8, 4) for d in (None, 1, 2, 3, 4) for u in (None, 1)]
 
 
 def check_mma_pad(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 32), pads=(128, 2048)) -> dict:
@@ -442,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-mma-tiled", action="store_true",
                         help="only the tensor-core GEMV on paired weights stored tiled (MMA_TILED_CONFIGS): bitwise "
                              "against rows back to back, then times at M = 1, 4, 8, 32 beside the untiled launch")
+    parser.add_argument("--sweep-mma-down", action="store_true",
+                        help="only the tensor-core GEMV on tiled weights of the N = 5120 linears (MMA_DOWN_CONFIGS: "
+                             "depth, unroll and warps) at M = 1, 4, 8")
     parser.add_argument("--ms", type=int, nargs="*", help="with --sweep-mma-tiled: the rows of x to time")
     parser.add_argument("--sweep-mma-staging", action="store_true",
                         help="only the tensor-core GEMV with shared-memory staging / L2 prefetch: bitwise against the "
@@ -476,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         result["check_mma_layouts"] = check_mma_pad("cuda", pads=())
         result["sweep_mma_tiled"] = sweep_gemv_configs("cuda", ms=tuple(args.ms or (1, 4, 8, 32)),
                                                        configs=MMA_TILED_CONFIGS)
+    elif args.sweep_mma_down:
+        result["sweep_mma_down"] = sweep_gemv_configs("cuda", shapes=MMA_DOWN_SHAPES, ms=tuple(args.ms or (1, 4, 8)),
+                                                      configs=MMA_DOWN_CONFIGS)
     elif args.sweep_mma_wide:
         result["check_mma_wide"] = check_mma_wide("cuda")
         result["sweep_mma_wide"] = sweep_gemv_configs("cuda", ms=(8, 16, 24, 32), configs=MMA_WIDE_CONFIGS)
