@@ -112,11 +112,15 @@ class LiveServer:
     port: int = 0
 
     def __post_init__(self):
-        self.port = self.port or free_port()
+        # bound here and handed to uvicorn, so a port picked by the kernel stays ours (xdist's two workers start
+        # servers side by side; free_port's probe could race)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", self.port))
+        self.port = sock.getsockname()[1]
         config = uvicorn.Config(create_app(self.ctx), host="127.0.0.1", port=self.port, log_level="warning",
                                 lifespan="off")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:
