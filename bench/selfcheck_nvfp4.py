@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-mma-down", action="store_true",
                         help="only the tensor-core GEMV on tiled weights of the N = 5120 linears (MMA_DOWN_CONFIGS: "
                              "depth, unroll and warps) at M = 1, 4, 8")
-    parser.add_argument("--ms", type=int, nargs="*", help="with --sweep-mma-tiled: the rows of x to time")
+    parser.add_argument("--ms", type=int, nargs="*", help="with --sweep-mma-tiled or --sweep-mma-down: the rows of x to time")
     parser.add_argument("--sweep-mma-staging", action="store_true",
                         help="only the tensor-core GEMV with shared-memory staging / L2 prefetch: bitwise against the "
                              "table's launch, then times at M = 1, 2, 4, 8 beside the table's kernels")
