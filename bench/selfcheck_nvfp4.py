@@ -254,6 +254,12 @@ MMA_TILED_CONFIGS = [dict(kind="mma", TILES=t, WARPS=8, PAIRED=True, TILED=tiled
 MMA_DOWN_SHAPES = {name: SHAPES_27B[name] for name in ("mlp_down", "o_proj")}
 MMA_DOWN_CONFIGS = [dict(kind="mma", TILES=1, WARPS=w, PAIRED=True, TILED=True, DEPTH=d, UNROLL=u)
                     for w in (8, 4) for d in (None, 1, 2, 3, 4) for u in (None, 1)]
+# s36: compiled on the CPU for sm_90 with the device's Triton 3.6, the table's launch of mlp_down takes 128 registers
+# a thread (and spills), o_proj 110, so an SM holds two of their 8-warp programs and their 320 programs run in 1.2
+# waves; the K = 5120 linears take 78 (three an SM). Capping registers (MAXNREG, no result changes) fits three.
+MMA_DOWN_CONFIGS += [dict(kind="mma", TILES=1, WARPS=w, PAIRED=True, TILED=True, DEPTH=d, UNROLL=u, MAXNREG=r)
+                     for w, d, u, r in ((8, None, None, 80), (8, 1, None, 80), (8, 2, 1, 80), (8, 1, 1, 80),
+                                        (8, 1, None, 64), (4, None, None, 80))]
 
 
 def check_mma_pad(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 32), pads=(128, 2048)) -> dict:
@@ -298,6 +304,19 @@ def check_mma_staging(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 8)
                     same = f"{type(exc).__name__}: {str(exc)[:200]}"
                 out[f"{name}_m{m}_{_short(cfg)}"] = same
     return out
+
+
+def best_few_launch(result: dict, ms=(1, 4)) -> dict:
+    """The DEPTH / UNROLL / MAXNREG keys (those set) of the 8-warp config of a --sweep-mma-down result whose two
+    linears at `ms` sum to the least time: NINFER_NVFP4_MMA_FEW's value for an A/B (the weights are stored for 8)."""
+    totals: dict[str, list] = {}
+    for row in result["sweep_mma_down"]:
+        if "us_total" in row and row["m"] in ms and row["config"]["WARPS"] == 8:
+            entry = totals.setdefault(_short(row["config"]), [row["config"], 0.0, 0])
+            entry[1] += row["us_total"]
+            entry[2] += 1
+    best = min((e for e in totals.values() if e[2] == len(ms)), key=lambda e: e[1])
+    return {k: best[0][k] for k in ("DEPTH", "UNROLL", "MAXNREG") if best[0].get(k)}
 
 
 def best_mma_launch(result: dict, ms=(1, 4)) -> dict:
@@ -374,18 +393,53 @@ def sweep_gemv_configs(device="cuda", *, shapes: dict | None = None, ms=(1, 2, 4
         configs = []
         for m in ms:
             configs += [c for c in default_sweep(m) if c not in configs]
+    from ninfer.kernels.triton_nvfp4_mma import _gemv_mma_kernel
+
     out = []
     for cfg in configs:
         cms = ms if explicit else tuple(m for m in ms if cfg in default_sweep(m))
+        before = set(_compiled(_gemv_mma_kernel))
         try:
             rows = time_nvfp4_gemv(device, shapes=shapes, ms=cms, iters=iters, config=cfg, with_bf16=False)
         except Exception as exc:  # a config the compiler refuses (registers, shared memory, PTX)
             out.append({"config": cfg, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
             continue
+        made = [ck for key, ck in _compiled(_gemv_mma_kernel).items() if key not in before]
         for m in cms:
             mine = [r for r in rows if r["m"] == m]
             out.append({"m": m, "config": cfg, "GBps": {r["shape"]: r["GBps"] for r in mine},
-                        "us": {r["shape"]: r["us"] for r in mine}, "us_total": round(sum(r["us"] for r in mine), 2)})
+                        "us": {r["shape"]: r["us"] for r in mine}, "us_total": round(sum(r["us"] for r in mine), 2)}
+                       | ({"kernels": kernel_resources(made)} if made else {}))
+    return out
+
+
+def _compiled(kernel) -> dict:
+    """A jitted Triton kernel's compiled variants on the current CUDA device ({} where this Triton keeps them
+    elsewhere)."""
+    try:
+        return dict(kernel.device_caches[torch.cuda.current_device()][0])
+    except Exception:
+        return {}
+
+
+def kernel_resources(kernels) -> list[dict]:
+    """Registers and spills a thread of each compiled kernel, with the K (KW words a row) and token tiles (XT) it
+    was built for, and how many of its programs one SM holds by registers (s36: the 27B N = 5120 linears launch
+    320 programs, over two waves where an SM holds two)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    out = []
+    for ck in kernels:
+        try:
+            consts = {ck.src.fn.arg_names[key[0]]: v for key, v in ck.src.constants.items()}
+        except Exception:
+            consts = {}
+        warps = ck.metadata.num_warps
+        regs = getattr(ck, "n_regs", 0) or 0
+        by_regs = regs_per_sm // (-(-regs // 8) * 8 * 32 * warps) if regs else None
+        out.append({"K": 8 * consts["KW"] if "KW" in consts else None, "XT": consts.get("XT"), "warps": warps,
+                    "regs": regs, "spills": getattr(ck, "n_spills", None),
+                    "programs_per_sm": min(by_regs, 64 // warps, 32) if by_regs is not None else None})
     return out
 
 
@@ -461,10 +515,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--best-mma", metavar="JSON",
                         help="print the launch keys of the fastest bitwise-checked config of a --sweep-mma-staging "
                              "result (summed over M = 1 and 4) as JSON, and exit")
+    parser.add_argument("--best-few", metavar="JSON",
+                        help="print NINFER_NVFP4_MMA_FEW's keys of the fastest 8-warp config of a --sweep-mma-down "
+                             "result (summed over M = 1 and 4) as JSON, and exit")
     parser.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args(argv)
     if args.best_mma:
         print(json.dumps(best_mma_launch(json.load(open(args.best_mma)))))
+        return 0
+    if args.best_few:
+        print(json.dumps(best_few_launch(json.load(open(args.best_few)))))
         return 0
     result = {"device": torch.cuda.get_device_name()}
     if args.sweep_mma_staging and args.part:

@@ -733,7 +733,7 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_s
         gemv_mma(_x_words(x), _rows(words), _rows(sbytes), row_scale, y, m, n, k, tiles=cfg["TILES"],
                  warps=cfg["WARPS"], depth=cfg.get("DEPTH"), unroll=cfg.get("UNROLL"), prefetch=cfg.get("PREFETCH", 0),
                  stages=cfg.get("STAGES", 0), paired=bool(paired), evict=cfg.get("EVICT", 0),
-                 tiled=tiled, launch=pdl_launch(x.device))
+                 tiled=tiled, maxnreg=cfg.get("MAXNREG"), launch=pdl_launch(x.device))
         return y
     if kind == "mma":  # fp32 / fp16 x, or no GPU and no interpreter: the packed-fp16 GEMV's fallbacks
         cfg = _hfma_config(m, n, k)

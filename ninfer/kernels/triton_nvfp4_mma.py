@@ -57,6 +57,10 @@ ninfer.kernels.ptx_emulator runs the PTX with that mapping.
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -67,6 +71,10 @@ from ninfer.kernels.triton_nvfp4 import _F16_UNSCALE, _prefetch_l2, _x_pairs, de
 
 K_STEP = 64  # codes of every row one warp takes per step: 4 scale blocks, one a lane
 MAX_ROWS = 32  # rows of x a launch takes: four tiles of 8 tokens share each decoded block
+# Launch keys (DEPTH, UNROLL, MAXNREG) for one token tile over few row tiles, a grid of at most three programs an SM
+# (the 27B's N = 5120 linears: 320): with the table's depth their 8-warp programs take 110-128 registers, so an SM
+# holds two and the grid runs in 1.2 waves (s36, compiled for sm_90 with Triton 3.6). NINFER_NVFP4_MMA_FEW, JSON.
+FEW_PROGRAMS = json.loads(os.environ.get("NINFER_NVFP4_MMA_FEW") or "{}")
 
 
 def _decode_asm(byte: int = 0) -> str:
@@ -459,13 +467,15 @@ def unpair_weights(packed: torch.Tensor, scale: torch.Tensor, warps: int) -> tup
 
 def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles: int, warps: int,
               launch: dict, depth: int | None = None, unroll: int | None = None, prefetch: int = 0,
-              stages: int = 0, paired: bool = False, evict: int = 0, tiled: bool = False) -> None:
+              stages: int = 0, paired: bool = False, evict: int = 0, tiled: bool = False,
+              maxnreg: int | None = None) -> None:
     """y[:m] = x @ W^T: x32 the bf16 rows of x as int32 pairs, words / sbytes W's codes and scale bytes
     (rows of contiguous values, any row stride; paired: in pair_weights' order for `warps`), launch: the PDL launch options
     (ninfer.kernels.pdl). Neither `tiles` (16-row tiles a program), `depth` (steps, or pairs of steps, loaded
     ahead), `unroll` (the K loop's), `prefetch` (L2 prefetch distance in steps; none under the interpreter, which
     has no L2), `stages` (shared-memory staging instead of the register queue), `paired`, `evict` (weight loads
-    evict-first) changes a result; `warps` does (which blocks meet in one mma)."""
+    evict-first), `maxnreg` (a cap on registers a thread, so more programs fit an SM) changes a result; `warps` does
+    (which blocks meet in one mma)."""
     if not mma_fits(m, k, warps):
         raise ValueError(f"the mma GEMV takes 1..{MAX_ROWS} rows of x and K a multiple of {K_STEP * warps}; "
                          f"got M={m}, K={k}")
@@ -475,16 +485,26 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
     if tiled and not (paired and n % 16 == 0 and words.is_contiguous() and sbytes.is_contiguous()):
         raise ValueError(f"tiled weights are contiguous paired weights of N a multiple of 16; got N={n}")
     xt = triton.cdiv(m, 8)
+    grid = (triton.cdiv(n, 16 * tiles),)
+    if FEW_PROGRAMS and xt == 1 and y.is_cuda and grid[0] <= 3 * _sm_count(y.device):
+        depth = depth or FEW_PROGRAMS.get("DEPTH")
+        unroll = unroll or FEW_PROGRAMS.get("UNROLL")
+        maxnreg = maxnreg or FEW_PROGRAMS.get("MAXNREG")
     per_load = 2 if paired else 1
     loads = k // K_STEP // warps // per_load
     depth = max(1, min(depth or -(-default_depth(xt, k) // per_load), loads))
     unroll = unroll or (1 if stages else depth)  # the queue of loaded steps then rotates by renaming registers
-    grid = (triton.cdiv(n, 16 * tiles),)
     _gemv_mma_kernel[grid](x32, words, sbytes.view(torch.uint8), row_scale, y, m, n, x32.stride(0), y.stride(0),
                             KW=k // 8, TILES=tiles, WARPS=warps, EVEN_N=n % (16 * tiles) == 0, XT=xt, DEPTH=depth,
                             UNROLL=unroll, PREFETCH=0 if interpreting() else prefetch, STAGES=stages, PAIRED=paired,
                             EVICT=evict, W_ROW=_row_stride(words, k // 8), S_ROW=_row_stride(sbytes, k // 16), TILED=tiled,
-                            num_warps=warps, num_stages=max(stages, 1), **launch)
+                            num_warps=warps, num_stages=max(stages, 1), **launch,
+                            **({"maxnreg": maxnreg} if maxnreg and not interpreting() else {}))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _row_stride(t: torch.Tensor, row: int) -> int:
