@@ -261,6 +261,11 @@ MMA_DOWN_CONFIGS += [dict(kind="mma", TILES=1, WARPS=w, PAIRED=True, TILED=True,
                      for w, d, u, r in ((8, None, None, 80), (8, 1, None, 80), (8, 2, 1, 80), (8, 1, 1, 80),
                                         (8, 1, None, 64), (4, None, None, 80))]
 
+# s36: three and four token tiles (17..32 rows) take 181-242 registers a thread, one 8-warp program an SM, few bytes
+# in flight: capped at 128, two fit (with 64-256 bytes of stack)
+MMA_CAP_CONFIGS = [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, TILED=True, MAXNREG=r, DEPTH=d)
+                   for r, d in ((None, None), (128, None), (128, 2))]
+
 
 def check_mma_pad(device="cuda", *, shapes: dict | None = None, ms=(1, 4, 32), pads=(128, 2048)) -> dict:
     """The paired mma launch on padded rows, and on tiled storage, against the same weights stored back to back,
@@ -505,7 +510,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-mma-down", action="store_true",
                         help="only the tensor-core GEMV on tiled weights of the N = 5120 linears (MMA_DOWN_CONFIGS: "
                              "depth, unroll and warps) at M = 1, 4, 8")
-    parser.add_argument("--ms", type=int, nargs="*", help="with --sweep-mma-tiled or --sweep-mma-down: the rows of x to time")
+    parser.add_argument("--sweep-mma-cap", action="store_true",
+                        help="only the tensor-core GEMV on tiled weights at 24 and 32 rows, registers capped or not "
+                             "(MMA_CAP_CONFIGS)")
+    parser.add_argument("--ms", type=int, nargs="*", help="with --sweep-mma-tiled, --sweep-mma-down or --sweep-mma-cap: "
+                                                          "the rows of x to time")
     parser.add_argument("--sweep-mma-staging", action="store_true",
                         help="only the tensor-core GEMV with shared-memory staging / L2 prefetch: bitwise against the "
                              "table's launch, then times at M = 1, 2, 4, 8 beside the table's kernels")
@@ -545,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
         result["check_mma_layouts"] = check_mma_pad("cuda", pads=())
         result["sweep_mma_tiled"] = sweep_gemv_configs("cuda", ms=tuple(args.ms or (1, 4, 8, 32)),
                                                        configs=MMA_TILED_CONFIGS)
+    elif args.sweep_mma_cap:
+        result["sweep_mma_cap"] = sweep_gemv_configs("cuda", ms=tuple(args.ms or (24, 32)), configs=MMA_CAP_CONFIGS)
     elif args.sweep_mma_down:
         result["sweep_mma_down"] = sweep_gemv_configs("cuda", shapes=MMA_DOWN_SHAPES, ms=tuple(args.ms or (1, 4, 8)),
                                                       configs=MMA_DOWN_CONFIGS)

@@ -75,6 +75,9 @@ MAX_ROWS = 32  # rows of x a launch takes: four tiles of 8 tokens share each dec
 # (the 27B's N = 5120 linears: 320): with the table's depth their 8-warp programs take 110-128 registers, so an SM
 # holds two and the grid runs in 1.2 waves (s36, compiled for sm_90 with Triton 3.6). NINFER_NVFP4_MMA_FEW, JSON.
 FEW_PROGRAMS = json.loads(os.environ.get("NINFER_NVFP4_MMA_FEW") or "{}")
+# The same keys for three or four token tiles (17..32 rows: verification at C = 5..8), whose programs take 181-242
+# registers, one 8-warp program an SM. NINFER_NVFP4_MMA_WIDE, JSON.
+WIDE_TILES = json.loads(os.environ.get("NINFER_NVFP4_MMA_WIDE") or "{}")
 
 
 def _decode_asm(byte: int = 0) -> str:
@@ -486,10 +489,12 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
         raise ValueError(f"tiled weights are contiguous paired weights of N a multiple of 16; got N={n}")
     xt = triton.cdiv(m, 8)
     grid = (triton.cdiv(n, 16 * tiles),)
+    keys = {}
     if FEW_PROGRAMS and xt == 1 and y.is_cuda and grid[0] <= 3 * _sm_count(y.device):
-        depth = depth or FEW_PROGRAMS.get("DEPTH")
-        unroll = unroll or FEW_PROGRAMS.get("UNROLL")
-        maxnreg = maxnreg or FEW_PROGRAMS.get("MAXNREG")
+        keys = FEW_PROGRAMS
+    elif xt >= 3:
+        keys = WIDE_TILES
+    depth, unroll, maxnreg = depth or keys.get("DEPTH"), unroll or keys.get("UNROLL"), maxnreg or keys.get("MAXNREG")
     per_load = 2 if paired else 1
     loads = k // K_STEP // warps // per_load
     depth = max(1, min(depth or -(-default_depth(xt, k) // per_load), loads))
