@@ -599,6 +599,39 @@ def test_mma_tiles_on_cuda():
 
 @pytest.mark.cuda
 @needs_cuda
+def test_mma_register_caps_change_no_bit_on_cuda(monkeypatch):
+    """A register cap (MAXNREG) and the launch keys for few-program grids and 3-4 token tiles
+    (NINFER_NVFP4_MMA_FEW / _WIDE: another weight queue depth, a cap) compute every row bit for bit as the
+    table's launch, on tiled weights at 1..32 rows (s36)."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not importable")
+    from ninfer.kernels import triton_nvfp4, triton_nvfp4_mma
+
+    n, k = 320, 8192  # 20 programs: a few-program grid on any GPU
+    warps = triton_nvfp4.mma_warps(k)
+    gen = torch.Generator(device="cuda").manual_seed(36)
+    q = nvfp4.quantize_nvfp4(torch.randn(n, k, generator=gen, device="cuda") * 0.02)
+    tw = triton_nvfp4_mma.tile_weights(*triton_nvfp4_mma.pair_weights(q[0], q[1], warps), warps)
+    x = torch.randn(32, k, generator=gen, device="cuda").to(torch.bfloat16)
+    cfg = dict(kind="mma", TILES=1, WARPS=warps, PAIRED=True, TILED=True)
+
+    def run(m: int, extra: dict | None = None) -> torch.Tensor:
+        return triton_nvfp4.nvfp4_gemv(x[:m], tw[0], tw[1], q[2], config=cfg | (extra or {}), paired=warps,
+                                       tiled=True)
+
+    table = {m: run(m) for m in (1, 4, 8, 24, 32)}
+    ref = x.float() @ nvfp4.dequantize_nvfp4(*q).T
+    assert (table[32].float() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item()
+    for m, want in table.items():
+        assert torch.equal(run(m, {"MAXNREG": 80 if m <= 8 else 128}), want), m
+    monkeypatch.setattr(triton_nvfp4_mma, "FEW_PROGRAMS", {"DEPTH": 1, "MAXNREG": 80})
+    monkeypatch.setattr(triton_nvfp4_mma, "WIDE_TILES", {"DEPTH": 2, "MAXNREG": 128})
+    for m, want in table.items():
+        assert torch.equal(run(m), want), m
+
+
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("n,k,m", [(320, 8704, 1), (256, 4352, 2), (320, 8704, 2)])
 def test_prefetch_tiles_on_cuda(n, k, m):
     """The table's tiles for long rows (L2 prefetch at K > 8192 and M = 1, K >= 4096 and M = 2) and a
