@@ -18,7 +18,7 @@
 # over 512 tokens, MTP3 at C=1 over 256), host_c1 (s26: C=1 MTP3 with the loop's parts timed), penalized_c1 (s28:
 # C=1 MTP3 greedy, then with a presence penalty), ahead_c1 / ahead_c8 (s29: e2e_c1_256 / spec_c8_512 without, then
 # with the MTP head drafting ahead; ahead_c1_fp4: with the proposal head in NVFP4 too), host_c8 (s29: C=8 adaptive with the loop's parts timed), fused_gdn (s29: a verify's GDN positions
-# in one launch, A/B), few_ab (s36: the N = 5120 linears' launch, the table's against sweep_mma_down's fastest), sweep_mma_cap (s36: 24 and 32 rows, registers capped), pytest_caps (s36: their CUDA tests), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
+# in one launch, A/B), few_ab (s36: the N = 5120 linears' launch, the table's against sweep_mma_down's fastest), sweep_mma_cap (s36: 24 and 32 rows, registers capped), pytest_caps (s36: their CUDA tests), attn_tiles (s37: the decode attention's tiles at short contexts), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
 # pytest_s30 (s30: the mma GEMV on weights stored paired), gates_ab / pytest_s31 (s31: the GDN gates computed in the
 # recurrent kernels), gdn_loads_ab (s32: the GDN verify kernels' loads first, against the
 # file AB_OLD_GDN), sweep_mma_pad (s32: the mma GEMV on rows stored apart), read_ceiling (s34: the 27B linears' bytes read without decoding), sweep_mma_tiled / tiled_ab / pytest_tiled (s34: the mma GEMV on tiled weights; the verify and MTP3 at C=1 with them; their CUDA tests), rollback_ab (s33: rollback by copy, then by
@@ -130,6 +130,8 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
     pytest_caps)  # s36: register caps and the few / wide launch keys change no bit; verify rows equal decode rows
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4.py \
         -k "register_caps or rows_like_on_cuda" > $out/pytest_caps.log 2>&1 ;;
+    attn_tiles)  # s37: the 27B decode attention's tiles at 256..64k context, one row and a verify's four (registers)
+      timeout $(( $(left) - 10 )) python3 -m bench.attn_decode_tiles --out $out/attn_tiles.json > $out/attn_tiles.log 2>&1 ;;
     sweep_mma_cap)  # s36: 24 and 32 rows (three, four token tiles) with registers capped, so two programs fit an SM
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-cap --out $out/mma_cap.json \
         > $out/mma_cap.log 2>&1 ;;
