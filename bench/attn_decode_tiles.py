@@ -8,6 +8,7 @@ kernel's registers and spills, and its largest difference from the table's tile.
 
     python3 -m bench.attn_decode_tiles --out attn_tiles.json      # a CUDA host
     python3 -m bench.attn_decode_tiles --quick                     # the same code in the interpreter, untimed
+    python3 -m bench.attn_decode_tiles --registers                 # any host: each tile compiled for sm_90
 """
 
 from __future__ import annotations
@@ -62,13 +63,57 @@ def sweep(device="cuda", contexts=CONTEXTS, rows_list=ROWS, tiles=TILES, cache_s
     return records
 
 
+def sm90_resources(tiles=TILES) -> list[dict]:
+    """Each tile's registers, stack (spilled) bytes and shared memory a program, compiled for sm_90 by the installed
+    Triton's own ptxas, with no GPU (bf16 K/V, the 27B head shape, the split path with PDL, as a server launches)."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from bench.selfcheck_kv import QWEN27B_ATTN
+    from ninfer.kernels import triton_attention
+
+    fn = triton_attention._decode_kernel
+    names = fn.arg_names
+    group = QWEN27B_ATTN["hq"] // QWEN27B_ATTN["hkv"]
+    head_dim = QWEN27B_ATTN["head_dim"]
+    ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", KS="*bf16", VS="*bf16", PT="*i32", SL="*i32", OP="*fp32", LSE="*fp32")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    out = []
+    for block_n, warps, stages in tiles:
+        consts = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                      BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, PAGE_SIZE=16, STORE_LSE=True,
+                      IEEE=False, KV_QUANT=False, USE_PDL=True, K_FP4=False, V_FP4=False, HALF_D=head_dim // 2,
+                      BLOCK_J=head_dim // 2)
+        sig = {n: ptrs.get(n, "constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32") for n in names}
+        src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=warps, num_stages=stages))
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = os.path.join(tmp, "k.cubin")
+            with open(cubin, "wb") as f:
+                f.write(kernel.asm["cubin"])
+            usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+        fields = dict(item.split(":") for item in usage.split() if item.startswith(("REG:", "STACK:")))
+        out.append({"tile": f"{block_n}/{warps}/{stages}", "regs": int(fields["REG"]), "stack_bytes": int(fields["STACK"]),
+                    "shared_bytes": kernel.metadata.shared, "triton": triton.__version__})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes in the interpreter, untimed (a CPU)")
+    ap.add_argument("--registers", action="store_true", help="only compile each tile for sm_90 (no GPU needed)")
     ap.add_argument("--out", help="write the records here as JSON")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.quick
-    if not cuda:
+    if args.registers:
+        records = sm90_resources()
+    elif not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         records = sweep("cpu", contexts=(40,), rows_list=(1, 4), tiles=TILES[:1], cache_slots=128)
     else:
