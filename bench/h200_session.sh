@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session's checks and benchmarks, in stages that fit the device tool's 10-minute calls.
 # From the repo root on the H200, with `.whl` (fla-core wheel), `.devcache` (Qwen tokenizer JSON) and
-# optionally `.tcpack/tcache.tgz` (a Triton cache of an earlier run) carried; outputs go to $OUT.
+# optionally `.tcpack/tcache.tgz` (a Triton cache of an earlier run) carried; outputs go to $OUT. A fresh checkout
+# makes the first two with `bash bench/device_prep.sh`.
 #   bash bench/h200_session.sh checks pytest   # call 1 (~5 min): every kernel vs its reference, the CUDA tests
 #   bash bench/h200_session.sh bench27 bench35 # call 2 (~8 min): the issue-10 figures, ninfer beside transformers
 #   bash bench/h200_session.sh profile         # decode + chunked-prefill profile of the 27B shape (profile35: 35B-A3B,
@@ -31,6 +32,7 @@
 # under $OUT/nopdl.
 # A stage past DEADLINE seconds (default 540) is skipped with a line saying so.
 set -u
+[ -s .devcache/qwen3_6-tokenizer.json ] || { echo "no .devcache/qwen3_6-tokenizer.json: run bench/device_prep.sh here and carry it"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --target .site .whl/fla_core-*.whl || exit 1
 export PYTHONPATH=$PWD/.site:$PWD NINFER_QWEN_TOKENIZER_JSON=$PWD/.devcache/qwen3_6-tokenizer.json
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache
