@@ -1,6 +1,6 @@
 """The 27B decode attention's tiles at the contexts a C=1 MTP round sees, one row and a k=3 verify's four.
 
-s36 compiled `_decode_kernel` for sm_90 on the CPU: the table's bf16 tile (BLOCK_N 64, 4 warps, 2 stages) takes
+s37 compiled `_decode_kernel` for sm_90 on the CPU: the table's bf16 tile (BLOCK_N 64, 4 warps, 2 stages) takes
 255 registers and spills 184 bytes a thread; 32-token tiles take 208 (no spill), 16-token 167. s31's C=1
 profile had the kernel at 16 us a layer for a context of a few hundred tokens. This times each candidate tile
 (bf16 K/V, 24 q heads over 4 KV heads, D 256, a server-sized pool so the split count is a server's) with the
@@ -56,11 +56,25 @@ def sweep(device="cuda", contexts=CONTEXTS, rows_list=ROWS, tiles=TILES, cache_s
             records.append(rec)
             print(json.dumps(rec), flush=True)
     if torch.device(device).type == "cuda":
-        from bench.selfcheck_nvfp4 import _compiled, kernel_resources
-
-        records.append({"kernels": kernel_resources(_compiled(triton_attention._decode_kernel).values())})
+        records.append({"kernels": _compiled_tiles(triton_attention._decode_kernel)})
         print(json.dumps(records[-1]), flush=True)
     return records
+
+
+def _compiled_tiles(kernel) -> list[dict]:
+    """Each compiled variant's tile with its registers and spills a thread, as the device's ptxas built them."""
+    from bench.selfcheck_nvfp4 import _compiled
+
+    out = []
+    for ck in _compiled(kernel).values():
+        try:  # as selfcheck_nvfp4.kernel_resources reads them; a Triton that keeps them elsewhere gives no tile size
+            consts = {ck.src.fn.arg_names[key[0]]: v for key, v in ck.src.constants.items()}
+        except Exception:
+            consts = {}
+        out.append({"tile": f"{consts.get('BLOCK_N')}/{ck.metadata.num_warps}/{ck.metadata.num_stages}",
+                    "split": consts.get("STORE_LSE"), "regs": getattr(ck, "n_regs", None),
+                    "spills": getattr(ck, "n_spills", None)})
+    return out
 
 
 def sm90_resources(tiles=TILES) -> list[dict]:
@@ -115,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         records = sm90_resources()
     elif not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        records = sweep("cpu", contexts=(40,), rows_list=(1, 4), tiles=TILES[:1], cache_slots=128)
+        records = sweep("cpu", contexts=(40,), tiles=TILES[:1], cache_slots=128)
     else:
         records = sweep()
     if args.out:
