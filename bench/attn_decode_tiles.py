@@ -1,14 +1,14 @@
 """The 27B decode attention's tiles at the contexts a C=1 MTP round sees, one row and a k=3 verify's four.
 
-s37 compiled `_decode_kernel` for sm_90 on the CPU: the table's bf16 tile (BLOCK_N 64, 4 warps, 2 stages) takes
-255 registers and spills 184 bytes a thread; 32-token tiles take 208 (no spill), 16-token 167. s31's C=1
-profile had the kernel at 16 us a layer for a context of a few hundred tokens. This times each candidate tile
-(bf16 K/V, 24 q heads over 4 KV heads, D 256, a server-sized pool so the split count is a server's) with the
-kernel's registers and spills, and its largest difference from the table's tile.
+s31's C=1 profile had `_decode_kernel` at 16 us a layer for a context of a few hundred tokens, where each program
+reads one or two 64-token tiles; the table's tile (BLOCK_N 64, 4 warps, 2 stages) was chosen on an H200 at 64k
+tokens. This times each candidate tile (bf16 K/V, 24 q heads over 4 KV heads, D 256, a server-sized pool so the
+split count is a server's) with the registers and spills of each compiled variant, and its largest difference
+from the table's tile.
 
     python3 -m bench.attn_decode_tiles --out attn_tiles.json      # a CUDA host
     python3 -m bench.attn_decode_tiles --quick                     # the same code in the interpreter, untimed
-    python3 -m bench.attn_decode_tiles --registers                 # any host: each tile compiled for sm_90
+    python3 bench/sass_count.py attn:64,4,2 attn:32,4,2            # any host: a tile's registers for sm_90
 """
 
 from __future__ import annotations
@@ -77,57 +77,13 @@ def _compiled_tiles(kernel) -> list[dict]:
     return out
 
 
-def sm90_resources(tiles=TILES) -> list[dict]:
-    """Each tile's registers, stack (spilled) bytes and shared memory a program, compiled for sm_90 by the installed
-    Triton's own ptxas, with no GPU (bf16 K/V, the 27B head shape, the split path with PDL, as a server launches)."""
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from bench.selfcheck_kv import QWEN27B_ATTN
-    from ninfer.kernels import triton_attention
-
-    fn = triton_attention._decode_kernel
-    names = fn.arg_names
-    group = QWEN27B_ATTN["hq"] // QWEN27B_ATTN["hkv"]
-    head_dim = QWEN27B_ATTN["head_dim"]
-    ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", KS="*bf16", VS="*bf16", PT="*i32", SL="*i32", OP="*fp32", LSE="*fp32")
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    out = []
-    for block_n, warps, stages in tiles:
-        consts = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-                      BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, PAGE_SIZE=16, STORE_LSE=True,
-                      IEEE=False, KV_QUANT=False, USE_PDL=True, K_FP4=False, V_FP4=False, HALF_D=head_dim // 2,
-                      BLOCK_J=head_dim // 2)
-        sig = {n: ptrs.get(n, "constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32") for n in names}
-        src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=warps, num_stages=stages))
-        with tempfile.TemporaryDirectory() as tmp:
-            cubin = os.path.join(tmp, "k.cubin")
-            with open(cubin, "wb") as f:
-                f.write(kernel.asm["cubin"])
-            usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
-        fields = dict(item.split(":") for item in usage.split() if item.startswith(("REG:", "STACK:")))
-        out.append({"tile": f"{block_n}/{warps}/{stages}", "regs": int(fields["REG"]), "stack_bytes": int(fields["STACK"]),
-                    "shared_bytes": kernel.metadata.shared, "triton": triton.__version__})
-        print(json.dumps(out[-1]), flush=True)
-    return out
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes in the interpreter, untimed (a CPU)")
-    ap.add_argument("--registers", action="store_true", help="only compile each tile for sm_90 (no GPU needed)")
     ap.add_argument("--out", help="write the records here as JSON")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.quick
-    if args.registers:
-        records = sm90_resources()
-    elif not cuda:
+    if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         records = sweep("cpu", contexts=(40,), tiles=TILES[:1], cache_slots=128)
     else:

@@ -134,7 +134,7 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
         -k "register_caps or rows_like_on_cuda" > $out/pytest_caps.log 2>&1 ;;
     attn_tiles)  # s37: the 27B decode attention's tiles at 256..64k context, one row and a verify's four (registers)
       timeout $(( $(left) - 10 )) python3 -m bench.attn_decode_tiles --out $out/attn_tiles.json > $out/attn_tiles.log 2>&1 ;;
-    sweep_mma_cap)  # s36: 24 and 32 rows (three, four token tiles) with registers capped, so two programs fit an SM
+    sweep_mma_cap)  # s36: 24 and 32 rows (three, four token tiles) with registers capped at 128 and not
       timeout $(( $(left) - 10 )) python3 -m bench.selfcheck_nvfp4 --sweep-mma-cap --out $out/mma_cap.json \
         > $out/mma_cap.log 2>&1 ;;
     few_ab)  # s36: the N = 5120 linears' launch (NINFER_NVFP4_MMA_FEW) as the table has it, then as the fastest 8-warp

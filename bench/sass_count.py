@@ -10,6 +10,7 @@ quoted in ninfer/kernels/triton_nvfp4.py.
   python bench/sass_count.py hfma:8,128,2 hfma:4,256,4,2 fma:4,128,4   # [kind:block_n,block_w,warps(,x rows)]
   python bench/sass_count.py mma:1,8 mma:1,8,4,2  # the tensor-core GEMV [mma:16-row tiles,warps(,8-token tiles,depth,unroll,prefetch,stages,paired,evict,tiled)]
   python bench/sass_count.py order:rmsnorm order:recurrent  # a small kernel's loads, stores and barriers in order
+  python bench/sass_count.py attn:64,4,2 attn:32,4,2   # the paged decode attention [attn:block_n,warps,stages]
   SASS_TOP=40 python bench/sass_count.py ...      # more of the loop's opcodes
 Prints one JSON line per kernel: registers, loop instructions, its loads by width, instructions per weight,
 top opcodes.
@@ -171,6 +172,22 @@ def nvfp4_mma(tiles: int, warps: int, token_tiles: int = 1, depth: int = 0, unro
             "instructions_per_weight": round(out["loop_instructions"] / weights_per_thread, 2)}
 
 
+def attention(block_n: int, warps: int, stages: int) -> dict:
+    """The paged decode attention (triton_attention._decode_kernel) at the 27B head shape (24 q heads over 4 KV
+    heads, D 256), bf16 K/V, the split path with PDL, as a served decode launches it, at one tile."""
+    from ninfer.kernels import triton_attention as t
+
+    group, head_dim = 6, 256
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KS": "*bf16", "VS": "*bf16", "PT": "*i32", "SL": "*i32",
+            "OP": "*fp32", "LSE": "*fp32", "qk_scale": "fp32"}
+    const = {"GROUP": group, "BLOCK_H": 16, "HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_N": block_n,
+             "PAGE_SIZE": 16, "STORE_LSE": True, "IEEE": False, "KV_QUANT": False, "USE_PDL": True, "K_FP4": False,
+             "V_FP4": False, "HALF_D": head_dim // 2, "BLOCK_J": head_dim // 2}
+    sig = {n: ptrs.get(n) or ("constexpr" if n in const else "i32") for n in t._decode_kernel.arg_names}
+    out = loop_profile(t._decode_kernel, sig, const, warps, num_stages=stages)
+    return {"kernel": "paged_decode", "block_n": block_n, "num_warps": warps, "num_stages": stages, **out}
+
+
 def main(argv: list[str]) -> None:
     specs = argv or ["hfma:8,128,2", "hfma:16,64,1", "hfma:8,128,2,2", "hfma:8,128,2,4", "fma:8,64,2", "fma:4,128,4"]
     for spec in specs:
@@ -179,7 +196,8 @@ def main(argv: list[str]) -> None:
             print(json.dumps(small_kernel(dims)), flush=True)
             continue
         args = [int(v) for v in dims.split(",")]
-        print(json.dumps(nvfp4_mma(*args) if kind == "mma" else nvfp4(kind, *args)), flush=True)
+        run = {"mma": nvfp4_mma, "attn": attention}.get(kind)
+        print(json.dumps(run(*args) if run else nvfp4(kind, *args)), flush=True)
 
 
 if __name__ == "__main__":

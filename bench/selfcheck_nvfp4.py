@@ -254,15 +254,16 @@ MMA_TILED_CONFIGS = [dict(kind="mma", TILES=t, WARPS=8, PAIRED=True, TILED=tiled
 MMA_DOWN_SHAPES = {name: SHAPES_27B[name] for name in ("mlp_down", "o_proj")}
 MMA_DOWN_CONFIGS = [dict(kind="mma", TILES=1, WARPS=w, PAIRED=True, TILED=True, DEPTH=d, UNROLL=u)
                     for w in (8, 4) for d in (None, 1, 2, 3, 4) for u in (None, 1)]
-# s36: compiled on the CPU for sm_90 with the device's Triton 3.6, the table's launch of mlp_down takes 128 registers
-# a thread (and spills), o_proj 110, so an SM holds two of their 8-warp programs and their 320 programs run in 1.2
-# waves; the K = 5120 linears take 78 (three an SM). Capping registers (MAXNREG, no result changes) fits three.
+# s36-s37: compiled on the CPU for sm_90 with the device's Triton 3.6 (bench/sass_count.py), the table's launch of
+# mlp_down takes 94 registers a thread, so an SM holds two of its 8-warp programs and the 320 programs run in 1.2
+# waves on an H100. Capping registers at 80 (MAXNREG, no result changes) fits three.
 MMA_DOWN_CONFIGS += [dict(kind="mma", TILES=1, WARPS=w, PAIRED=True, TILED=True, DEPTH=d, UNROLL=u, MAXNREG=r)
                      for w, d, u, r in ((8, None, None, 80), (8, 1, None, 80), (8, 2, 1, 80), (8, 1, 1, 80),
                                         (8, 1, None, 64), (4, None, None, 80))]
 
-# s36: three and four token tiles (17..32 rows) take 181-242 registers a thread, one 8-warp program an SM, few bytes
-# in flight: capped at 128, two fit (with 64-256 bytes of stack)
+# s36 counted 181-242 registers a thread for three and four token tiles (17..32 rows), compiling without the JIT's
+# alignment marks; with them (bench/sass_count.py, s37) 98-128, two 8-warp programs an SM already. The sweep reads
+# each compiled kernel's own count on the device, capped at 128 and not.
 MMA_CAP_CONFIGS = [dict(kind="mma", TILES=1, WARPS=8, PAIRED=True, TILED=True, MAXNREG=r, DEPTH=d)
                    for r, d in ((None, None), (128, None), (128, 2))]
 

@@ -42,3 +42,13 @@ def test_small_decode_kernels_load_everything_before_their_first_barrier(kernel)
     (out,) = _count(f"order:{kernel}")
     runs = out["memory_order"].split()
     assert runs[0].startswith("LDG") and not any(r.startswith("LDG") for r in runs[1:]), out
+
+
+def test_decode_attention_table_tile_fits_without_spilling():
+    """The paged decode attention at the 27B head shape, bf16 K/V, its table tile (64 tokens, 4 warps, 2 stages)
+    compiled for sm_90: no register spills (a spill is a local-memory round trip in the loop of every served
+    decode step's attention, serving.md's request_done.engine_timing device_wait), and the tile narrower by half
+    takes fewer registers (the candidates `bench/attn_decode_tiles.py` times)."""
+    table, narrow = _count("attn:64,4,2", "attn:32,4,2")
+    assert table["local_bytes"] == 0, table
+    assert 0 < narrow["registers"] < table["registers"], (narrow, table)

@@ -72,11 +72,12 @@ from ninfer.kernels.triton_nvfp4 import _F16_UNSCALE, _prefetch_l2, _x_pairs, de
 K_STEP = 64  # codes of every row one warp takes per step: 4 scale blocks, one a lane
 MAX_ROWS = 32  # rows of x a launch takes: four tiles of 8 tokens share each decoded block
 # Launch keys (DEPTH, UNROLL, MAXNREG) for one token tile over few row tiles, a grid of at most three programs an SM
-# (the 27B's N = 5120 linears: 320): with the table's depth their 8-warp programs take 110-128 registers, so an SM
-# holds two and the grid runs in 1.2 waves (s36, compiled for sm_90 with Triton 3.6). NINFER_NVFP4_MMA_FEW, JSON.
+# (the 27B's N = 5120 linears: 320): with the table's depth mlp_down's 8-warp programs take 94 registers (Triton 3.6,
+# `bench/sass_count.py`; three an SM need at most 80), so an SM holds two and the grid runs in 1.2 waves on an H100.
+# NINFER_NVFP4_MMA_FEW, JSON.
 FEW_PROGRAMS = json.loads(os.environ.get("NINFER_NVFP4_MMA_FEW") or "{}")
-# The same keys for three or four token tiles (17..32 rows: verification at C = 5..8), whose programs take 181-242
-# registers, one 8-warp program an SM. NINFER_NVFP4_MMA_WIDE, JSON.
+# The same keys for three or four token tiles (17..32 rows: verification at C = 5..8), whose mlp_down programs take
+# 98-128 registers (Triton 3.6; 8 bytes spilled at four tiles). NINFER_NVFP4_MMA_WIDE, JSON.
 WIDE_TILES = json.loads(os.environ.get("NINFER_NVFP4_MMA_WIDE") or "{}")
 
 
