@@ -168,7 +168,9 @@ class HostLog:
              "observe_deferred": ("proposer", "observe_deferred"), "collect": ("runner", "collect"),
              "commit": (None, "_commit"), "rollback": ("runner", "rollback"), "update": ("scheduler", "update"),
              "observe": ("proposer", "observe"), "finish": (None, "_finish"), "draft_ahead": ("proposer", "draft_ahead"),
-             "predicted": (None, "_predicted"), "free_samples": (None, "_sample")}
+             "predicted": (None, "_predicted"), "free_samples": (None, "_sample"),
+             # inside `launch` (s38): the verify forward's inputs and replay, its sampler, the hidden rows' copy
+             "verify": ("runner", "verify"), "sample": ("runner", "sample"), "keep_hidden": ("runner", "_keep_hidden")}
 
     def __init__(self, engine, enabled: bool):
         self.seconds: dict[str, float] = {}  # decode-only steps' totals
@@ -180,6 +182,12 @@ class HostLog:
             target = engine if owner is None else getattr(engine, owner)
             if target is not None and hasattr(target, attr):
                 setattr(target, attr, self._timed(name, getattr(target, attr)))
+        import torch
+
+        if enabled and torch.cuda.is_available():  # every CUDA graph replay (verify, sampler, the head's): host time
+            replay = torch.cuda.CUDAGraph.replay
+            timed = self._timed("graph_replay", replay)
+            torch.cuda.CUDAGraph.replay = lambda graph: timed(graph)
 
     def _close_step(self) -> None:
         if self._decode_only:

@@ -72,13 +72,16 @@ from ninfer.kernels.triton_nvfp4 import _F16_UNSCALE, _prefetch_l2, _x_pairs, de
 K_STEP = 64  # codes of every row one warp takes per step: 4 scale blocks, one a lane
 MAX_ROWS = 32  # rows of x a launch takes: four tiles of 8 tokens share each decoded block
 # Launch keys (DEPTH, UNROLL, MAXNREG) for one token tile over few row tiles, a grid of at most three programs an SM
-# (the 27B's N = 5120 linears: 320): with the table's depth mlp_down's 8-warp programs take 94 registers (Triton 3.6,
-# `bench/sass_count.py`; three an SM need at most 80), so an SM holds two and the grid runs in 1.2 waves on an H100.
-# NINFER_NVFP4_MMA_FEW, JSON.
-FEW_PROGRAMS = json.loads(os.environ.get("NINFER_NVFP4_MMA_FEW") or "{}")
+# (the 27B's N = 5120 linears: 320). With the table's depth mlp_down's 8-warp programs take 94 registers (Triton 3.6,
+# `bench/sass_count.py`), so an SM holds two; capped at 80 (no spill) it holds three. On an H200 (s38,
+# bench/results/2026-12-07-h200-s38) that took mlp_down from 25.4 to 22.7 us at 1..8 rows and the 27B's C=1 plain
+# step from 7.73 to 7.59 ms, bit for bit the same. NINFER_NVFP4_MMA_FEW (JSON; "{}": the table's launch).
+FEW_PROGRAMS = json.loads(os.environ.get("NINFER_NVFP4_MMA_FEW") or '{"MAXNREG": 80}')
 # The same keys for three or four token tiles (17..32 rows: verification at C = 5..8), whose mlp_down programs take
-# 98-128 registers (Triton 3.6; 8 bytes spilled at four tiles). NINFER_NVFP4_MMA_WIDE, JSON.
-WIDE_TILES = json.loads(os.environ.get("NINFER_NVFP4_MMA_WIDE") or "{}")
+# 98-128 registers (Triton 3.6; 2 bytes spilled at four tiles). Depth 2 under a cap of 128 spills nothing: on the
+# H200 the five 27B linears at 24 rows 243.9 -> 227.4 us, at 32 rows 284.9 -> 285.3 (s38). NINFER_NVFP4_MMA_WIDE
+# (JSON; "{}": the table's launch).
+WIDE_TILES = json.loads(os.environ.get("NINFER_NVFP4_MMA_WIDE") or '{"DEPTH": 2, "MAXNREG": 128}')
 
 
 def _decode_asm(byte: int = 0) -> str:
