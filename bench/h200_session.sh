@@ -19,7 +19,7 @@
 # over 512 tokens, MTP3 at C=1 over 256), host_c1 (s26: C=1 MTP3 with the loop's parts timed), penalized_c1 (s28:
 # C=1 MTP3 greedy, then with a presence penalty), ahead_c1 / ahead_c8 (s29: e2e_c1_256 / spec_c8_512 without, then
 # with the MTP head drafting ahead; ahead_c1_fp4: with the proposal head in NVFP4 too), host_c8 (s29: C=8 adaptive with the loop's parts timed), fused_gdn (s29: a verify's GDN positions
-# in one launch, A/B), few_ab (s36: the N = 5120 linears' launch, the table's against sweep_mma_down's fastest), sweep_mma_cap (s36: 24 and 32 rows, registers capped), pytest_caps (s36: their CUDA tests), attn_tiles (s37: the decode attention's tiles at short contexts), host_c1_x2 (s38: host_c1 at acceptance 3.0 with NVFP4 heads, twice), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
+# in one launch, A/B), few_ab (s36: the N = 5120 linears' launch, the table's against sweep_mma_down's fastest), sweep_mma_cap (s36: 24 and 32 rows, registers capped), pytest_caps (s36: their CUDA tests), attn_tiles (s37: the decode attention's tiles at short contexts), host_c1_x2 (s38: host_c1 at acceptance 3.0 with NVFP4 heads, twice), host_threads_ab (its runs with the CPU thread pools at one thread, then default), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
 # pytest_s30 (s30: the mma GEMV on weights stored paired), gates_ab / pytest_s31 (s31: the GDN gates computed in the
 # recurrent kernels), gdn_loads_ab (s32: the GDN verify kernels' loads first, against the
 # file AB_OLD_GDN), sweep_mma_pad (s32: the mma GEMV on rows stored apart), read_ceiling (s34: the 27B linears' bytes read without decoding), sweep_mma_tiled / tiled_ab / pytest_tiled (s34: the mma GEMV on tiled weights; the verify and MTP3 at C=1 with them; their CUDA tests), rollback_ab (s33: rollback by copy, then by
@@ -331,6 +331,16 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
         timeout $(( ($(left) - 10) / (3 - run) )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
           --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 \
           --max-tokens 128 --host-breakdown > $out/host_c1_$run.log 2>&1
+      done ;;
+    host_threads_ab)  # next (s38's question): is a round's host time (0.55 or 1.0 ms from one process to the next on the
+      # s38 H200) the CPU thread pools'? host_c1_x2's run with torch's and OpenMP's pools at one thread, then as default
+      for threads in 1 default; do
+        for run in 1 2; do
+          ( [ $threads = 1 ] && export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+            timeout 100 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp --draft-head 32768 \
+              --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 --max-tokens 128 --host-breakdown \
+              > $out/host_threads_${threads}_$run.log 2>&1 )
+        done
       done ;;
     spec_c8)  # 27B NVFP4 MTP speculation at real C = 8 with controlled acceptance (--settle), adaptive then k = 3
       for mode in --adaptive ""; do
