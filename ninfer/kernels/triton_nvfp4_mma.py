@@ -76,12 +76,15 @@ MAX_ROWS = 32  # rows of x a launch takes: four tiles of 8 tokens share each dec
 # `bench/sass_count.py`), so an SM holds two; capped at 80 (no spill) it holds three. On an H200 (s38,
 # bench/results/2026-12-07-h200-s38) that took mlp_down from 25.4 to 22.7 us at 1..8 rows and the 27B's C=1 plain
 # step from 7.73 to 7.59 ms, bit for bit the same. NINFER_NVFP4_MMA_FEW (JSON; "{}": the table's launch).
+# The default applies to paired weights (a speculative engine's, the measured case); the variable to every launch.
 FEW_PROGRAMS = json.loads(os.environ.get("NINFER_NVFP4_MMA_FEW") or '{"MAXNREG": 80}')
+_FEW_ALL = "NINFER_NVFP4_MMA_FEW" in os.environ
 # The same keys for three or four token tiles (17..32 rows: verification at C = 5..8), whose mlp_down programs take
 # 98-128 registers (Triton 3.6; 2 bytes spilled at four tiles). Depth 2 under a cap of 128 spills nothing: on the
 # H200 the five 27B linears at 24 rows 243.9 -> 227.4 us, at 32 rows 284.9 -> 285.3 (s38). NINFER_NVFP4_MMA_WIDE
-# (JSON; "{}": the table's launch).
+# (JSON; "{}": the table's launch). Paired weights only by default, as above.
 WIDE_TILES = json.loads(os.environ.get("NINFER_NVFP4_MMA_WIDE") or '{"DEPTH": 2, "MAXNREG": 128}')
+_WIDE_ALL = "NINFER_NVFP4_MMA_WIDE" in os.environ  # as _FEW_ALL
 
 
 def _decode_asm(byte: int = 0) -> str:
@@ -494,9 +497,9 @@ def gemv_mma(x32, words, sbytes, row_scale, y, m: int, n: int, k: int, *, tiles:
     xt = triton.cdiv(m, 8)
     grid = (triton.cdiv(n, 16 * tiles),)
     keys = {}
-    if FEW_PROGRAMS and xt == 1 and y.is_cuda and grid[0] <= 3 * _sm_count(y.device):
+    if FEW_PROGRAMS and xt == 1 and (paired or _FEW_ALL) and y.is_cuda and grid[0] <= 3 * _sm_count(y.device):
         keys = FEW_PROGRAMS
-    elif xt >= 3:
+    elif xt >= 3 and (paired or _WIDE_ALL):
         keys = WIDE_TILES
     depth, unroll, maxnreg = depth or keys.get("DEPTH"), unroll or keys.get("UNROLL"), maxnreg or keys.get("MAXNREG")
     per_load = 2 if paired else 1
