@@ -538,8 +538,9 @@ def test_native_step_can_be_switched_off(monkeypatch):
 
 def test_served_engine_decodes_on_one_core_fewer_and_prefills_on_all(monkeypatch, tiny_llama_path):
     """The Engine replica leaves a core to the router, proxy and Ray for decode steps from three cores (on two it
-    decodes on both: bench/results/2026-12-05-cpu-s23/http_threads; NINFER_CPU_THREADS overrides), and gives
-    prefill's torch ops every core."""
+    decodes on both: bench/results/2026-12-05-cpu-s23/http_threads) where it does not time its steps; by default it
+    times them on one core fewer and on all (s38) and decodes on the faster; NINFER_CPU_THREADS fixes the count.
+    Prefill's torch ops take every core."""
     import os
 
     from ninfer.config import ServerConfig
@@ -551,15 +552,22 @@ def test_served_engine_decodes_on_one_core_fewer_and_prefills_on_all(monkeypatch
     monkeypatch.setenv("NINFER_CPU_THREADS", "1")
     assert engine_cpu_threads() == 1
     monkeypatch.setattr(cpu_native, "decode_threads", None)
+    monkeypatch.setattr(cpu_native, "thread_chooser", None)
     threads = torch.get_num_threads()
     try:
         engine = load_engine_for(ServerConfig(artifact=str(tiny_llama_path), max_context=64))
         engine.shutdown()
         assert cpu_native.decode_threads == 1 and torch.get_num_threads() == 3
+        assert cpu_native.thread_chooser is None  # NINFER_CPU_THREADS fixes the count
+        monkeypatch.delenv("NINFER_CPU_THREADS")
+        engine = load_engine_for(ServerConfig(artifact=str(tiny_llama_path), max_context=64))
+        engine.shutdown()
+        # unset, the replica times its steps on two threads and on three and keeps the faster (tests/test_cpu_threads.py)
+        assert cpu_native.thread_chooser.candidates == (2, 3)
+        assert cpu_native._threads(100) in (2, 3)
     finally:
         torch.set_num_threads(threads)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.delenv("NINFER_CPU_THREADS")
     assert engine_cpu_threads() == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert engine_cpu_threads() == 1

@@ -19,10 +19,13 @@ import logging
 import os
 import subprocess
 import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from ninfer.kernels.cpu_threads import ThreadChooser
 
 log = logging.getLogger("ninfer.kernels")
 
@@ -162,9 +165,17 @@ decode_threads: int | None = None
 LONG_CONTEXT_TOKENS = 2560
 
 
-def _threads(context: int = 0) -> int:
-    """A step's threads: decode_threads below LONG_CONTEXT_TOKENS of context, else torch's."""
-    if decode_threads and context < LONG_CONTEXT_TOKENS:
+# The served replica's measured choice among thread counts (ninfer.kernels.cpu_threads; ninfer.server.startup sets
+# it unless NINFER_CPU_THREADS fixes the count); it overrides decode_threads and LONG_CONTEXT_TOKENS.
+thread_chooser: ThreadChooser | None = None
+
+
+def _threads(context: int | None = None, batch: int = 1) -> int:
+    """A step's threads: the chooser's for this context and batch (context None: its last step's); without one,
+    decode_threads below LONG_CONTEXT_TOKENS of context, else torch's."""
+    if thread_chooser is not None:
+        return thread_chooser.last if context is None else thread_chooser.pick(context, batch)
+    if decode_threads and (context or 0) < LONG_CONTEXT_TOKENS:
         return decode_threads
     return max(decode_threads or 0, torch.get_num_threads())
 
@@ -221,12 +232,17 @@ class NativeLlamaDecode:
         slots = batch.slot_mapping.contiguous()
         table = batch.page_table.to(torch.int32).contiguous()
         lens = batch.seq_lens.to(torch.int32).contiguous()
-        s.threads = _threads(int(lens.max()))
+        context = int(lens.max())
+        s.threads = _threads(context, b)
         out = torch.empty(b, self.hidden, dtype=torch.bfloat16)
+        if thread_chooser is not None:
+            thread_chooser.started(context, b, s.threads, time.perf_counter())
         rc = self.lib.ninfer_llama_decode(ctypes.byref(s), b, _ptr(x), _ptr(cos), _ptr(sin), _ptr(slots),
                                           _ptr(table), table.stride(0), _ptr(lens), cache.page_size, _ptr(out))
         if rc != 0:
             raise RuntimeError(f"native CPU decode step failed ({rc})")
+        if thread_chooser is not None:
+            thread_chooser.ended(time.perf_counter())
         return out
 
 

@@ -82,7 +82,8 @@ def engine_settings(cfg: ServerConfig) -> EngineSettings:
 
 
 def engine_cpu_threads() -> int:
-    """Threads of a CPU engine's decode steps inside the served graph: NINFER_CPU_THREADS, else one fewer than the
+    """Threads of a CPU engine's decode steps inside the served graph where it does not time them
+    (engine_thread_chooser, the default since s38): NINFER_CPU_THREADS, else one fewer than the
     cores this process may run on from three cores, and every core on one or two. The router, the HTTP proxy and
     Ray's own processes need CPU too, and a decode step's threads work in lockstep: one of them descheduled stalls
     the others (bench/results/2026-12-03-cpu-s14). On two cores, though, one decode thread halves the step's
@@ -92,6 +93,17 @@ def engine_cpu_threads() -> int:
     Prefill, compute-bound and long, takes every core."""
     cores = _cores()
     return int(os.environ.get("NINFER_CPU_THREADS", "0")) or (cores if cores <= 2 else cores - 1)
+
+
+def engine_thread_chooser():
+    """The served CPU engine's decode threads chosen by timing its steps (ninfer.kernels.cpu_threads): between one
+    fewer than its cores and all of them; None where NINFER_CPU_THREADS fixes the count or there is one core."""
+    from ninfer.kernels.cpu_threads import ThreadChooser
+
+    cores = _cores()
+    if os.environ.get("NINFER_CPU_THREADS") or cores < 2:
+        return None
+    return ThreadChooser((cores - 1, cores))
 
 
 def _cores() -> int:
@@ -116,6 +128,10 @@ def load_engine_for(cfg: ServerConfig, *, device_index: int | None = None, threa
 
         torch.set_num_threads(threads or _cores())
         cpu_native.decode_threads = threads or engine_cpu_threads()
+        cpu_native.thread_chooser = None if threads else engine_thread_chooser()
+        if cpu_native.thread_chooser is not None:
+            log.info("CPU decode threads: chosen among %s by timing the steps",
+                     "/".join(map(str, cpu_native.thread_chooser.candidates)))
     log.info("loading %s on %s", cfg.artifact, device)
     started = time.monotonic()
     engine = load_engine(cfg.artifact, engine_settings(cfg), device=device, dtype=cfg.dtype)
