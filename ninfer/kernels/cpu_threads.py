@@ -40,6 +40,8 @@ class _Choice:
 
 
 class ThreadChooser:
+    """Per (context band, batch size): try each candidate count, keep the fastest by step cycle, revisit (above)."""
+
     def __init__(self, candidates: tuple[int, ...], *, trial: int = 8, revisit: int = 512, max_gap: float = 0.02):
         """candidates: thread counts to choose from (e.g. one fewer than the cores, and all of them); trial: steps a
         try takes (their median decides); revisit: steps of the best between two rounds of tries; max_gap: seconds
