@@ -63,14 +63,11 @@ def sweep(device="cuda", contexts=CONTEXTS, rows_list=ROWS, tiles=TILES, cache_s
 
 def _compiled_tiles(kernel) -> list[dict]:
     """Each compiled variant's tile with its registers and spills a thread, as the device's ptxas built them."""
-    from bench.selfcheck_nvfp4 import _compiled
+    from bench.selfcheck_nvfp4 import _compiled, compiled_constants
 
     out = []
     for ck in _compiled(kernel).values():
-        try:  # as selfcheck_nvfp4.kernel_resources reads them; a Triton that keeps them elsewhere gives no tile size
-            consts = {ck.src.fn.arg_names[key[0]]: v for key, v in ck.src.constants.items()}
-        except Exception:
-            consts = {}
+        consts = compiled_constants(ck)
         out.append({"tile": f"{consts.get('BLOCK_N')}/{ck.metadata.num_warps}/{ck.metadata.num_stages}",
                     "split": consts.get("STORE_LSE"), "regs": getattr(ck, "n_regs", None),
                     "spills": getattr(ck, "n_spills", None)})

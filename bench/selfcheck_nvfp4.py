@@ -428,6 +428,14 @@ def _compiled(kernel) -> dict:
         return {}
 
 
+def compiled_constants(ck) -> dict:
+    """A compiled kernel's constexpr arguments by name ({} where this Triton keeps them elsewhere)."""
+    try:
+        return {ck.src.fn.arg_names[key[0]]: v for key, v in ck.src.constants.items()}
+    except Exception:
+        return {}
+
+
 def kernel_resources(kernels) -> list[dict]:
     """Registers and spills a thread of each compiled kernel, with the K (KW words a row) and token tiles (XT) it
     was built for, and how many of its programs one SM holds by registers (s36: the 27B N = 5120 linears launch
@@ -436,10 +444,7 @@ def kernel_resources(kernels) -> list[dict]:
     regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
     out = []
     for ck in kernels:
-        try:
-            consts = {ck.src.fn.arg_names[key[0]]: v for key, v in ck.src.constants.items()}
-        except Exception:
-            consts = {}
+        consts = compiled_constants(ck)
         warps = ck.metadata.num_warps
         regs = getattr(ck, "n_regs", 0) or 0
         by_regs = regs_per_sm // (-(-regs // 8) * 8 * 32 * warps) if regs else None

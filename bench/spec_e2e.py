@@ -185,9 +185,7 @@ class HostLog:
         import torch
 
         if enabled and torch.cuda.is_available():  # every CUDA graph replay (verify, sampler, the head's): host time
-            replay = torch.cuda.CUDAGraph.replay
-            timed = self._timed("graph_replay", replay)
-            torch.cuda.CUDAGraph.replay = lambda graph: timed(graph)
+            torch.cuda.CUDAGraph.replay = self._timed("graph_replay", torch.cuda.CUDAGraph.replay)
 
     def _close_step(self) -> None:
         if self._decode_only:

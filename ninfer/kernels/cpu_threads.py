@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from statistics import median
 
 log = logging.getLogger("ninfer.engine")
@@ -28,15 +28,14 @@ log = logging.getLogger("ninfer.engine")
 
 @dataclass
 class _Choice:
-    """One (context band, batch size)'s state: recent step times per candidate, the candidates still to try (each
-    for `trial` fresh steps), the current best, and steps since the last round of tries."""
+    """One (context band, batch size)'s state: recent step times per candidate (the last `trial`), the candidates still
+    to try (each for `trial` steps timed afresh), the current best, and steps since the last round of tries."""
 
     times: dict[int, deque]
     pending: list[int]
     best: int
     steps: int = 0
     decided: bool = False  # a round of tries has ended (best is measured, not the default)
-    fresh: dict[int, int] = field(default_factory=dict)  # steps timed since a candidate's try began
 
 
 class ThreadChooser:
@@ -94,8 +93,7 @@ class ThreadChooser:
             return
         choice.times[threads].append(seconds)
         if choice.pending and threads == choice.pending[0]:
-            choice.fresh[threads] = choice.fresh.get(threads, 0) + 1
-            if choice.fresh[threads] >= self.trial:
+            if len(choice.times[threads]) >= self.trial:  # a try starts with its times cleared
                 choice.pending.pop(0)
                 if not choice.pending:
                     timed = [c for c in self.candidates if choice.times[c]]
@@ -110,7 +108,6 @@ class ThreadChooser:
             choice.pending = [c for c in self.candidates if c != choice.best]
             for c in choice.pending:
                 choice.times[c].clear()
-                choice.fresh[c] = 0
 
     def snapshot(self) -> dict[str, int]:
         """The measured best per band and batch size, e.g. {"band0_b1": 1} (tests; the log has each decision)."""
