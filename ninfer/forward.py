@@ -60,8 +60,8 @@ class ForwardBatch:
     # last committed token and its drafts, padded up to the width), each with a logit row. Attention runs
     # them as one-query decode rows (`row_seq_lens` [T] int32: the context each row sees, padding
     # clamped to the sequence's last real row); the recurrent layers step position by position, the
-    # state after position j < width-1 going to `verify_slots[:, j]` ([B, width-1] int64) and the last
-    # one to the sequence's own slot, so a rejection restores any accepted position by one slot copy
+    # state after position j going to `verify_slots[:, j]` ([B, width] int64) while the sequence's own
+    # slot is only read, so any accepted position is restored by trading one slot (ModelRunner.rollback)
     verify_width: int = 0
     row_seq_lens: torch.Tensor | None = None
     row_seq_lens_cpu: list[int] | None = None
@@ -165,7 +165,7 @@ class HostInputs:
     num_valid: int | None = None  # a padded one-sequence prefill: its real tokens
     verify_width: int = 0  # a verify batch (verify_inputs): tokens per sequence, padding included
     row_seq_lens: np.ndarray | None = None  # [T] int32, verify batches: the context of each row
-    verify_slots: np.ndarray | None = None  # [B, width-1] int64, verify batches: per-position state slots
+    verify_slots: np.ndarray | None = None  # [B, width] int64, verify batches: per-position state slots
 
     @property
     def page_table(self) -> np.ndarray:
@@ -245,7 +245,8 @@ def verify_inputs(rows: list[list[int]], cached_lens: list[int], page_tables: li
     """A verify batch: sequence i appends rows[i] (its last token and 0..width-1 drafts) at positions
     cached_lens[i].., padded with token 0 up to `width` tokens. Padding writes no KV (slot -1), its
     attention rows see what the last real row sees, and its recurrent steps run into state that is
-    never kept (a row's accepted position is always a real one). verify_slots[i]: width-1 state slots.
+    never kept (a row's accepted position is always a real one). verify_slots[i]: width state slots, the
+    state after each position (the sequence's own slot is only read).
     positions[i]: a [3, width] MRoPE array where given and not None (else text positions)."""
     b = len(rows)
     ids = np.zeros((b, width), dtype=np.int64)
@@ -276,7 +277,7 @@ def verify_inputs(rows: list[list[int]], cached_lens: list[int], page_tables: li
         query_lens=[width] * b,
         verify_width=width,
         row_seq_lens=row_lens.reshape(-1),
-        verify_slots=np.asarray(verify_slots, dtype=np.int64).reshape(b, width - 1),
+        verify_slots=np.asarray(verify_slots, dtype=np.int64).reshape(b, width),
     )
 
 

@@ -127,7 +127,7 @@ class Engine:
         num_slots = settings.state_slots or 2 * settings.max_concurrency
         self.kv_sizing = None
         if settings.kv_capacity == "auto":
-            verify_slots = settings.max_concurrency * drafts  # ModelRunner: per-position verify states
+            verify_slots = settings.max_concurrency * (drafts + 1) if drafts else 0  # ModelRunner: verify states
             self.kv_sizing = auto_kv_capacity(
                 model, page_size=settings.page_size, prefill_chunk=settings.prefill_chunk,
                 num_state_slots=num_slots + verify_slots if spec.num_state_layers else 0,

@@ -167,13 +167,13 @@ class PrefillInputs(StaticInputs):
 class VerifyInputs(StaticInputs):
     """Verify graphs' inputs: b sequences (the first b rows) appending `width` tokens each (the last token
     and its drafts, padded: forward.verify_inputs). int64: input_ids, positions, slot_mapping (max_batch
-    * width each), state slots [max_batch], per-position state slots [max_batch, width-1], logit rows
+    * width each), state slots [max_batch], per-position state slots [max_batch, width], logit rows
     (0..T-1, fixed); int32: sequence lengths [max_batch], row lengths [max_batch * width], page table
     [max_batch, page width]."""
 
     def __init__(self, max_batch: int, width: int, pages: int, device: torch.device):
         tokens = max_batch * width
-        super().__init__(3 * tokens + max_batch * width + tokens, max_batch + tokens + max_batch * pages, device)
+        super().__init__(3 * tokens + max_batch * (width + 1) + tokens, max_batch + tokens + max_batch * pages, device)
         self.max_batch, self.width, self.pages = max_batch, width, pages
         self.qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=device) * width
         h64, _ = self.host()
@@ -183,8 +183,9 @@ class VerifyInputs(StaticInputs):
     def _views64(self, t: torch.Tensor | np.ndarray):
         mb, w = self.max_batch, self.width
         tokens = mb * w
-        return (t[:tokens], t[tokens: 2 * tokens], t[2 * tokens: 3 * tokens], t[3 * tokens: 3 * tokens + mb],
-                t[3 * tokens + mb: 3 * tokens + mb * w].reshape(mb, w - 1), t[3 * tokens + mb * w:])
+        own = 3 * tokens + mb
+        return (t[:tokens], t[tokens: 2 * tokens], t[2 * tokens: 3 * tokens], t[3 * tokens: own],
+                t[own: own + mb * w].reshape(mb, w), t[own + mb * w:])
 
     def _views32(self, t: torch.Tensor | np.ndarray):
         mb, tokens = self.max_batch, self.max_batch * self.width

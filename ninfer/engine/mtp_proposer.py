@@ -351,7 +351,7 @@ class MTPProposer:
             return None
         inputs, h0, d0 = self._verify_static(width, hidden[0])
         inputs.load(verify_inputs(tokens, starts, [s.pages for s in seqs], runner.page_size, [0] * b,
-                                  [[0] * (width - 1)] * b, width))
+                                  [[0] * width] * b, width))
         grid = h0[: b * width].view(b, width, -1)
         for i, h in enumerate(hidden):
             grid[i, : h.shape[0]].copy_(h)
@@ -433,7 +433,7 @@ class MTPProposer:
         drafts = runner.last_verify_ids[:, 1:]
         # the verify's rows (positions, pages); the head reads its tokens from the samples, not these ids
         rows = verify_inputs([[0] * width] * b, starts, [s.pages for s in seqs], runner.page_size, [0] * b,
-                             [[0] * (width - 1)] * b, width)
+                             [[0] * width] * b, width)
         if self._graphable(seqs, positions) and b <= runner.decode_graph_inputs.max_batch:
             result = self._ahead_replay(rows, b, samples, drafts, width)
         elif runner.device.type == "cpu":  # the same computation, eagerly (CPU tests and the embedded model)

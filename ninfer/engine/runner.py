@@ -153,9 +153,11 @@ class ModelRunner:
                  cache_spec: CacheSpec | None = None, exact_verify: bool = True,
                  feature_layers: tuple[int, ...] = ()):
         """draft_tokens: the most drafts a decode row may carry (speculative decoding; 0: none). Hybrid
-        models then get draft_tokens state slots per lane after the live slots: a verify forward keeps
-        the recurrent state of each verified position there (ForwardBatch.verify_slots), and `rollback`
-        makes the accepted one the sequence's state slot (it trades slots with the lane). Verify forwards
+        models then get draft_tokens + 1 state slots per lane after the live slots: a verify forward keeps
+        the recurrent state after each verified position there (ForwardBatch.verify_slots) and only reads the
+        sequence's own slot, and `rollback` makes the accepted one the sequence's state slot (it trades slots
+        with the lane). Leaving the own slot untouched is what lets the engine queue the next round's verify
+        before this one is read back: a row that turns out finished keeps its state (Engine, overlapped rounds). Verify forwards
         of every batch size replay CUDA graphs of width draft_tokens + 1 (shorter rows padded).
         cache_spec: the cache to allocate (default the model's; a drafter may ride in it as extra layers).
         exact_verify: verified positions round exactly as plain decode steps (`verify`).
@@ -175,9 +177,10 @@ class ModelRunner:
             model.capture_layers = self.feature_layers
         # the state of lane l after verified position j goes to lane_slots[l][j]: at first the rows after the
         # live slots, then whichever rows rollback traded for them
-        verify_slots = num_lanes * draft_tokens if num_state_slots else 0
-        first = [num_state_slots + lane * draft_tokens for lane in range(num_lanes if verify_slots else 0)]
-        self.lane_slots = [list(range(f, f + draft_tokens)) for f in first]
+        per_lane = draft_tokens + 1 if draft_tokens else 0
+        verify_slots = num_lanes * per_lane if num_state_slots else 0
+        first = [num_state_slots + lane * per_lane for lane in range(num_lanes if verify_slots else 0)]
+        self.lane_slots = [list(range(f, f + per_lane)) for f in first]
         self.copy_rollback = os.environ.get(ROLLBACK_COPY_ENV) == "1"
         self.cache = ModelCache(cache_spec or model.cache_spec(), num_pages, page_size, num_state_slots + verify_slots,
                                 dtype, self.device, kv_dtype=kv_dtype)
@@ -658,8 +661,8 @@ class ModelRunner:
     def _verify_slots(self, lane: int | None, width: int) -> list[int]:
         """The lane's per-position state slots of a verify forward (see __init__)."""
         if not self.cache.conv.shape[0]:
-            return [0] * (width - 1)
-        return self.lane_slots[lane or 0][: width - 1]
+            return [0] * width
+        return self.lane_slots[lane or 0][:width]
 
     def collect(self, plan: StepPlan, launched: list[torch.Tensor]) -> RunnerOutput:
         """Read the sampled ids back, and the drafts the verify took on the device: the one host
@@ -695,8 +698,7 @@ class ModelRunner:
     @torch.inference_mode()
     def rollback(self, works, committed: list[int], width: int | None = None) -> list[tuple[int, int]]:
         """After a verify forward of `width` tokens per row: a row that committed c tokens needs the recurrent
-        state after its position c-1, which the forward left in the lane's verify slot c-1 (the last position's
-        in the sequence's own slot). The two trade places: the verify slot becomes the sequence's state slot
+        state after its position c-1, which the forward left in the lane's verify slot c-1. The two trade places: the verify slot becomes the sequence's state slot
         and its old slot the lane's verify slot c-1, so no state moves (a copy would read and write a row's
         151 MB of 27B state). Returns the trades (old slot, new slot), which the slot pool must follow
         (SlotPool.exchange). Attention KV needs nothing: slots past the frontier are rewritten before anything
@@ -706,7 +708,7 @@ class ModelRunner:
         width = width or self.last_verify_width
         # every row of the forward, drafts or not: a shorter row was padded up to the width
         redo = [(w.seq, c) for w, c in zip(works, committed)
-                if width > 1 and 0 < c < width and w.seq.state_slot is not None]
+                if width > 1 and 0 < c <= width and w.seq.state_slot is not None]
         trades = []
         for seq, c in redo:
             lane = self.lane_slots[seq.lane or 0]

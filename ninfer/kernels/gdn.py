@@ -139,14 +139,13 @@ class GDNMetadata:
 
 
 def _verify_steps(batch: ForwardBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Position j reads the state position j-1 left (the sequence's own slot for j = 0) and writes it to
-    verify_slots[:, j]; the last position writes the sequence's own slot, which thus ends where a
-    fully accepted row needs it."""
-    # [width-1, B], each position's slots contiguous: the kernels read slot n at SLOT + n
+    """Position j reads the state position j-1 left (the sequence's own slot for j = 0) and writes its own to
+    verify_slots[:, j]: the sequence's slot is only read (ModelRunner.rollback trades in the accepted one)."""
+    # [width, B], each position's slots contiguous: the kernels read slot n at SLOT + n
     own, scratch = batch.state_slots.long(), batch.verify_slots.long().t().contiguous()
     width = batch.verify_width
     ins = [own] + [scratch[j] for j in range(width - 1)]
-    outs = [scratch[j] for j in range(width - 1)] + [own]
+    outs = [scratch[j] for j in range(width)]
     return list(zip(ins, outs))
 
 
