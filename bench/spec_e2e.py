@@ -82,6 +82,7 @@ class OracleAfterMTP:
     def __init__(self, mtp, oracle, free_samples: bool = True):
         self.mtp, self.oracle, self.free_samples = mtp, oracle, free_samples
         self.wants_prefill_hidden = True
+        oracle.patch_ahead(mtp)  # rounds the engine queues before the last read back verify the oracle's drafts too
 
     def cache_spec(self, spec):
         return self.mtp.cache_spec(spec)
@@ -99,9 +100,12 @@ class OracleAfterMTP:
     def observe_deferred(self):
         self.mtp.observe_deferred()
 
-    def draft_ahead(self, plan, samples):
+    def draft_ahead(self, plan, samples, rows=None):
         if self.oracle.continuations:
-            self.mtp.draft_ahead(plan, samples)
+            self.mtp.draft_ahead(plan, samples, rows)
+
+    def ahead_drafts(self, plan):
+        return self.mtp.ahead_drafts(plan) if self.oracle.continuations else None
 
     def propose(self, works, budgets):
         if self.oracle.continuations:
@@ -142,10 +146,10 @@ class StepLog:
             finally:
                 record[name] = record.get(name, 0.0) + time.perf_counter() - start
 
-        def traced(plan):
+        def traced(plan, launched=None):
             if self.steps:
                 self.steps[-1]["decode"] = bool(plan.decode) and plan.prefill is None and not plan.before
-            return step(plan)
+            return step(plan, launched)
 
         work.phase, engine._step = phase, traced
 
@@ -160,11 +164,12 @@ class HostLog:
     """--host-breakdown: the engine loop's parts (scheduling, the proposer's halves, launch, the device wait, commit,
     rollback, ...), each wrapped in a timer, as microseconds per decode-only step: where a round's host time goes.
     Parts nest (`propose` and `launch` run inside the step; `observe_deferred` also inside `propose`), so they do
-    not add up to the round. A step runs from one `schedule` call to the next; steps whose plan holds a prefill
-    chunk are left out (s27: counted in, the prompt's eager prefill and its MTP observe put ~3.4 ms of launch
+    not add up to the round. A step runs from one `_step` call to the next (a round queued during the step before
+    is not scheduled: s39); steps whose plan holds a prefill chunk are left out (s27: counted in, the prompt's eager prefill and its MTP observe put ~3.4 ms of launch
     and ~0.3 ms of observe into every decode step's share)."""
 
-    PARTS = {"schedule": ("scheduler", "schedule"), "propose": (None, "_propose"), "launch": ("runner", "launch"),
+    PARTS = {"step": (None, "_step"), "queue_next": (None, "_queue_next_round"),
+             "launch_next": ("runner", "launch_next_round"), "schedule": ("scheduler", "schedule"), "propose": (None, "_propose"), "launch": ("runner", "launch"),
              "observe_deferred": ("proposer", "observe_deferred"), "collect": ("runner", "collect"),
              "commit": (None, "_commit"), "rollback": ("runner", "rollback"), "update": ("scheduler", "update"),
              "observe": ("proposer", "observe"), "finish": (None, "_finish"), "draft_ahead": ("proposer", "draft_ahead"),
@@ -196,16 +201,15 @@ class HostLog:
 
     def _timed(self, name: str, fn):
         def timed(*args, **kwargs):
-            if name == "schedule":
+            if name == "step":
                 self._close_step()
+                plan = args[0]
+                self._decode_only = plan.prefill is None and bool(plan.decode)
             start = time.perf_counter()
             try:
-                result = fn(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
                 self._step[name] = self._step.get(name, 0.0) + time.perf_counter() - start
-            if name == "schedule":
-                self._decode_only = result is not None and result.prefill is None and bool(result.decode)
-            return result
         return timed
 
     def take(self) -> dict:
@@ -463,6 +467,7 @@ def main() -> None:
                                                           "spec_accepted_tokens", "decode_steps")}
         work_before, log_before = engine.work.snapshot(), len(steplog.steps)
         ahead_before = mtp.ahead_rounds if mtp is not None else 0
+        queued_before = engine.queued_rounds
         hostlog.take()  # what ran before (another run's tail) is not this run's
         events = [queue.SimpleQueue() for _ in range(c)]
         for i in range(c):
@@ -486,6 +491,7 @@ def main() -> None:
         counts["round_ms"] = steplog.round_ms(log_before)
         if mtp is not None:  # rows whose drafts the head queued behind the verify (MTPProposer.draft_ahead)
             counts["ahead_rows"] = mtp.ahead_rounds - ahead_before
+            counts["queued_rounds"] = engine.queued_rounds - queued_before  # queued before the last read back
         if hostlog.enabled:
             counts["host_us"] = hostlog.take()
         if choices.enabled:
@@ -495,7 +501,7 @@ def main() -> None:
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
          exact_verify=settings.exact_verify, with_mtp=args.with_mtp, draft_head=args.draft_head,
          nvfp4_mtp=args.nvfp4_mtp, nvfp4_draft_head=args.nvfp4_draft_head, nvfp4_lm_head=args.nvfp4_lm_head,
-         adaptive=args.adaptive, reference=args.reference,
+         adaptive=args.adaptive, reference=args.reference, overlap_rounds=engine.overlap,
          free_samples=args.with_mtp and args.adaptive and not args.no_free_samples,
          graph_status=engine.runner.graph_status, nvfp4_gemv=engine.runner.nvfp4_status,
          **({"mtp_graphs": len(engine.proposer.mtp._graphs), "mtp_capture_s": round(engine.proposer.mtp.capture_seconds, 3),

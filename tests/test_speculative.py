@@ -296,7 +296,10 @@ def _proposed(work) -> list[int]:
 
 def _run_recording_drafts(engine, oracle):
     """Run _requests(); every round the engine's drafter proposes (recorded: the sequence so far, its drafts,
-    the budget), then the oracle's drafts replace its own for verification. (events, counters, records)"""
+    the budget), then the oracle's drafts replace its own for verification. (events, counters, records)
+    Rounds queued before the last read back take the head's drafts on the device, unrecorded: they are off here
+    (tests/test_overlapped_rounds.py covers them)."""
+    engine.overlap = False
     seen = []
     propose = engine.proposer.propose
 
@@ -1242,6 +1245,8 @@ def test_a_multi_turn_workload_decodes_as_without_drafts(tiny_qwen_path, tiny_qw
         oracle.propose(works, budgets)
 
     engine.proposer.propose = recording
+    if spec == "mtp":  # rounds queued before the read back verify the oracle's drafts too
+        oracle.patch_ahead(engine.proposer)
     reused = stopped = budgeted = 0
     try:
         for wave, request, g, w in _run_workload(engine, plain, oracle, seed):
@@ -1260,6 +1265,7 @@ def test_a_multi_turn_workload_decodes_as_without_drafts(tiny_qwen_path, tiny_qw
     assert c.spec_rounds > 0 and (adaptive or c.spec_accepted_tokens > c.spec_rounds // 2)  # adaptive: its choice
     if spec == "mtp" and not adaptive:  # rows whose drafts the head queued behind the verify (draft_ahead); the
         assert engine.proposer.ahead_rounds > 0  # adaptive engine's widths vary by step, and its small pool is tight
+        assert engine.queued_rounds > 0  # and rounds queued before the last read back (Engine._queue_next_round)
     if kv_capacity > 256:
         assert reused >= 4
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import random
 import threading
@@ -24,14 +25,15 @@ from ninfer.engine.emitter import loop_emitter
 from ninfer.engine.kv_manager import KVManager
 from ninfer.engine.kv_pool import PagePool, SlotPool
 from ninfer.engine.kv_sizing import auto_kv_capacity
+from ninfer.engine.next_round import host_committed_count
 from ninfer.engine.output_control import OutputController
 from ninfer.engine.output_processor import OutputProcessor
-from ninfer.engine.plan import RunnerOutput, StepPlan
-from ninfer.engine.runner import ModelRunner
+from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
+from ninfer.engine.runner import Launch, ModelRunner
 from ninfer.engine.scheduler import Scheduler
 from ninfer.engine.sequence import Sequence, Status
 from ninfer.engine.spec_control import DraftController
-from ninfer.engine.speculative import Proposer, accepted_prefix
+from ninfer.engine.speculative import Proposer, accepted_prefix, speculates
 from ninfer.engine.types import (
     ContextLengthExceededError,
     EngineRequest,
@@ -50,6 +52,7 @@ from ninfer.engine.types import (
 )
 
 log = logging.getLogger("ninfer.engine")
+OVERLAP_ENV = "NINFER_OVERLAP_ROUNDS"  # "0": never queue a verify round before the last one is read back (A/B)
 
 GENERIC_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0}
@@ -84,6 +87,9 @@ class EngineSettings:
     # per step, draft only as many tokens as pay for their verification (ninfer.engine.spec_control); the
     # server turns it on; off, every decode row drafts up to draft_tokens
     adaptive_drafts: bool = False
+    # queue a verify round before the one before it is read back, from inputs derived on the device (the MTP head
+    # drafting ahead; Engine._queue_next_round); NINFER_OVERLAP_ROUNDS=0 turns it off too
+    overlap_rounds: bool = True
     vision: bool = False  # --vision: the artifact's vision tower is loaded and requests may carry media
 
 
@@ -153,6 +159,12 @@ class Engine:
         if hasattr(self.proposer, "bind"):
             self.proposer.bind(self.runner)
         self.hybrid = slots is not None
+        self.overlap = bool(settings.overlap_rounds and os.environ.get(OVERLAP_ENV, "1") != "0"
+                            and hasattr(self.proposer, "ahead_drafts"))
+        self._queued: tuple[StepPlan, Launch] | None = None  # the next round, queued before this one's read back
+        self._decided: tuple[tuple[str, ...], int] | None = None  # the draft controller's call made while queueing
+        self.queued_rounds = 0  # rounds queued before the last one was read back
+        self.dropped_rows = 0  # rows of such rounds not committed (the request ended, or a commit fell short)
         model_cache = self.runner.cache
         # host bytes for pause snapshots: --host-context-mib, else 8 GiB plus 8 state images
         host_budget = settings.host_context_bytes
@@ -367,7 +379,8 @@ class Engine:
                 with self.work.phase("engine_boundary"):
                     self._drain_inbox()
                     self._expire_waiting()
-                    plan = self.scheduler.schedule()
+                    queued, self._queued = self._queued, None
+                    plan = queued[0] if queued is not None else self.scheduler.schedule()
                     if self.proposer is not None:  # drafters read the target's hidden states
                         plan.want_hidden = True
                         plan.want_prefill_hidden = getattr(self.proposer, "wants_prefill_hidden", False)
@@ -378,7 +391,8 @@ class Engine:
                         self._finish(seq, FinishReason.CONTEXT)
                 worked = not plan.empty
                 if plan.prefill is not None or plan.decode or plan.before or plan.after:
-                    self.work.run_step("decode" if plan.decode else "prefill", lambda plan=plan: self._step(plan))
+                    self.work.run_step("decode" if plan.decode else "prefill",
+                                       lambda plan=plan, queued=queued: self._step(plan, queued and queued[1]))
                     if self.drafts_control is not None and plan.decode and plan.prefill is None:
                         width = max(len(w.tokens) for w in plan.decode)
                         self.drafts_control.step_time(len(plan.decode), width, time.perf_counter() - started)
@@ -390,27 +404,33 @@ class Engine:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
 
-    def _step(self, plan: StepPlan) -> bool:
-        """Copies, forwards, commits and the scheduler's update for one plan."""
+    def _step(self, plan: StepPlan, launched: Launch | None = None) -> bool:
+        """Copies, forwards, commits and the scheduler's update for one plan (launched: already queued, by
+        `_queue_next_round` during the step before)."""
+        predicted = []
         with self.work.phase("program_submit"):
-            self.context.run(plan.before)
-            # drafts after the copies and restores: a drafter reads its context from the pages they fill
-            self._propose(plan)
-            launched = self.runner.launch(plan)
-            if hasattr(self.proposer, "draft_ahead") and plan.decode and launched:  # next round's drafts, queued now
-                self.proposer.draft_ahead(plan, launched[-1])
-            if hasattr(self.proposer, "observe_deferred"):  # the last plain step's observe, under this forward
-                self.proposer.observe_deferred()
-            predicted = self._predicted(plan)
-            self.context.run(plan.after)
+            if launched is None:
+                self.context.run(plan.before)
+                # drafts after the copies and restores: a drafter reads its context from the pages they fill
+                self._propose(plan)
+                launched = self.runner.launch(plan)
+                if hasattr(self.proposer, "draft_ahead") and plan.decode and launched.tokens:  # next round's drafts
+                    self.proposer.draft_ahead(plan, launched.tokens[-1])
+                if hasattr(self.proposer, "observe_deferred"):  # the last plain step's observe, under this forward
+                    self.proposer.observe_deferred()
+                predicted = self._predicted(plan)
+                self.context.run(plan.after)
+            queued = self._queue_next_round(plan, launched) if self.overlap else None
         with self.work.phase("device_wait"):
             output = self.runner.collect(plan, launched)
         with self.work.phase("engine_commit_output"):
             finished, committed = self._commit(plan, output)
             if predicted:
                 self._sample(predicted, plan, output)
-            if any(w.draft_ids for w in plan.decode):  # finished rows too: a retained endpoint keeps the state slot
-                trades = self.runner.rollback(plan.decode, [committed[id(w.seq)] for w in plan.decode])
+            live = [w for w in plan.decode if id(w.seq) in committed]  # a queued round's ended rows are not
+            if any(w.draft_ids for w in live):  # finished rows too: a retained endpoint keeps the state slot
+                width = max(len(w.tokens) for w in plan.decode)
+                trades = self.runner.rollback(live, [committed[id(w.seq)] for w in live], width)
                 for held, verify_slot in trades:  # the accepted states' slots are the pool's now
                     self.scheduler.slots.exchange(held, verify_slot)
             self.scheduler.update(plan, output, committed)
@@ -420,18 +440,121 @@ class Engine:
             if counted:
                 lanes, ids = zip(*counted)
                 self.runner.count_tokens(list(lanes), list(ids))
-            for seq, reason in finished:
-                self._finish(seq, reason)
+            as_queued = self._as_queued(plan, output, committed) if queued is not None else {}
+            for seq, reason in finished:  # a state the queued round may have overwritten is not retained
+                self._finish(seq, reason, keep_state=as_queued.get(id(seq), True))
+            if queued is not None:
+                self._adopt_queued(*queued, as_queued)
         return True
+
+    # ---- overlapped rounds: the next verify queued before this one is read back ------------------------
+    def _queue_next_round(self, plan: StepPlan, launched: Launch) -> tuple[StepPlan, Launch] | None:
+        """Queue the next verify round of this plan's rows now, behind this one, when it is sure to be that round:
+        a decode-only plan of full-width rows whose next drafts the MTP head queued behind it (draft_ahead), none of
+        them penalised (penalty counts are the host's), inside a thinking budget's end, within 2 rounds of its
+        max_tokens or context, or carrying MRoPE positions, nothing waiting that could be admitted, and pages free
+        for both rounds. Its inputs come from this round's on the device (ModelRunner.launch_next_round); the host
+        catches up one round behind. A row whose commit turns out other than the device assumed (a stop string, the
+        request cancelled or finished) is not committed from it (`_adopt_queued`). Each round's device work then
+        follows the last without waiting for the host's commit, its launches and the read back between them (on the
+        H200 at C=1, 0.3-1.3 ms of a ~9 ms MTP3 round, s38)."""
+        runner, k = self.runner, self.runner.draft_tokens
+        width = k + 1
+        works = plan.decode
+        if (plan.prefill is not None or plan.before or plan.after or not works or launched.verify is None
+                or not hasattr(self.proposer, "ahead_drafts")
+                or not self._inbox.empty() or self._queue_waits() or any(len(w.tokens) != width for w in works)):
+            return None
+        drafts = self.proposer.ahead_drafts(plan)
+        if drafts is None or any(not self._may_queue(w.seq, 2 * width) for w in works):
+            return None
+        if self.drafts_control is not None:  # the controller's call for the next step, made now (and kept if no)
+            ids = tuple(w.seq.request_id for w in works)
+            n = self.drafts_control.drafts(len(works), list(ids))
+            if n < k:
+                self._decided = (ids, n)
+                return None
+        # pages for this round, the next one and its drafts ahead: positions up to start + 2 * width + k - 2
+        reach = [w.start + 2 * width + k - 1 for w in works]
+        grow = [(w.seq, upto) for w, upto in zip(works, reach) if self.kv.pages_for(upto) > len(w.seq.pages)]
+        need = sum(self.kv.pages_for(upto) - len(s.pages) for s, upto in grow)
+        rows = launched.verify[0]
+        if need + len(self.scheduler.resident) > self.kv.pages.free_pages or any(
+                self.kv.pages_for(upto) > rows.pages for upto in reach):
+            return None
+        for seq, upto in grow:
+            self.kv.grow(seq, upto)
+        queued = StepPlan(decode=[SeqWork(w.seq, w.start, [w.tokens[0]], decode=True, draft_budget=k) for w in works],
+                          want_hidden=True)
+        stops = [sorted(w.seq.controller.eos_ids) for w in works]
+        wide = max(map(len, stops))
+        stop_ids = runner._tensor([s + [-1] * (wide - len(s)) for s in stops], torch.long)
+        nxt = runner.launch_next_round(queued, launched, drafts, stop_ids,
+                                       [w.seq.pages for w in works] if grow else None)
+        self.proposer.draft_ahead(queued, nxt.tokens[-1], rows=rows)
+        self.queued_rounds += 1
+        return queued, nxt
+
+    def _queue_waits(self) -> bool:
+        """Whether the scheduler has someone to bind or restore (it plans only between unqueued rounds)."""
+        s = self.scheduler
+        return bool(s.paused or (s.waiting and s._free_lanes))
+
+    def _may_queue(self, seq: Sequence, tokens: int) -> bool:
+        """Whether the next `tokens` committed tokens can end seq's rows only as the device counts them (a stop
+        token, or the last of its max_tokens or context) and draw them as the device does."""
+        if (seq.status is not Status.DECODE or seq.sampling.penalized or seq.forced or seq.mrope is not None
+                or not speculates(seq)):
+            return False
+        room = seq.max_tokens - len(seq.output_ids)
+        if self.settings.max_context is not None:
+            room = min(room, self.settings.max_context - seq.total_len)
+        control = seq.controller
+        budget_near = (control.budget is not None and control.thinking_open and not control.budget_applied
+                       and control.model_reasoning_tokens + tokens >= control.budget)
+        return room >= tokens and not budget_near
+
+    def _as_queued(self, plan: StepPlan, output: RunnerOutput, committed: dict) -> dict[int, bool]:
+        """Per decode row of a round that had the next one queued behind it: whether the host committed what the
+        device assumed when it queued that round (next_round.committed_counts: the accepted run, cut at a stop token,
+        every token as sampled). Where not, the queued round's states overwrote the one the commit ends at."""
+        offset = len(plan.works) - len(plan.decode)
+        agreed = {}
+        for i, work in enumerate(plan.decode):
+            seq, c = work.seq, committed.get(id(work.seq), 0)
+            sampled = output.sampled[offset + i]
+            expected = host_committed_count(work.draft_ids, sampled, seq.controller.eos_ids)
+            agreed[id(seq)] = c == expected and seq.output_ids[len(seq.output_ids) - c:] == sampled[:c]
+        return agreed
+
+    def _adopt_queued(self, queued: StepPlan, launched: Launch, agreed: dict[int, bool]) -> None:
+        """Make the queued round the next step: each row that goes on as the device assumed gets its start and
+        input token (the host's commit of this step); other rows are left out of its commit. A request that goes
+        on from a state the queued round overwrote (never expected: `_may_queue` rules out what could cause it) is
+        paused to be rebuilt by replay."""
+        for work in queued.decode:
+            seq = work.seq
+            if seq.status is Status.DECODE and agreed.get(id(seq), False):
+                work.start = seq.num_computed
+                work.tokens = [seq.output_ids[-1]] + work.tokens[1:]
+                continue
+            if seq.status is Status.DECODE:
+                log.error("request %s: its commit differs from the round queued after it; rebuilding by replay",
+                          seq.request_id)
+                self.scheduler.pause(seq, StepPlan(), snapshot=False)
+        self._queued = (queued, launched)
 
     def _propose(self, plan: StepPlan) -> None:
         """Ask the proposer for the drafts the plan's decode rows have room for."""
         works = [w for w in plan.decode if w.draft_budget > 0]
+        decided, self._decided = self._decided, None
         if self.proposer is None or not works:
             return
         budgets = [w.draft_budget for w in works]
         if self.drafts_control is not None:  # as many drafts as pay for their verification (may be none)
-            k = self.drafts_control.drafts(len(plan.decode), [w.seq.request_id for w in works])
+            ids = [w.seq.request_id for w in works]
+            k = (decided[1] if decided is not None and decided[0] == tuple(ids) and len(works) == len(plan.decode)
+                 else self.drafts_control.drafts(len(plan.decode), ids))
             if k == 0:
                 return
             budgets = [min(b, k) for b in budgets]
@@ -481,6 +604,9 @@ class Engine:
         if plan.decode:
             self.counters.decode_steps += 1
         for work, sampled in zip(plan.decode, output.sampled[len(plan.works) - len(plan.decode):]):
+            if work.seq.status is not Status.DECODE:  # a queued round's row whose request ended before it (Engine._step)
+                self.dropped_rows += 1
+                continue
             row = sampled
             if work.draft_ids:  # the drafts the target confirms, then its own token after them
                 accepted = accepted_prefix(work.draft_ids, sampled)
@@ -562,14 +688,16 @@ class Engine:
             elapsed = (time.monotonic() - seq.t_admit) * 1000.0
             seq.emit(ProgressEvent(seq.prompt_len, seq.cached_tokens, min(computed, seq.prompt_len), elapsed))
 
-    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, keep_state: bool = True) -> None:
+        """End a request; its context goes to the prefix cache unless cancelled or failed, or (keep_state False, on
+        a hybrid model) its recurrent state is no longer the one at its end."""
+        retain = reason not in (FinishReason.CANCELLED, FinishReason.ERROR) and (keep_state or not self.hybrid)
         if hasattr(self.proposer, "forget"):
-            retained = reason not in (FinishReason.CANCELLED, FinishReason.ERROR) and self.kv.retains_endpoint(seq)
-            self.proposer.forget(seq, retained=retained)
+            self.proposer.forget(seq, retained=retain and self.kv.retains_endpoint(seq))
         if self.drafts_control is not None:
             self.drafts_control.forget(seq.request_id)
         self.output.flush_tail(seq, reason)
-        self.scheduler.finish(seq, retain=reason not in (FinishReason.CANCELLED, FinishReason.ERROR))
+        self.scheduler.finish(seq, retain=retain)
         if seq.preemptions:
             self._recovering.discard(seq.request_id)
             self._scheduling_event(seq, "terminal", None)

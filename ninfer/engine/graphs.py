@@ -217,6 +217,13 @@ class VerifyInputs(StaticInputs):
             table[i, : len(pages)] = pages
         self.upload()
 
+    def load_pages(self, page_tables: list[list[int]], upload) -> None:
+        """Rewrite the first rows' page tables on the device alone (queued copies, no host image): pages that
+        sequences gained after their rows were loaded. upload(values, dtype): a device tensor of the values."""
+        _, _, table = self._views32(self.i32)
+        for i, pages in enumerate(page_tables):
+            table[i, : len(pages)].copy_(upload(pages, torch.int32))
+
     def batch(self, b: int) -> ForwardBatch:
         w = self.width
         ids, pos, slots, own, scratch, logit_rows = self._views64(self.i64)

@@ -120,7 +120,7 @@ class MTPProposer:
         self._frontier: dict[str, _Frontier] = {}
         self._pending: dict[str, list[_Pending]] = {}  # request id -> contiguous unobserved decode rows
         self._deferred: tuple | None = None  # a plain step's (plan, output, committed), observed after the next launch
-        self._ahead: _Ahead | None = None  # the last verify step's drafts ahead (draft_ahead), until it is observed
+        self._aheads: list[_Ahead] = []  # drafts ahead of the verify steps in flight (draft_ahead), until observed
         self._ready_ahead: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> (table, row): next round's drafts
         self._ahead_statics: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by verify width: its samples, drafts
         self._ahead_out: tuple[torch.Tensor, torch.Tensor] | None = None  # _ahead_outputs
@@ -207,9 +207,10 @@ class MTPProposer:
         next step's forward is launched, so its host work runs while the device computes (s25, H100, C=8: with the
         controller's cheaper sums, a speculative engine's decode-only step went from 11.65 to 11.20 ms, against 10.91
         without speculation)."""
-        ahead, self._ahead = self._ahead, None
+        ahead = next((a for a in self._aheads if a.plan is plan), None)
+        self._aheads = [a for a in self._aheads if a.plan is not plan]  # a round queued after it stays
         self._ready_ahead = {}
-        if ahead is not None and ahead.plan is plan:
+        if ahead is not None:
             committed = self._take_ahead(ahead, plan, output, committed)
         self.observe_deferred()  # a step deferred before comes first: its rows precede this one's
         if plan.prefill is None and not any(w.draft_ids for w in plan.decode):
@@ -408,8 +409,12 @@ class MTPProposer:
         return entry[1], drafts
 
     # ---- drafting ahead: the next round's drafts queued behind a verify forward ---------------------
+    def ahead_drafts(self, plan: StepPlan) -> torch.Tensor | None:
+        """The next round's drafts [b, k] that draft_ahead queued behind `plan`'s verify (on the device), if it did."""
+        return next((a.table for a in self._aheads if a.plan is plan), None)
+
     @torch.inference_mode()
-    def draft_ahead(self, plan: StepPlan, samples: torch.Tensor) -> None:
+    def draft_ahead(self, plan: StepPlan, samples: torch.Tensor, rows: VerifyInputs | None = None) -> None:
         """Right after a verify forward is launched (every decode row drafted, all of one width w, text rows with
         pages for the chain): queue on the device, behind it, what `observe` and the next `propose` would run once
         its tokens are back: the head over all w rows of each sequence (row j paired with the target's token there,
@@ -419,30 +424,40 @@ class MTPProposer:
         back and the next verify (s28, H100, C=1 MTP3: ~1.1 ms of host a round the device waited through).
         Rows where the accepted count is not the commit (a stop, max_tokens, a thinking budget) are observed as
         before. Head rows past the accepted one write KV at positions the next round rewrites before any head
-        step reads them, as the chain's rejected drafts always did."""
-        self._ahead = None
+        step reads them, as the chain's rejected drafts always did.
+        rows: the verify's static rows on the device, for a round the engine queued before the last one was read back
+        (its positions are known there only; the engine reserved the pages its chain writes)."""
         works, runner = plan.decode, self.runner
         if not self.drafts_ahead or plan.prefill is not None or not works or not all(w.draft_ids for w in works):
             return
         width, k, b = len(works[0].tokens), runner.draft_tokens, len(works)
-        seqs, starts = [w.seq for w in works], [w.start for w in works]
-        positions = [s.positions(p, p + 1) for s, p in zip(seqs, starts)]
-        if (any(len(w.tokens) != width for w in works) or any(p is not None for p in positions)
-                or any(len(s.pages) * runner.page_size < p + width + k - 1 for s, p in zip(seqs, starts))):
-            return  # ragged widths, MRoPE rows, or the chain would write past a row's pages
+        seqs = [w.seq for w in works]
+        if rows is None:
+            starts = [w.start for w in works]
+            positions = [s.positions(p, p + 1) for s, p in zip(seqs, starts)]
+            if (any(len(w.tokens) != width for w in works) or any(p is not None for p in positions)
+                    or any(len(s.pages) * runner.page_size < p + width + k - 1 for s, p in zip(seqs, starts))):
+                return  # ragged widths, MRoPE rows, or the chain would write past a row's pages
+            # the verify's rows (positions, pages); the head reads its tokens from the samples, not these ids
+            rows = verify_inputs([[0] * width] * b, starts, [s.pages for s in seqs], runner.page_size, [0] * b,
+                                 [[0] * width] * b, width)
+        else:
+            positions = [None] * b
         drafts = runner.last_verify_ids[:, 1:]
-        # the verify's rows (positions, pages); the head reads its tokens from the samples, not these ids
-        rows = verify_inputs([[0] * width] * b, starts, [s.pages for s in seqs], runner.page_size, [0] * b,
-                             [[0] * width] * b, width)
         if self._graphable(seqs, positions) and b <= runner.decode_graph_inputs.max_batch:
             result = self._ahead_replay(rows, b, samples, drafts, width)
         elif runner.device.type == "cpu":  # the same computation, eagerly (CPU tests and the embedded model)
-            result = self._ahead_forward(ForwardBatch.for_verify(rows), b, width, samples.reshape(-1).long(),
-                                         runner.last_hidden[: b * width], drafts)
+            if isinstance(rows, VerifyInputs):
+                batch = rows.batch(b)
+                batch.seq_lens_cpu, batch.row_seq_lens_cpu = batch.seq_lens.tolist(), batch.row_seq_lens.tolist()
+            else:
+                batch = ForwardBatch.for_verify(rows)
+            result = self._ahead_forward(batch, b, width, samples.reshape(-1).long(), runner.last_hidden[: b * width],
+                                         drafts)
         else:
             return
         if result is not None:
-            self._ahead = _Ahead(plan, *result)
+            self._aheads = [a for a in self._aheads[-1:] if a.plan is not plan] + [_Ahead(plan, *result)]
 
     def _ahead_forward(self, batch: ForwardBatch, b: int, width: int, ids: torch.Tensor, hidden: torch.Tensor,
                        drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -509,7 +524,11 @@ class MTPProposer:
         runner = self.runner
         vin, vh, _ = self._verify_static(width, runner.last_hidden)
         ids, static_drafts = self._ahead_static(width)
-        vin.load(rows)
+        if isinstance(rows, VerifyInputs):  # the runner's rows on the device, laid out alike (same batch and pages)
+            vin.i64.copy_(rows.i64)
+            vin.i32.copy_(rows.i32)
+        else:
+            vin.load(rows)
         vh[: b * width].copy_(runner.last_hidden[: b * width])
         ids[: b * width].copy_(samples.reshape(-1))
         static_drafts[:b].copy_(drafts)

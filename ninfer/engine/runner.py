@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -43,7 +43,7 @@ from ninfer.engine.graphs import DecodeInputs, PrefillInputs, SamplerInputs, Ver
 from ninfer.engine.plan import RunnerOutput, StepPlan
 from ninfer.engine.sampler import TOP_K_CAP, SamplingBatch, sample
 from ninfer.engine.sequence import Sequence
-from ninfer.engine.speculative import StagedDrafts, staged_drafts
+from ninfer.engine.speculative import StagedDrafts, stage_drafts, staged_drafts
 from ninfer.forward import CacheSpec, ForwardBatch, ModelCache, verify_inputs
 from ninfer.kernels.backend import use_triton
 from ninfer.kernels.linear import rows_like
@@ -83,6 +83,23 @@ class GraphEntry:
     inputs: DecodeInputs | PrefillInputs | VerifyInputs
     hidden: torch.Tensor | None = None  # the logit rows' final hidden states (a static output too)
     all_hidden: torch.Tensor | None = None  # every token's final hidden states (static as well)
+
+
+@dataclass
+class Launch:
+    """A step's forwards as `launch` queued them: each forward's sampled ids on the device (the prefill chunk's,
+    then the decode batch's), the logit rows' hidden states kept for drafters, the prefill's every-token ones, the
+    verify's drafts still on the device, and the read back of the ids (and drafts) already queued into pinned host
+    memory (`ready` once it has landed: collect waits for that, not for whatever was queued after it). verify: the
+    static rows the verify forward read (VerifyInputs, batch, width), which `launch_next_round` advances."""
+
+    tokens: list[torch.Tensor] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    prefill_hidden: torch.Tensor | None = None
+    staged: StagedDrafts | None = None
+    host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+    verify: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -211,10 +228,10 @@ class ModelRunner:
         self._decode_inputs: DecodeInputs | None = None
         self.last_verify_width = 0  # the last verify forward's tokens per sequence (rollback reads it)
         self.last_verify_ids: torch.Tensor | None = None  # [B, width] input ids of the last verify forward
-        self._staged: StagedDrafts | None = None  # the launched verify's device drafts (collect reads them)
         self.last_all_hidden: torch.Tensor | None = None  # the last forward's every-token hidden states
         self._token_rows: list[torch.Tensor] | None = None  # a prefill's, while plan.want_prefill_hidden
-        self._prefill_hidden: torch.Tensor | None = None
+        self._verify_rows: dict[int, VerifyInputs] = {}  # CPU: the verify rows by width, laid out as a graph's
+        self.last_verify_rows: tuple | None = None  # (VerifyInputs, batch, width) of the last verify, when static
         self._sampler_inputs: SamplerInputs | None = None
         self.fused_sampler = False
         self.sampler_status = self._choose_sampler()
@@ -560,37 +577,56 @@ class ModelRunner:
         return self.collect(plan, self.launch(plan))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> list[torch.Tensor]:
+    def launch(self, plan: StepPlan) -> Launch:
         """Queue the plan's forwards and samplers without waiting for the device: the prefill chunk (one
         row, its last token, when it samples), then the decode batch in one traversal (a row per token of
-        each work: the input token and its drafts)."""
-        launched, self._hidden, self._prefill_hidden, self._staged = [], [], None, None
+        each work: the input token and its drafts); then the read back of the sampled ids."""
+        launch = Launch()
         if plan.prefill is not None:
             work = plan.prefill
             self._token_rows = [] if plan.want_prefill_hidden else None
             logits = self.forward([work.seq], [work.tokens])
             if self._token_rows is not None:
                 rows, self._token_rows = self._token_rows, None
-                self._prefill_hidden = torch.cat(rows) if len(rows) > 1 else rows[0]
-            self._keep_hidden(plan, rows=1)
+                launch.prefill_hidden = torch.cat(rows) if len(rows) > 1 else rows[0]
+            self._keep_hidden(plan, launch, rows=1)
             if work.sample:  # cloned: from a graph it is a static output the decode step rewrites
-                launched.append(self.sample([work.seq], logits).clone())
+                launch.tokens.append(self.sample([work.seq], logits).clone())
         if plan.decode:
             seqs, rows = [w.seq for w in plan.decode], [w.tokens for w in plan.decode]
             if all(len(r) == 1 for r in rows):
                 logits = self.forward(seqs, rows)
-                self._keep_hidden(plan, rows=len(rows))
-                launched.append(self.sample(seqs, logits))
+                self._keep_hidden(plan, launch, rows=len(rows))
+                launch.tokens.append(self.sample(seqs, logits))
             else:
                 width = max(len(r) for r in rows)
-                self._staged = staged_drafts(plan.decode)
-                logits = self.verify(seqs, rows, width, drafts=self._staged)
-                self._keep_hidden(plan, rows=len(rows) * width, width=width, lens=[len(r) for r in rows])
+                launch.staged = staged_drafts(plan.decode)
+                logits = self.verify(seqs, rows, width, drafts=launch.staged)
+                launch.verify = self.last_verify_rows
+                self._keep_hidden(plan, launch, rows=len(rows) * width, width=width, lens=[len(r) for r in rows])
                 per_row = [s for s in seqs for _ in range(width)]
                 steps = [len(s.output_ids) + j for s in seqs for j in range(width)]
-                launched.append(self._real_rows(self.sample(per_row, logits, steps=steps, window=self.last_verify_ids),
-                                                rows, width))
-        return launched
+                launch.tokens.append(self._real_rows(
+                    self.sample(per_row, logits, steps=steps, window=self.last_verify_ids), rows, width))
+        self._read_back(launch)
+        return launch
+
+    def _read_back(self, launch: Launch) -> None:
+        """Queue the copy of the launch's sampled ids (and staged drafts) to pinned host memory, with an event: the
+        engine may queue the next round before it reads this one back (Engine, overlapped rounds)."""
+        parts = list(launch.tokens)
+        if launch.staged is not None and parts:
+            parts.append(launch.staged.table.reshape(-1).to(parts[-1].dtype))
+        if not parts:
+            return
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if self.device.type != "cuda":
+            launch.host = flat
+            return
+        launch.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        launch.host.copy_(flat, non_blocking=True)
+        launch.ready = torch.cuda.Event()
+        launch.ready.record()
 
     def _real_rows(self, tokens: torch.Tensor, rows: list[list[int]], width: int) -> torch.Tensor:
         """A padded verify batch's sampled tokens without the padding's rows (in order, as collect reads them)."""
@@ -625,16 +661,18 @@ class ModelRunner:
         h = verify_inputs(rows, [s.num_computed for s in seqs], [s.pages for s in seqs], self.page_size,
                           [s.state_slot if s.state_slot is not None else 0 for s in seqs],
                           [self._verify_slots(s.lane, width) for s in seqs], width, positions if mrope else None)
-        entry = self.graphs.get((len(seqs), width))
-        if entry is not None and not mrope and entry.inputs.fits(seqs):
-            entry.inputs.load(h)
+        b = len(seqs)
+        entry = self.graphs.get((b, width))
+        entry = entry if entry is not None and not mrope and entry.inputs.fits(seqs) else None
+        # the graph's static rows, or on the CPU rows laid out alike: launch_next_round advances them on the device
+        static = entry.inputs if entry is not None else self._cpu_rows(width) if self.device.type == "cpu" and not mrope else None
+        self.last_verify_rows = (static, b, width) if static is not None else None
+        if static is not None:
+            static.load(h)
+            self.last_verify_ids = static.i64[: b * width].view(b, width)
             if drafts is not None:
-                drafts.place(entry.inputs.i64[: len(seqs) * width].view(len(seqs), width), self._tensor)
-            entry.graph.replay()
-            self.graph_replays += 1
-            self.last_hidden, self.last_all_hidden = entry.hidden, entry.all_hidden
-            self.last_verify_ids = entry.inputs.i64[: len(seqs) * width].view(len(seqs), width)
-            return entry.logits
+                drafts.place(self.last_verify_ids, self._tensor)
+            return self._run_verify(static, b, width, entry)
         self.eager_steps += 1
         batch = ForwardBatch.for_verify(h)
         if self.device.type != "cpu":
@@ -646,6 +684,60 @@ class ModelRunner:
         self.last_verify_ids = batch.input_ids.view(len(seqs), width)
         with self._verify_shapes(len(seqs)):
             return self._logits(batch)
+
+    def _cpu_rows(self, width: int) -> VerifyInputs:
+        """The CPU's verify rows of this width, laid out as a verify graph's static inputs (every lane, every page)."""
+        rows = self._verify_rows.get(width)
+        if rows is None:
+            rows = self._verify_rows[width] = VerifyInputs(len(self.counts), width, self.cache.num_pages, self.device)
+        return rows
+
+    def _run_verify(self, inputs: VerifyInputs, b: int, width: int, entry: GraphEntry | None) -> torch.Tensor:
+        """The verify forward over static rows: the graph's replay, or (CPU) one eager forward over the same rows,
+        whose reference kernels read the lengths on the host (free there)."""
+        if entry is not None:
+            entry.graph.replay()
+            self.graph_replays += 1
+            self.last_hidden, self.last_all_hidden = entry.hidden, entry.all_hidden
+            return entry.logits
+        self.eager_steps += 1
+        batch = inputs.batch(b)
+        batch.seq_lens_cpu, batch.row_seq_lens_cpu = batch.seq_lens.tolist(), batch.row_seq_lens.tolist()
+        with self._verify_shapes(b):
+            return self._logits(batch)
+
+    @torch.inference_mode()
+    def launch_next_round(self, plan: StepPlan, prev: Launch, drafts: torch.Tensor, stop_ids: torch.Tensor,
+                          page_tables: list[list[int]] | None = None) -> Launch:
+        """Queue the verify round after `prev`, before prev is read back, from inputs derived on the device
+        (next_round.advance_rows: prev's accepted counts give each row's positions, KV slots, lengths, state slot and
+        bonus token), for `plan`'s rows: prev's sequences, in its order, every row as wide as prev's. drafts: [b, >=
+        width-1] the rows' next drafts on the device (the MTP head's, queued behind prev's verify); stop_ids: [b, E]
+        each row's stop tokens (-1 pads), at which a row's commit ends as the host's will; page_tables: the rows'
+        page lists when they grew since prev's rows were loaded (the next round's positions need them). Sampled rows
+        draw at their output positions (offset by prev's commit on the device); penalised rows are never queued so
+        (their counts are the host's). Returns the launch, to be collected after prev's."""
+        from ninfer.engine.next_round import advance_rows
+
+        inputs, b, width = prev.verify
+        if page_tables:
+            inputs.load_pages(page_tables, self._tensor)
+        committed = advance_rows(inputs, b, width, prev.tokens[-1], drafts, stop_ids, self.page_size)
+        launch = Launch(verify=prev.verify)
+        ids = inputs.i64[: b * width].view(b, width)
+        stage_drafts(plan.decode, [width - 1] * b, ids[:, 1:].clone())  # as verified: the read back brings them
+        launch.staged = staged_drafts(plan.decode)
+        self.last_verify_width, self.last_verify_ids, self.last_verify_rows = width, ids, prev.verify
+        entry = self.graphs.get((b, width))
+        entry = entry if entry is not None and entry.inputs is inputs else None  # CPU rows: eager
+        logits = self._run_verify(inputs, b, width, entry)
+        self._keep_hidden(plan, launch, rows=b * width)
+        seqs = [w.seq for w in plan.decode]
+        per_row = [s for s in seqs for _ in range(width)]
+        steps = [len(s.output_ids) + j for s in seqs for j in range(width)]
+        launch.tokens.append(self.sample(per_row, logits, steps=steps, step_offset=committed.repeat_interleave(width)))
+        self._read_back(launch)
+        return launch
 
     @property
     def decode_graph_inputs(self) -> DecodeInputs | None:
@@ -664,15 +756,14 @@ class ModelRunner:
             return [0] * width
         return self.lane_slots[lane or 0][:width]
 
-    def collect(self, plan: StepPlan, launched: list[torch.Tensor]) -> RunnerOutput:
-        """Read the sampled ids back, and the drafts the verify took on the device: the one host
-        synchronization of a step."""
-        staged = self._staged
-        if staged is not None:
-            launched = launched + [staged.table.reshape(-1).to(launched[-1].dtype)]
-        flat = (torch.cat(launched) if len(launched) > 1 else launched[0]).tolist() if launched else []
-        if staged is not None:
-            flat = staged.fill(flat)
+    def collect(self, plan: StepPlan, launch: Launch) -> RunnerOutput:
+        """Wait for the launch's read back (the sampled ids and the drafts the verify took on the device): the
+        one host synchronization of a step."""
+        if launch.ready is not None:
+            launch.ready.synchronize()
+        flat = launch.host.tolist() if launch.host is not None else []
+        if launch.staged is not None:
+            flat = launch.staged.fill(flat)
         sampled, at = [], 0
         for work in plan.works:
             n = work.logit_rows
@@ -680,19 +771,20 @@ class ModelRunner:
             at += n
         hidden = None
         if plan.want_hidden:  # one [rows, hidden] tensor per forward, split by work (still on the device)
-            rows = torch.cat(self._hidden) if len(self._hidden) > 1 else self._hidden[0]
+            rows = torch.cat(launch.hidden) if len(launch.hidden) > 1 else launch.hidden[0]
             sizes = [1 if not w.decode else len(w.tokens) for w in plan.works]
             hidden = list(rows.split(sizes))
-        return RunnerOutput(sampled, hidden, self._prefill_hidden)
+        return RunnerOutput(sampled, hidden, launch.prefill_hidden)
 
-    def _keep_hidden(self, plan: StepPlan, rows: int, width: int = 0, lens: list[int] | None = None) -> None:
+    def _keep_hidden(self, plan: StepPlan, launch: Launch, rows: int, width: int = 0,
+                     lens: list[int] | None = None) -> None:
         """The forward's logit rows' hidden states, copied when the plan asks for them (a graph's are
         rewritten by the next replay); a padded verify batch's without the padding's rows."""
         if plan.want_hidden:
             hidden = self.last_hidden[:rows]
             if width and lens and any(n != width for n in lens):
                 hidden = hidden[self._tensor([i * width + j for i, n in enumerate(lens) for j in range(n)], torch.long)]
-            self._hidden.append(hidden.clone())
+            launch.hidden.append(hidden.clone())
 
     # ---- speculative rollback ----------------------------------------------------------------
     @torch.inference_mode()
@@ -735,7 +827,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, graphs: bool = True,
-               steps: list[int] | None = None, window: torch.Tensor | None = None) -> torch.Tensor:
+               steps: list[int] | None = None, window: torch.Tensor | None = None,
+               step_offset: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [rows] on the device, row i drawn with seqs[i]'s settings as its output token number
         steps[i] (default: its next one; verification rows of one sequence take consecutive numbers, so a
         seeded draw at an output position is the same with and without speculation). From a sampler graph
@@ -744,7 +837,8 @@ class ModelRunner:
 
         window: a verify batch's input ids [B, width] on the device (each sequence's last token, then its
         drafts; the rows are seqs' in that order): a penalised row counts the drafts before its position
-        as generated tokens, as plain decoding would have counted them had they been sampled."""
+        as generated tokens, as plain decoding would have counted them had they been sampled.
+        step_offset: [rows] added to `steps` on the device (a round queued before the last one's commit is known)."""
         params = [s.sampling for s in seqs]
         width = min(self.vocab_size, logits.shape[1])  # drop padded embedding rows past the tokenizer
         penalised = any(p.presence_penalty or p.frequency_penalty for p in params)
@@ -752,6 +846,12 @@ class ModelRunner:
             # all greedy, nothing to penalise: the sampler's answer is this argmax; skipping its two
             # uploads and its kernels shortens the step's tail (the GPU idles through it)
             return logits[:, :width].argmax(dim=-1)
+        if step_offset is not None:
+            if penalised:
+                raise ValueError("a round queued ahead cannot sample penalised rows (their counts are the host's)")
+            batch, lanes = self._upload_sampling(seqs, steps)
+            batch.step = batch.step + step_offset
+            return self._sample_rows(logits[:, :width], batch, lanes)
         if window is not None and penalised and window.shape[1] > 1:
             batch, lanes = self._upload_sampling(seqs, steps)
             return self._sample_rows(logits[:, :width], batch, lanes, counts=self._window_counts(lanes, window))

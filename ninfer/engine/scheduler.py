@@ -199,17 +199,17 @@ class Scheduler:
         if seq in self.resident:
             self.resident.remove(seq)
 
-    def pause(self, seq: Sequence, plan: StepPlan | None = None) -> None:
+    def pause(self, seq: Sequence, plan: StepPlan | None = None, snapshot: bool = True) -> None:
         """Evict a resident request (a decision of the plan being made: its snapshot copy, if the host
         budget allows one, is planned); with a snapshot it keeps its computed frontier, else it will be
-        rebuilt by replay from token 0."""
+        rebuilt by replay from token 0. snapshot=False: rebuilt by replay whatever the budget."""
         plan = plan or self._plan
         assert plan is not None, "pauses are decided while a step is planned"
         restore = next((op for op in plan.before if op.kind == "restore" and op.seq is seq), None)
         if restore is not None:  # restored earlier in this very step: its host snapshot is still whole
             plan.before.remove(restore)
         else:
-            if seq.snapshot is None:
+            if seq.snapshot is None and snapshot:
                 op = self.kv.plan_snapshot(seq)
                 if op is not None:
                     plan.before.append(op)

@@ -127,6 +127,13 @@ def staged_drafts(works: list[SeqWork]) -> StagedDrafts | None:
     return StagedDrafts([w for _, w in rows], table, [j for j, _ in rows], [w.staged[1] for _, w in rows])
 
 
+class _At:
+    """A request id and an output count: what OracleProposer.drafts reads of a sequence."""
+
+    def __init__(self, request_id: str, done: int):
+        self.request_id, self.output_ids = request_id, [0] * done
+
+
 def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:
     """How many drafts the target's own tokens confirm: sampled[j] is the target's token after the input
     and drafts[:j], so draft j stands while it equals sampled[j]."""
@@ -174,3 +181,53 @@ class OracleProposer:
             drafts = self.drafts(work.seq, budget)
             work.draft_ids, work.staged = drafts, None  # replaces any drafts staged before (bench wrappers)
             work.tokens = work.tokens[:1] + drafts
+
+    def patch_ahead(self, drafter) -> None:
+        """Bench and tests: rounds the engine queues before the last read back (Engine._queue_next_round) verify this
+        oracle's drafts in place of those `drafter` (the MTP proposer) queued ahead, which stay its own for its
+        `propose` (rounds the host plans, where `propose` gives the oracle's drafts). A row's next round starts at
+        output position p + c: p its verified row's first (the host's count for a round the host launched; the
+        device's, kept from the round before, for a queued one) and c the tokens it commits, counted on the device.
+        Positions past a continuation draft token 0."""
+        ahead, own = drafter.draft_ahead, drafter.ahead_drafts
+        tables: list = []  # (plan, oracle drafts): the last two rounds'
+        state = {}
+
+        def draft_ahead(plan, samples, rows=None):
+            ahead(plan, samples, rows)
+            table = own(plan)
+            if table is not None:
+                drafts = self._ahead_table(drafter.runner, plan, samples, table.shape[1], rows, state)
+                tables[:] = tables[-1:] + [(plan, drafts)]
+
+        drafter.draft_ahead = draft_ahead
+        drafter.ahead_drafts = lambda plan: next((t for p, t in tables if p is plan), None)
+
+    def _ahead_table(self, runner, plan: StepPlan, samples, k: int, rows, state: dict):
+        import torch
+
+        from ninfer.engine.next_round import committed_counts
+
+        with torch.inference_mode():
+            seqs = [w.seq for w in plan.decode]
+            start = runner._tensor([len(s.output_ids) for s in seqs], torch.long) if rows is None else state["next"]
+            ids = runner.last_verify_ids
+            empty = torch.zeros(len(seqs), 0, dtype=torch.long, device=ids.device)
+            state["next"] = start + committed_counts(ids, samples.view(ids.shape).to(ids.dtype), empty)
+            longest = max(len(self.continuations.get(s.request_id, [])) for s in seqs) + k
+            grid = torch.stack([self._device_drafts(s.request_id, longest, runner) for s in seqs])
+            at = (state["next"][:, None] + torch.arange(k, device=ids.device)).clamp(max=longest - 1)
+            return grid.gather(1, at)
+
+    def _device_drafts(self, request_id: str, length: int, runner):
+        """The request's drafts at output positions 0..length-1 on the runner's device (0 past its continuation),
+        kept while the continuation and the corruption stay the same."""
+        import torch
+
+        known = self.continuations.get(request_id, [])
+        key = (request_id, id(known), len(known), self.corrupt, self.seed, length)
+        cache = self.__dict__.setdefault("_device_rows", {})
+        if key not in cache:
+            drafts = self.drafts(_At(request_id, 0), length)
+            cache[key] = runner._tensor(drafts + [0] * (length - len(drafts)), torch.long)
+        return cache[key]

@@ -1,0 +1,68 @@
+"""A verify round's inputs derived on the device from the round before it, so the engine can queue round n+1
+before it reads round n back (Engine: overlapped rounds).
+
+Round n's static rows (graphs.VerifyInputs) hold, per sequence, its last committed token and drafts at positions
+p..p+w-1, their KV slots and context lengths, the state slot it reads and the w verify slots its positions' states
+go to. Round n+1 of a row that commits c tokens starts at p + c with the target's token after its accepted drafts
+(the bonus) and the drafter's next drafts; its state slot is the verify slot c-1 (the state after its last committed
+position), which trades places with the old one in the lane's verify slots: the same trade ModelRunner.rollback
+makes on the host once round n is read back, so the host's books and the device's agree whenever the host commits
+what the device assumed (the engine checks that; a row where it does not is never continued from these rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.engine.graphs import VerifyInputs
+
+
+def committed_counts(ids: torch.Tensor, samples: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
+    """Tokens each row of a verify round commits, as the host's commit counts them when nothing else ends the row:
+    its accepted drafts (those equal to the target's token at their position) and the target's token after them,
+    cut after the first stop token among those. ids: [b, w] the round's inputs (last token, drafts); samples: [b, w]
+    the target's tokens; stop_ids: [b, E] (-1 pads). Device ops only."""
+    w = ids.shape[1]
+    accepted = (ids[:, 1:] == samples[:, : w - 1]).long().cumprod(1).sum(1)
+    committed = accepted + 1
+    if stop_ids.shape[1]:
+        stops = (samples[:, :, None] == stop_ids[:, None, :]).any(-1)
+        first = torch.where(stops.any(1), stops.long().argmax(1), w)
+        committed = torch.minimum(committed, first + 1)
+    return committed
+
+
+def host_committed_count(drafts: list[int], sampled: list[int], stop_ids: set[int]) -> int:
+    """`committed_counts` of one row, on the host (the engine checks its commit against it)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == sampled[n]:
+        n += 1
+    for j, token in enumerate(sampled[: n + 1]):
+        if token in stop_ids:
+            return j + 1
+    return n + 1
+
+
+def advance_rows(rows: VerifyInputs, b: int, w: int, samples: torch.Tensor, drafts: torch.Tensor,
+                 stop_ids: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Rewrite the first b rows of a verify round (width w) in place into the next round's: samples [b * w] the
+    round's sampled tokens, drafts [b, >= w-1] the next drafts. Returns the committed counts [b] (device)."""
+    ids, pos, slots, own, scratch, _ = rows._views64(rows.i64)
+    seq_lens, row_lens, table = rows._views32(rows.i32)
+    ids, pos, slots = ids[: b * w].view(b, w), pos[: b * w].view(b, w), slots[: b * w].view(b, w)
+    own, scratch = own[:b], scratch[:b]
+    samples = samples.view(b, w).to(ids.dtype)
+    c = committed_counts(ids, samples, stop_ids)
+    last = (c - 1)[:, None]
+    bonus = samples.gather(1, last)
+    accepted_state = scratch.gather(1, last)
+    scratch.scatter_(1, last, own[:, None])
+    own.copy_(accepted_state[:, 0])
+    ids[:, :1].copy_(bonus)
+    ids[:, 1:].copy_(drafts[:, : w - 1])
+    pos.add_(c[:, None])
+    page = table[:b].long().gather(1, pos // page_size)
+    slots.copy_(page * page_size + pos % page_size)
+    seq_lens[:b].add_(c.to(seq_lens.dtype))
+    row_lens[: b * w].view(b, w).add_(c[:, None].to(row_lens.dtype))
+    return c

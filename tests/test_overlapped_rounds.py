@@ -1,0 +1,167 @@
+"""Overlapped speculative rounds (Engine._queue_next_round; issue 21's host time between rounds): with the MTP head
+drafting ahead, the engine queues round n+1's verify on the device, from inputs derived there, before it reads round
+n back. Contract (speculative backends preserve output; prefix reuse; "the Engine commits the exact accepted target
+prefix"): nothing a client sees may change. Output equals decoding without drafts token for token, greedy and seeded;
+a request that ends inside a queued round (a stop token, a stop string, max_tokens, a cancel) ends where it would
+without drafts, and the context it leaves to the next turn is the one a fresh engine computes.
+
+The tiny MTP head's own drafts are almost never accepted, so the oracle's drafts (the target's continuation, a share
+corrupted) replace them: on the host for rounds the host plans (`propose`), on the device for queued rounds
+(OracleProposer.patch_ahead), so queued rounds commit long accepted runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import assert_no_leak, mixed_prompts, run_all, token_ids
+
+from ninfer.engine.engine import EngineSettings
+from ninfer.engine.loader import load_engine
+from ninfer.engine.speculative import OracleProposer
+from ninfer.engine.types import EngineRequest, FinishReason, SamplingParams
+
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(temperature=0.0, presence_penalty=0.0, frequency_penalty=0.0)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=0, min_p=0.0, presence_penalty=0.0,
+                        frequency_penalty=0.0)
+
+
+def _requests(prefix: str, max_tokens: int, sampling=GREEDY, stop=None, n: int = 5) -> list[EngineRequest]:
+    return [EngineRequest(f"{prefix}{i}", p, max_tokens=max_tokens, stop=list(stop or []),
+                          sampling=sampling if sampling is GREEDY else SamplingParams(**{**vars(sampling), "seed": 11 + i}))
+            for i, p in enumerate(mixed_prompts(n))]
+
+
+def _plain(path, requests, **settings) -> list:
+    """The requests' events from an engine without drafts that reuses nothing."""
+    engine = load_engine(path, EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16, prefix_reuse=False,
+                                              **settings), device=CPU)
+    try:
+        return run_all(engine, requests)
+    finally:
+        engine.shutdown()
+
+
+def _mtp_engine(path, oracle: OracleProposer, max_concurrency: int = 1, overlap: bool = True, **settings):
+    """An MTP engine whose drafts are the oracle's, host and device side (module docstring)."""
+    engine = load_engine(path, EngineSettings(max_context=256, kv_capacity=1024, max_concurrency=max_concurrency,
+                                              prefill_chunk=16, draft_tokens=3, spec="mtp", overlap_rounds=overlap,
+                                              **settings),
+                         device=CPU)
+    mtp = engine.proposer
+    propose = mtp.propose
+
+    def proposing(works, budgets):
+        propose(works, budgets)
+        oracle.propose(works, budgets)
+
+    mtp.propose = proposing
+    oracle.patch_ahead(mtp)
+    return engine
+
+
+@pytest.mark.parametrize("max_concurrency", [1, 3])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_queued_rounds_decode_as_without_drafts(tiny_qwen_mtp_path, max_concurrency, sampling):
+    """Rounds queued before the read back commit exactly the tokens decoding without drafts gives, at one and at
+    three rows a batch; the same run with queueing off agrees round for round."""
+    requests = lambda: _requests("r", 40, sampling)  # noqa: E731
+    base = _plain(tiny_qwen_mtp_path, requests())
+    oracle = OracleProposer({f"r{i}": token_ids(e) for i, e in enumerate(base)}, corrupt=0.25, vocab=900, seed=4)
+    runs = {}
+    for overlap in (True, False):
+        engine = _mtp_engine(tiny_qwen_mtp_path, oracle, max_concurrency, overlap=overlap)
+        try:
+            events = run_all(engine, requests())
+        finally:
+            engine.shutdown()
+        assert [token_ids(e) for e in events] == [token_ids(e) for e in base]
+        assert [e[-1].reason for e in events] == [e[-1].reason for e in base]
+        runs[overlap] = engine
+        assert_no_leak(engine)
+    queued, unqueued = runs[True], runs[False]
+    # most rounds at one row; at three, prefill chunks share some steps and rows near their limits are not queued
+    assert queued.queued_rounds > queued.counters.spec_rounds // (2 if max_concurrency == 1 else 5)
+    assert unqueued.queued_rounds == 0
+    c = queued.counters
+    assert c.spec_accepted_tokens > c.spec_rounds  # long accepted runs, in queued rounds too
+    assert (c.spec_rounds, c.spec_accepted_tokens) == (unqueued.counters.spec_rounds,
+                                                       unqueued.counters.spec_accepted_tokens)
+
+
+def test_a_stop_token_inside_a_queued_round_leaves_a_context_the_next_turn_reuses_exactly(tiny_qwen_mtp_path):
+    """Each request ends on a stop token inside an accepted run while the round after it is queued (the device
+    cuts its commit at the stop token as the host does), so its recurrent state is the one at its end: the
+    follow-up turn reuses the whole endpoint and decodes as an engine that reuses nothing."""
+    prompts, ends = mixed_prompts(4), [5, 7, 9, 13]
+    first = [token_ids(e) for e in _plain(tiny_qwen_mtp_path, _requests("a", 20, n=4))]
+    outputs = [f[:n] for f, n in zip(first, ends)]
+    assert all(o[-1] not in o[:-1] for o in outputs)  # the stop token ends each output where it stands
+    follow = [p + o + [77, 78, 79] for p, o in zip(prompts, outputs)]
+    expected = [token_ids(e) for e in _plain(tiny_qwen_mtp_path, [
+        EngineRequest(f"b{i}", f, max_tokens=12, sampling=GREEDY) for i, f in enumerate(follow)])]
+    oracle = OracleProposer({f"a{i}": f for i, f in enumerate(first)}, vocab=900)
+    engine = _mtp_engine(tiny_qwen_mtp_path, oracle)
+    try:
+        for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+            engine.settings.eos_ids = {output[-1]}  # read as each request is prepared: this one's stop token
+            before = engine.queued_rounds
+            events = run_all(engine, [EngineRequest(f"a{i}", prompt, max_tokens=40, sampling=GREEDY)])[0]
+            assert token_ids(events) == output and events[-1].reason is FinishReason.STOP
+            assert engine.queued_rounds > before
+            engine.settings.eos_ids = set()
+            events = run_all(engine, [EngineRequest(f"b{i}", follow[i], max_tokens=12, sampling=GREEDY)])[0]
+            assert events[-1].usage.cached_tokens == len(prompt) + len(output) - 1  # the endpoint, reused
+            assert token_ids(events) == expected[i]
+    finally:
+        engine.shutdown()
+    assert_no_leak(engine)
+
+
+def test_stop_strings_and_limits_inside_queued_rounds_end_as_without_drafts(tiny_qwen_mtp_path, qwen_tokenizer):
+    """A stop string or max_tokens that ends a request while its next round is queued ends it at the same token as
+    without drafts; the follow-up turns (whatever they reuse) decode as an engine that reuses nothing."""
+    base = _plain(tiny_qwen_mtp_path, _requests("r", 32))
+    text = [qwen_tokenizer.decode(token_ids(e)) for e in base]
+    stop = next(t[12:15] for t in text if len(t) >= 15 and t[12:15].strip())
+    oracle = OracleProposer({f"r{i}": token_ids(e) for i, e in enumerate(base)}, vocab=900)
+    engine = _mtp_engine(tiny_qwen_mtp_path, oracle, max_concurrency=3)
+    try:
+        for requests in (_requests("r", 32, stop=[stop]), _requests("r", 11)):
+            want = _plain(tiny_qwen_mtp_path, requests)
+            got = run_all(engine, requests)
+            assert [token_ids(e) for e in got] == [token_ids(e) for e in want]
+            assert [(e[-1].reason, e[-1].stop_string) for e in got] == [(e[-1].reason, e[-1].stop_string) for e in want]
+        follow = [EngineRequest(f"f{i}", p + token_ids(e) + [77, 78], max_tokens=8, sampling=GREEDY)
+                  for i, (p, e) in enumerate(zip(mixed_prompts(5), got))]
+        assert [token_ids(e) for e in run_all(engine, follow)] == [token_ids(e) for e in _plain(tiny_qwen_mtp_path, follow)]
+        assert engine.queued_rounds > 0
+    finally:
+        engine.shutdown()
+    assert_no_leak(engine)
+
+
+def test_a_request_cancelled_while_its_round_is_queued_leaves_the_others_exact(tiny_qwen_mtp_path):
+    """A cancel that arrives while a round is queued ends that request; the others in the batch decode as
+    without drafts and nothing leaks."""
+    requests = _requests("r", 40, n=3)
+    base = _plain(tiny_qwen_mtp_path, requests)
+    oracle = OracleProposer({f"r{i}": token_ids(e) for i, e in enumerate(base)}, corrupt=0.2, vocab=900, seed=2)
+    engine = _mtp_engine(tiny_qwen_mtp_path, oracle, max_concurrency=3)
+    queue = engine._queue_next_round
+
+    def cancelling(plan, launched):
+        queued = queue(plan, launched)
+        if queued is not None and any(w.seq.request_id == "r1" for w in queued[0].decode):
+            engine.cancel("r1")  # read at the next loop boundary, with this round in flight
+        return queued
+
+    engine._queue_next_round = cancelling
+    try:
+        events = run_all(engine, requests)
+    finally:
+        engine.shutdown()
+    assert events[1][-1].reason is FinishReason.CANCELLED
+    assert [token_ids(events[i]) for i in (0, 2)] == [token_ids(base[i]) for i in (0, 2)]
+    assert engine.dropped_rows > 0
+    assert_no_leak(engine)
