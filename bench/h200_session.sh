@@ -19,7 +19,9 @@
 # over 512 tokens, MTP3 at C=1 over 256), host_c1 (s26: C=1 MTP3 with the loop's parts timed), penalized_c1 (s28:
 # C=1 MTP3 greedy, then with a presence penalty), ahead_c1 / ahead_c8 (s29: e2e_c1_256 / spec_c8_512 without, then
 # with the MTP head drafting ahead; ahead_c1_fp4: with the proposal head in NVFP4 too), host_c8 (s29: C=8 adaptive with the loop's parts timed), fused_gdn (s29: a verify's GDN positions
-# in one launch, A/B), few_ab (s36: the N = 5120 linears' launch, the table's against sweep_mma_down's fastest), sweep_mma_cap (s36: 24 and 32 rows, registers capped), pytest_caps (s36: their CUDA tests), attn_tiles (s37: the decode attention's tiles at short contexts), host_c1_x2 (s38: host_c1 at acceptance 3.0 with NVFP4 heads, twice), host_threads_ab (its runs with the CPU thread pools at one thread, then default), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
+# in one launch, A/B), few_ab (s36: the N = 5120 linears' launch, the table's against sweep_mma_down's fastest), sweep_mma_cap (s36: 24 and 32 rows, registers capped), pytest_caps (s36: their CUDA tests), attn_tiles (s37: the decode attention's tiles at short contexts), host_c1_x2 (s38: host_c1 at acceptance 3.0 with NVFP4 heads, twice), host_threads_ab (its runs with the CPU thread pools at one thread, then default), pytest_overlap / overlap_ab /
+# overlap_lm_head / overlap_c8 (s39: verify rounds queued before the last read back: CUDA tests, MTP3 at C=1 without
+# and with them, the same with an NVFP4 lm_head, C=8 adaptive), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
 # pytest_s30 (s30: the mma GEMV on weights stored paired), gates_ab / pytest_s31 (s31: the GDN gates computed in the
 # recurrent kernels), gdn_loads_ab (s32: the GDN verify kernels' loads first, against the
 # file AB_OLD_GDN), sweep_mma_pad (s32: the mma GEMV on rows stored apart), read_ceiling (s34: the 27B linears' bytes read without decoding), sweep_mma_tiled / tiled_ab / pytest_tiled (s34: the mma GEMV on tiled weights; the verify and MTP3 at C=1 with them; their CUDA tests), rollback_ab (s33: rollback by copy, then by
@@ -264,7 +266,29 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
       done ;;
     pytest_spec)  # the speculative engine's CUDA tests: drafters keep greedy output (MTP graphs)
       timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_speculative.py \
-        tests/test_mtp.py > $out/pytest_spec.log 2>&1 ;;
+        tests/test_mtp.py tests/test_overlapped_rounds.py > $out/pytest_spec.log 2>&1 ;;
+    pytest_overlap)  # s39: rounds queued before the read back keep greedy and seeded output on CUDA (~1 min)
+      timeout $(( $(left) - 10 )) python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_overlapped_rounds.py \
+        > $out/pytest_overlap.log 2>&1 ;;
+    overlap_ab)  # s39: MTP3 at C=1 (NVFP4 heads, 256 tokens) without queued rounds (NINFER_OVERLAP_ROUNDS=0) and with
+      # them (the default), interleaved, two processes each
+      for run in 1 2; do
+        for value in 0 1; do
+          NINFER_OVERLAP_ROUNDS=$value timeout 120 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
+            --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 \
+            --max-tokens 256 > $out/overlap_${value}_$run.log 2>&1
+        done
+      done ;;
+    overlap_lm_head)  # s39: overlap_ab's runs on an artifact whose lm_head is NVFP4 too, with queued rounds then without
+      for value in 1 0; do
+        NINFER_OVERLAP_ROUNDS=$value timeout 120 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
+          --nvfp4-lm-head --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 \
+          --acceptance 3.0 3.5 --max-tokens 256 > $out/overlap_lm_head_$value.log 2>&1
+      done ;;
+    overlap_c8)  # s39: adaptive MTP at C=8 (NVFP4 heads, 256 tokens) with queued rounds, against no speculation
+      timeout $(( $(left) - 10 )) python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --with-mtp \
+        --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --adaptive --concurrency 8 --acceptance 1.5 3.0 --settle 2 \
+        --max-tokens 256 > $out/overlap_c8.log 2>&1 ;;
     verify27)  # exact verify against a plain step, 27B NVFP4 in a speculative engine (tensor cores from one row)
       timeout $(( $(left) - 10 )) python3 bench/spec_verify.py --shape qwen3.6-27b --weights nvfp4 \
         --concurrency 1 2 4 8 --drafts 1 3 > $out/spec_verify.log 2>&1 ;;

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import assert_no_leak, mixed_prompts, run_all, token_ids
+from kernel_markers import needs_cuda
 
 from ninfer.engine.engine import EngineSettings
 from ninfer.engine.loader import load_engine
@@ -32,22 +33,23 @@ def _requests(prefix: str, max_tokens: int, sampling=GREEDY, stop=None, n: int =
             for i, p in enumerate(mixed_prompts(n))]
 
 
-def _plain(path, requests, **settings) -> list:
+def _plain(path, requests, device=CPU, **settings) -> list:
     """The requests' events from an engine without drafts that reuses nothing."""
     engine = load_engine(path, EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16, prefix_reuse=False,
-                                              **settings), device=CPU)
+                                              **settings), device=device)
     try:
         return run_all(engine, requests)
     finally:
         engine.shutdown()
 
 
-def _mtp_engine(path, oracle: OracleProposer, max_concurrency: int = 1, overlap: bool = True, **settings):
+def _mtp_engine(path, oracle: OracleProposer, max_concurrency: int = 1, overlap: bool = True, device=CPU,
+                **settings):
     """An MTP engine whose drafts are the oracle's, host and device side (module docstring)."""
     engine = load_engine(path, EngineSettings(max_context=256, kv_capacity=1024, max_concurrency=max_concurrency,
                                               prefill_chunk=16, draft_tokens=3, spec="mtp", overlap_rounds=overlap,
                                               **settings),
-                         device=CPU)
+                         device=device)
     mtp = engine.proposer
     propose = mtp.propose
 
@@ -62,15 +64,17 @@ def _mtp_engine(path, oracle: OracleProposer, max_concurrency: int = 1, overlap:
 
 @pytest.mark.parametrize("max_concurrency", [1, 3])
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_queued_rounds_decode_as_without_drafts(tiny_qwen_mtp_path, max_concurrency, sampling):
+def test_queued_rounds_decode_as_without_drafts(tiny_qwen_mtp_path, max_concurrency, sampling, device=CPU):
     """Rounds queued before the read back commit exactly the tokens decoding without drafts gives, at one and at
     three rows a batch; the same run with queueing off agrees round for round."""
     requests = lambda: _requests("r", 40, sampling)  # noqa: E731
-    base = _plain(tiny_qwen_mtp_path, requests())
+    # one request at a time on CUDA: a batch's size picks its kernels' configs, so a plain run's rounding matches a
+    # speculative one's only at the same batch sizes (tests/test_speculative.py, the CUDA tests)
+    base = _plain(tiny_qwen_mtp_path, requests(), device=device)
     oracle = OracleProposer({f"r{i}": token_ids(e) for i, e in enumerate(base)}, corrupt=0.25, vocab=900, seed=4)
     runs = {}
     for overlap in (True, False):
-        engine = _mtp_engine(tiny_qwen_mtp_path, oracle, max_concurrency, overlap=overlap)
+        engine = _mtp_engine(tiny_qwen_mtp_path, oracle, max_concurrency, overlap=overlap, device=device)
         try:
             events = run_all(engine, requests())
         finally:
@@ -87,6 +91,15 @@ def test_queued_rounds_decode_as_without_drafts(tiny_qwen_mtp_path, max_concurre
     assert c.spec_accepted_tokens > c.spec_rounds  # long accepted runs, in queued rounds too
     assert (c.spec_rounds, c.spec_accepted_tokens) == (unqueued.counters.spec_rounds,
                                                        unqueued.counters.spec_accepted_tokens)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_queued_rounds_decode_as_without_drafts_on_cuda(tiny_qwen_mtp_path, sampling):
+    """The same on CUDA, one row a batch: verify, sampler and MTP head graphs replayed over rows derived on the
+    device, the read back through pinned memory while the next round runs."""
+    test_queued_rounds_decode_as_without_drafts(tiny_qwen_mtp_path, 1, sampling, device=torch.device("cuda"))
 
 
 def test_a_stop_token_inside_a_queued_round_leaves_a_context_the_next_turn_reuses_exactly(tiny_qwen_mtp_path):
