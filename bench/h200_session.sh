@@ -279,6 +279,23 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
             --max-tokens 256 > $out/overlap_${value}_$run.log 2>&1
         done
       done ;;
+    debug_overlap)  # s39: seeded and greedy output with and without queued rounds, where the first difference lies
+      timeout 200 python3 bench/debug_overlap_seeded.py /tmp/tiny-mtp.ninfer > $out/debug_overlap.log 2>&1 ;;
+    timeline_overlap)  # s39: MTP3 at C=1 (NVFP4 heads, acceptance 3.0, 128 tokens) under the profiler's timeline, without
+      # queued rounds then with them: the GPU's idle time a round (bench/gpu_timeline.py)
+      for value in 0 1; do
+        NINFER_OVERLAP_ROUNDS=$value timeout 150 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
+          --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 \
+          --max-tokens 128 --timeline > $out/timeline_overlap_$value.log 2>&1
+      done ;;
+    overlap_pairs)  # s39: overlap_lm_head's pair (queued rounds off, on), then overlap_ab's first pair
+      for head in --nvfp4-lm-head ""; do
+        for value in 0 1; do
+          NINFER_OVERLAP_ROUNDS=$value timeout 110 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 $head \
+            --with-mtp --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 \
+            --max-tokens 256 > $out/pair_${head:-bf16}_$value.log 2>&1
+        done
+      done ;;
     overlap_lm_head)  # s39: overlap_ab's runs on an artifact whose lm_head is NVFP4 too, with queued rounds then without
       for value in 1 0; do
         NINFER_OVERLAP_ROUNDS=$value timeout 120 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
