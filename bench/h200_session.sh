@@ -280,7 +280,7 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
         done
       done ;;
     debug_overlap)  # s39: seeded and greedy output with and without queued rounds, where the first difference lies
-      timeout 200 python3 bench/debug_overlap_seeded.py /tmp/tiny-mtp.ninfer > $out/debug_overlap.log 2>&1 ;;
+      timeout 130 python3 bench/debug_overlap_seeded.py /tmp/tiny-mtp.ninfer > $out/debug_overlap.log 2>&1 ;;
     timeline_overlap)  # s39: MTP3 at C=1 (NVFP4 heads, acceptance 3.0, 128 tokens) under the profiler's timeline, without
       # queued rounds then with them: the GPU's idle time a round (bench/gpu_timeline.py)
       for value in 0 1; do

@@ -1231,7 +1231,7 @@ def test_a_multi_turn_workload_decodes_as_without_drafts(tiny_qwen_path, tiny_qw
         path, k, reference = _block_drafter_artifact(tiny_qwen_path, tmp_path / spec, spec), 4, _reference_block
     settings = EngineSettings(max_context=256, max_concurrency=4, prefill_chunk=16, page_size=4, kv_capacity=kv_capacity,
                               state_slots=10, draft_tokens=k, spec=spec, adaptive_drafts=adaptive,
-                              host_context_bytes=host_budget, pending_timeout_ms=10**9)
+                              host_context_bytes=host_budget, pending_timeout_ms=10**9, overlap_rounds=True)
     engine = load_engine(path, settings, device=CPU)
     # the same KV pool: a request longer than the pool ends where it fills (finish reason "context"), drafts or not
     plain = load_engine(path, EngineSettings(max_context=256, max_concurrency=1, prefill_chunk=16, prefix_reuse=False,

@@ -52,7 +52,7 @@ from ninfer.engine.types import (
 )
 
 log = logging.getLogger("ninfer.engine")
-OVERLAP_ENV = "NINFER_OVERLAP_ROUNDS"  # "0": never queue a verify round before the last one is read back (A/B)
+OVERLAP_ENV = "NINFER_OVERLAP_ROUNDS"  # "1" / "0": queue verify rounds before the last read back or not (over settings)
 
 GENERIC_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0}
@@ -88,8 +88,9 @@ class EngineSettings:
     # server turns it on; off, every decode row drafts up to draft_tokens
     adaptive_drafts: bool = False
     # queue a verify round before the one before it is read back, from inputs derived on the device (the MTP head
-    # drafting ahead; Engine._queue_next_round); NINFER_OVERLAP_ROUNDS=0 turns it off too
-    overlap_rounds: bool = True
+    # drafting ahead; Engine._queue_next_round). Off by default: on two H100s it cost ~1 % at C=1 (s39), the device
+    # already busy through the host's part of a round; NINFER_OVERLAP_ROUNDS=1 / 0 overrides this setting
+    overlap_rounds: bool = False
     vision: bool = False  # --vision: the artifact's vision tower is loaded and requests may carry media
 
 
@@ -159,8 +160,9 @@ class Engine:
         if hasattr(self.proposer, "bind"):
             self.proposer.bind(self.runner)
         self.hybrid = slots is not None
-        self.overlap = bool(settings.overlap_rounds and os.environ.get(OVERLAP_ENV, "1") != "0"
-                            and hasattr(self.proposer, "ahead_drafts"))
+        env = os.environ.get(OVERLAP_ENV)
+        self.overlap = (settings.overlap_rounds if env not in ("0", "1") else env == "1") and hasattr(
+            self.proposer, "ahead_drafts")
         self._queued: tuple[StepPlan, Launch] | None = None  # the next round, queued before this one's read back
         self._decided: tuple[tuple[str, ...], int] | None = None  # the draft controller's call made while queueing
         self.queued_rounds = 0  # rounds queued before the last one was read back
