@@ -180,3 +180,38 @@ def test_a_request_cancelled_while_its_round_is_queued_leaves_the_others_exact(t
     assert [token_ids(events[i]) for i in (0, 2)] == [token_ids(base[i]) for i in (0, 2)]
     assert engine.dropped_rows > 0
     assert_no_leak(engine)
+
+
+def test_a_row_whose_commit_falls_short_of_its_queued_round_is_rebuilt_by_replay(tiny_qwen_mtp_path):
+    """The engine's safety net (Engine._adopt_queued): a request that goes on after committing less than the device
+    assumed when it queued the next round (never expected: _may_queue keeps rows near a thinking budget's end out,
+    whose closing suffix replaces the samples) has lost the state that round overwrote, so it is paused and rebuilt
+    by replay. With the budget check taken out of _may_queue the case happens; output still equals decoding without
+    drafts, token for token."""
+    def requests():
+        return [EngineRequest(f"t{i}", p, max_tokens=60, sampling=GREEDY, thinking=True, thinking_budget=budget)
+                for i, (p, budget) in enumerate(zip(mixed_prompts(3), (9, 14, 21)))]
+
+    base = _plain(tiny_qwen_mtp_path, requests())
+    assert all(e[-1].thinking_budget_applied for e in base)
+    oracle = OracleProposer({f"t{i}": token_ids(e) for i, e in enumerate(base)}, vocab=900)
+    engine = _mtp_engine(tiny_qwen_mtp_path, oracle)
+    may_queue = engine._may_queue
+
+    def ignoring_budgets(seq, tokens):
+        control = seq.controller
+        budget, control.budget = control.budget, None
+        try:
+            return may_queue(seq, tokens)
+        finally:
+            control.budget = budget
+
+    engine._may_queue = ignoring_budgets
+    try:
+        events = run_all(engine, requests())
+    finally:
+        engine.shutdown()
+    assert [token_ids(e) for e in events] == [token_ids(e) for e in base]
+    assert all(e[-1].thinking_budget_applied for e in events)
+    assert engine.dropped_rows > 0 and any(e[-1].preemptions > 0 for e in events)  # rebuilt by replay
+    assert_no_leak(engine)
