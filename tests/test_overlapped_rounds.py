@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import assert_no_leak, mixed_prompts, run_all, token_ids
-from kernel_markers import needs_cuda
+from kernel_markers import needs_cuda, needs_interpreter
 
 from ninfer.engine.engine import EngineSettings
 from ninfer.engine.loader import load_engine
@@ -217,3 +217,38 @@ def test_a_row_whose_commit_falls_short_of_its_queued_round_is_rebuilt_by_replay
     assert all(e[-1].thinking_budget_applied for e in events)
     assert engine.dropped_rows > 0 and any(e[-1].preemptions > 0 for e in events)  # rebuilt by replay
     assert_no_leak(engine)
+
+
+@needs_interpreter
+def test_the_fused_advance_rewrites_the_rows_as_the_torch_one():
+    """kernels.triton_next_round (CUDA's one launch) against next_round.advance_rows' torch path, under Triton's
+    interpreter: every accepted count from 0 to the width, stop tokens before, at and after the accepted run, and
+    rows without stop tokens; each buffer of the static rows and the committed counts equal."""
+    from ninfer.engine.graphs import VerifyInputs
+    from ninfer.engine.next_round import advance_rows
+    from ninfer.kernels.triton_next_round import advance_rows_fused
+
+    gen = torch.Generator().manual_seed(3)
+    b, w, pages, page_size = 5, 4, 8, 4
+    for stops_wide in (0, 1, 3):
+        rows = VerifyInputs(b, w, pages, CPU)
+        rows.i64.copy_(torch.randint(0, 50, rows.i64.shape, generator=gen))
+        rows.i32.copy_(torch.randint(0, 9, rows.i32.shape, generator=gen, dtype=torch.int32))
+        ids, pos, _, _, _, _ = rows._views64(rows.i64)
+        pos[: b * w] = (torch.arange(b)[:, None] * 3 + torch.arange(w)[None, :]).reshape(-1)  # within the table
+        samples = torch.randint(0, 50, (b, w), generator=gen)
+        grid = ids[: b * w].view(b, w)
+        for i in range(b):  # row i accepts min(i, w - 1) drafts
+            grid[i, 1: 1 + min(i, w - 1)] = samples[i, : min(i, w - 1)]
+        stop_ids = torch.randint(0, 50, (b, stops_wide), generator=gen)
+        if stops_wide:
+            stop_ids[1, 0] = samples[1, 0]  # a stop token inside the accepted run
+            stop_ids[4, -1] = samples[4, w - 1]  # the bonus token is a stop token
+        drafts = torch.randint(0, 50, (b, w - 1), generator=gen)
+        fused = VerifyInputs(b, w, pages, CPU)
+        fused.i64.copy_(rows.i64)
+        fused.i32.copy_(rows.i32)
+        want = advance_rows(rows, b, w, samples.reshape(-1), drafts, stop_ids, page_size)
+        got = advance_rows_fused(fused, b, w, samples.reshape(-1), drafts, stop_ids, page_size)
+        assert got.tolist() == want.tolist()
+        assert torch.equal(fused.i64, rows.i64) and torch.equal(fused.i32, rows.i32)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ninfer.engine.graphs import VerifyInputs
+from ninfer.kernels.backend import use_triton
 
 
 def committed_counts(ids: torch.Tensor, samples: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,12 @@ def host_committed_count(drafts: list[int], sampled: list[int], stop_ids: set[in
 def advance_rows(rows: VerifyInputs, b: int, w: int, samples: torch.Tensor, drafts: torch.Tensor,
                  stop_ids: torch.Tensor, page_size: int) -> torch.Tensor:
     """Rewrite the first b rows of a verify round (width w) in place into the next round's: samples [b * w] the
-    round's sampled tokens, drafts [b, >= w-1] the next drafts. Returns the committed counts [b] (device)."""
+    round's sampled tokens, drafts [b, >= w-1] the next drafts. Returns the committed counts [b] (device). On CUDA
+    one Triton launch (kernels.triton_next_round) computes the same."""
+    if use_triton(rows.i64):
+        from ninfer.kernels.triton_next_round import advance_rows_fused
+
+        return advance_rows_fused(rows, b, w, samples, drafts, stop_ids, page_size)
     ids, pos, slots, own, scratch, _ = rows._views64(rows.i64)
     seq_lens, row_lens, table = rows._views32(rows.i32)
     ids, pos, slots = ids[: b * w].view(b, w), pos[: b * w].view(b, w), slots[: b * w].view(b, w)
