@@ -165,6 +165,7 @@ class Engine:
             self.proposer, "ahead_drafts")
         self._queued: tuple[StepPlan, Launch] | None = None  # the next round, queued before this one's read back
         self._decided: tuple[tuple[str, ...], int] | None = None  # the draft controller's call made while queueing
+        self._stop_tables: dict[tuple, torch.Tensor] = {}  # queued rounds' stop tokens, by the rows' sets (_stop_rows)
         self.queued_rounds = 0  # rounds queued before the last one was read back
         self.dropped_rows = 0  # rows of such rounds not committed (the request ended, or a commit fell short)
         model_cache = self.runner.cache
@@ -488,14 +489,23 @@ class Engine:
             self.kv.grow(seq, upto)
         queued = StepPlan(decode=[SeqWork(w.seq, w.start, [w.tokens[0]], decode=True, draft_budget=k) for w in works],
                           want_hidden=True)
-        stops = [sorted(w.seq.controller.eos_ids) for w in works]
-        wide = max(map(len, stops))
-        stop_ids = runner._tensor([s + [-1] * (wide - len(s)) for s in stops], torch.long)
-        nxt = runner.launch_next_round(queued, launched, drafts, stop_ids,
+        nxt = runner.launch_next_round(queued, launched, drafts, self._stop_rows(works),
                                        [w.seq.pages for w in works] if grow else None)
         self.proposer.draft_ahead(queued, nxt.tokens[-1], rows=rows)
         self.queued_rounds += 1
         return queued, nxt
+
+    def _stop_rows(self, works) -> torch.Tensor:
+        """The rows' stop tokens [b, E] on the device (-1 pads), uploaded once per distinct set of rows."""
+        stops = tuple(tuple(sorted(w.seq.controller.eos_ids)) for w in works)
+        table = self._stop_tables.get(stops)
+        if table is None:
+            wide = max(map(len, stops))
+            table = self.runner._tensor([list(s) + [-1] * (wide - len(s)) for s in stops], torch.long)
+            if len(self._stop_tables) >= 64:  # request-specific sets: keep the table small
+                self._stop_tables.clear()
+            self._stop_tables[stops] = table
+        return table
 
     def _queue_waits(self) -> bool:
         """Whether the scheduler has someone to bind or restore (it plans only between unqueued rounds)."""

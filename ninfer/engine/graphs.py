@@ -217,6 +217,12 @@ class VerifyInputs(StaticInputs):
             table[i, : len(pages)] = pages
         self.upload()
 
+    def host_batch(self, b: int) -> ForwardBatch:
+        """`batch(b)` with its lengths also on the host, for the CPU's reference kernels (where reading them is free)."""
+        batch = self.batch(b)
+        batch.seq_lens_cpu, batch.row_seq_lens_cpu = batch.seq_lens.tolist(), batch.row_seq_lens.tolist()
+        return batch
+
     def load_pages(self, page_tables: list[list[int]], upload) -> None:
         """Rewrite the first rows' page tables on the device alone (queued copies, no host image): pages that
         sequences gained after their rows were loaded. upload(values, dtype): a device tensor of the values."""

@@ -447,11 +447,7 @@ class MTPProposer:
         if self._graphable(seqs, positions) and b <= runner.decode_graph_inputs.max_batch:
             result = self._ahead_replay(rows, b, samples, drafts, width)
         elif runner.device.type == "cpu":  # the same computation, eagerly (CPU tests and the embedded model)
-            if isinstance(rows, VerifyInputs):
-                batch = rows.batch(b)
-                batch.seq_lens_cpu, batch.row_seq_lens_cpu = batch.seq_lens.tolist(), batch.row_seq_lens.tolist()
-            else:
-                batch = ForwardBatch.for_verify(rows)
+            batch = rows.host_batch(b) if isinstance(rows, VerifyInputs) else ForwardBatch.for_verify(rows)
             result = self._ahead_forward(batch, b, width, samples.reshape(-1).long(), runner.last_hidden[: b * width],
                                          drafts)
         else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ninfer.engine.graphs import VerifyInputs
+from ninfer.engine.speculative import accepted_prefix
 from ninfer.kernels.backend import use_triton
 
 
@@ -35,9 +36,7 @@ def committed_counts(ids: torch.Tensor, samples: torch.Tensor, stop_ids: torch.T
 
 def host_committed_count(drafts: list[int], sampled: list[int], stop_ids: set[int]) -> int:
     """`committed_counts` of one row, on the host (the engine checks its commit against it)."""
-    n = 0
-    while n < len(drafts) and drafts[n] == sampled[n]:
-        n += 1
+    n = accepted_prefix(drafts, sampled)
     for j, token in enumerate(sampled[: n + 1]):
         if token in stop_ids:
             return j + 1

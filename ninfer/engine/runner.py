@@ -701,8 +701,7 @@ class ModelRunner:
             self.last_hidden, self.last_all_hidden = entry.hidden, entry.all_hidden
             return entry.logits
         self.eager_steps += 1
-        batch = inputs.batch(b)
-        batch.seq_lens_cpu, batch.row_seq_lens_cpu = batch.seq_lens.tolist(), batch.row_seq_lens.tolist()
+        batch = inputs.host_batch(b)
         with self._verify_shapes(b):
             return self._logits(batch)
 

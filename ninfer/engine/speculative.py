@@ -158,6 +158,7 @@ class OracleProposer:
         self.corrupt = corrupt
         self.vocab = vocab
         self.seed = seed
+        self._device_rows: dict[tuple, object] = {}  # _device_drafts' tensors
 
     def _replacement(self, request_id: str, position: int, token: int) -> int:
         """The draft at `position` of this request's output: `token`, or with probability `corrupt` another. The
@@ -226,8 +227,7 @@ class OracleProposer:
 
         known = self.continuations.get(request_id, [])
         key = (request_id, id(known), len(known), self.corrupt, self.seed, length)
-        cache = self.__dict__.setdefault("_device_rows", {})
-        if key not in cache:
+        if key not in self._device_rows:
             drafts = self.drafts(_At(request_id, 0), length)
-            cache[key] = runner._tensor(drafts + [0] * (length - len(drafts)), torch.long)
-        return cache[key]
+            self._device_rows[key] = runner._tensor(drafts + [0] * (length - len(drafts)), torch.long)
+        return self._device_rows[key]
