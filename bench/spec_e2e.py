@@ -492,6 +492,8 @@ def main() -> None:
         if mtp is not None:  # rows whose drafts the head queued behind the verify (MTPProposer.draft_ahead)
             counts["ahead_rows"] = mtp.ahead_rounds - ahead_before
             counts["queued_rounds"] = engine.queued_rounds - queued_before  # queued before the last read back
+        if engine.overlap_choice is not None:  # queueing timed both ways: what it chose per batch size
+            counts["overlap_chosen"] = {str(b): on for b, on in sorted(engine.overlap_choice.decided().items())}
         if hostlog.enabled:
             counts["host_us"] = hostlog.take()
         if choices.enabled:
@@ -501,7 +503,7 @@ def main() -> None:
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
          exact_verify=settings.exact_verify, with_mtp=args.with_mtp, draft_head=args.draft_head,
          nvfp4_mtp=args.nvfp4_mtp, nvfp4_draft_head=args.nvfp4_draft_head, nvfp4_lm_head=args.nvfp4_lm_head,
-         adaptive=args.adaptive, reference=args.reference, overlap_rounds=engine.overlap,
+         adaptive=args.adaptive, reference=args.reference, overlap_rounds="timed" if engine.overlap_choice is not None else engine.overlap,
          free_samples=args.with_mtp and args.adaptive and not args.no_free_samples,
          graph_status=engine.runner.graph_status, nvfp4_gemv=engine.runner.nvfp4_status,
          **({"mtp_graphs": len(engine.proposer.mtp._graphs), "mtp_capture_s": round(engine.proposer.mtp.capture_seconds, 3),

@@ -106,6 +106,53 @@ def test_queued_rounds_decode_as_without_drafts_on_cuda(tiny_qwen_mtp_path, samp
     test_queued_rounds_decode_as_without_drafts(tiny_qwen_mtp_path, 1, sampling, device=torch.device("cuda"))
 
 
+def test_the_timed_choice_switches_queueing_mid_request_and_output_stays_exact(tiny_qwen_mtp_path):
+    """Under the timed choice (overlap_rounds=None, the CUDA default) the engine alternates rounds without and with
+    queueing (tries of two rounds here, tried again every three): every switch, a queued round followed by an
+    unqueued one and the reverse, commits what decoding without drafts commits, and both ways get timed."""
+    from ninfer.timed_choice import TimedChoice
+
+    base = _plain(tiny_qwen_mtp_path, _requests("r", 40, n=3))
+    oracle = OracleProposer({f"r{i}": token_ids(e) for i, e in enumerate(base)}, corrupt=0.25, vocab=900, seed=4)
+    engine = _mtp_engine(tiny_qwen_mtp_path, oracle)
+    engine.overlap_choice = TimedChoice((False, True), what="queued verify rounds", trial=2, revisit=3, max_gap=1.0)
+    try:
+        events = run_all(engine, _requests("r", 40, n=3))
+    finally:
+        engine.shutdown()
+    assert [token_ids(e) for e in events] == [token_ids(e) for e in base]
+    choice = engine.overlap_choice._choices[1]
+    assert choice.decided and all(choice.times[on] for on in (False, True))
+    assert 0 < engine.queued_rounds < engine.counters.spec_rounds  # some rounds queued, some not
+    assert_no_leak(engine)
+
+
+def test_queueing_is_timed_on_cuda_only_unless_a_setting_or_the_environment_fixes_it(monkeypatch):
+    """overlap_rounds None (the default) times queueing both ways on CUDA and leaves it off on the CPU, where a forward
+    runs as it is launched; True / False or NINFER_OVERLAP_ROUNDS=1 / 0 / auto decide otherwise; a drafter that does
+    not draft ahead never queues."""
+    from types import SimpleNamespace
+
+    from ninfer.engine.engine import OVERLAP_ENV, Engine
+
+    def setting(device: str, value, env=None, drafts_ahead=True):
+        if env is None:
+            monkeypatch.delenv(OVERLAP_ENV, raising=False)
+        else:
+            monkeypatch.setenv(OVERLAP_ENV, env)
+        proposer = SimpleNamespace(ahead_drafts=None) if drafts_ahead else object()
+        on, choice = Engine._overlap_setting(SimpleNamespace(proposer=proposer, device=torch.device(device)),
+                                             EngineSettings(overlap_rounds=value))
+        return on, choice is not None
+
+    assert setting("cuda", None) == (True, True)
+    assert setting("cpu", None) == (False, False)
+    assert setting("cuda", False) == (False, False) and setting("cpu", True) == (True, False)
+    assert setting("cuda", None, env="0") == (False, False) and setting("cuda", False, env="1") == (True, False)
+    assert setting("cuda", False, env="auto") == (True, True) and setting("cpu", True, env="auto") == (False, False)
+    assert setting("cuda", None, drafts_ahead=False) == (False, False)
+
+
 def test_a_stop_token_inside_a_queued_round_leaves_a_context_the_next_turn_reuses_exactly(tiny_qwen_mtp_path):
     """Each request ends on a stop token inside an accepted run while the round after it is queued (the device
     cuts its commit at the stop token as the host does), so its recurrent state is the one at its end: the

@@ -50,9 +50,12 @@ from ninfer.engine.types import (
     ThinkingControl,
     VisionDisabledError,
 )
+from ninfer.timed_choice import TimedChoice
 
 log = logging.getLogger("ninfer.engine")
-OVERLAP_ENV = "NINFER_OVERLAP_ROUNDS"  # "1" / "0": queue verify rounds before the last read back or not (over settings)
+OVERLAP_ENV = "NINFER_OVERLAP_ROUNDS"  # "1" / "0" / "auto": EngineSettings.overlap_rounds True / False / None
+OVERLAP_TRIAL = 16  # rounds a try of queueing (or not) takes, per batch size; their median cycle decides
+OVERLAP_REVISIT = 1024  # rounds of the faster way before both are tried again (the host's load changes)
 
 GENERIC_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0}
@@ -88,9 +91,11 @@ class EngineSettings:
     # server turns it on; off, every decode row drafts up to draft_tokens
     adaptive_drafts: bool = False
     # queue a verify round before the one before it is read back, from inputs derived on the device (the MTP head
-    # drafting ahead; Engine._queue_next_round). Off by default: on two H100s it cost ~1 % at C=1 (s39), the device
-    # already busy through the host's part of a round; NINFER_OVERLAP_ROUNDS=1 / 0 overrides this setting
-    overlap_rounds: bool = False
+    # drafting ahead; Engine._queue_next_round). None (the default): on CUDA chosen per batch size by timing the
+    # engine's own rounds both ways (OVERLAP_TRIAL; on two H100s queueing cost ~1 % at C=1, the device already busy
+    # through the host's part of a round, s39; on the H200 that part outlasted the drafts ahead, s38), off on the
+    # CPU (its forward runs as it is launched: nothing to overlap). NINFER_OVERLAP_ROUNDS=1 / 0 / auto overrides it
+    overlap_rounds: bool | None = None
     vision: bool = False  # --vision: the artifact's vision tower is loaded and requests may carry media
 
 
@@ -160,9 +165,8 @@ class Engine:
         if hasattr(self.proposer, "bind"):
             self.proposer.bind(self.runner)
         self.hybrid = slots is not None
-        env = os.environ.get(OVERLAP_ENV)
-        self.overlap = (settings.overlap_rounds if env not in ("0", "1") else env == "1") and hasattr(
-            self.proposer, "ahead_drafts")
+        self.overlap, self.overlap_choice = self._overlap_setting(settings)
+        self._overlap_now = False  # this step's call (_overlap_step)
         self._queued: tuple[StepPlan, Launch] | None = None  # the next round, queued before this one's read back
         self._decided: tuple[tuple[str, ...], int] | None = None  # the draft controller's call made while queueing
         self._stop_tables: dict[tuple, torch.Tensor] = {}  # queued rounds' stop tokens, by the rows' sets (_stop_rows)
@@ -394,8 +398,10 @@ class Engine:
                         self._finish(seq, FinishReason.CONTEXT)
                 worked = not plan.empty
                 if plan.prefill is not None or plan.decode or plan.before or plan.after:
+                    self._overlap_now = self._overlap_step(plan)
                     self.work.run_step("decode" if plan.decode else "prefill",
                                        lambda plan=plan, queued=queued: self._step(plan, queued and queued[1]))
+                    self._timed_round(plan)
                     if self.drafts_control is not None and plan.decode and plan.prefill is None:
                         width = max(len(w.tokens) for w in plan.decode)
                         self.drafts_control.step_time(len(plan.decode), width, time.perf_counter() - started)
@@ -406,6 +412,38 @@ class Engine:
             if not worked:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
+
+    def _overlap_setting(self, settings: EngineSettings) -> tuple[bool, TimedChoice | None]:
+        """(queue verify rounds, the timed choice that decides it per batch size when it is measured): from
+        NINFER_OVERLAP_ROUNDS over settings.overlap_rounds; only with a drafter that drafts ahead (the MTP head)."""
+        env = os.environ.get(OVERLAP_ENV, "").strip().lower()
+        wanted = {"1": True, "0": False, "auto": None}.get(env, settings.overlap_rounds)
+        if not hasattr(self.proposer, "ahead_drafts"):
+            return False, None
+        if wanted is None:
+            if self.device.type != "cuda":
+                return False, None
+            return True, TimedChoice((False, True), what="queued verify rounds", trial=OVERLAP_TRIAL,
+                                     revisit=OVERLAP_REVISIT, max_gap=0.001)
+        return wanted, None
+
+    def _overlap_step(self, plan: StepPlan) -> bool:
+        """Whether this step queues the next round (when it can): the setting, or the timed choice for its batch
+        size, this step's cycle timed under it (start to start; counted only for a step of full-width verify rows,
+        `_timed_round`)."""
+        if self.overlap_choice is None or not plan.decode or plan.prefill is not None:
+            return self.overlap
+        b = len(plan.decode)
+        on = self.overlap_choice.choose(b)
+        self.overlap_choice.begin(b, on, time.perf_counter())
+        return on
+
+    def _timed_round(self, plan: StepPlan) -> None:
+        """After a step `_overlap_step` timed: its cycle counts if every row verified k drafts (the rounds queueing
+        is for), else not (the next step's start then times nothing)."""
+        if self.overlap_choice is not None and plan.decode and plan.prefill is None and all(
+                len(w.tokens) == self.runner.draft_tokens + 1 for w in plan.decode):
+            self.overlap_choice.end(time.perf_counter())
 
     def _step(self, plan: StepPlan, launched: Launch | None = None) -> bool:
         """Copies, forwards, commits and the scheduler's update for one plan (launched: already queued, by
@@ -423,7 +461,7 @@ class Engine:
                     self.proposer.observe_deferred()
                 predicted = self._predicted(plan)
                 self.context.run(plan.after)
-            queued = self._queue_next_round(plan, launched) if self.overlap else None
+            queued = self._queue_next_round(plan, launched) if self._overlap_now else None
         with self.work.phase("device_wait"):
             output = self.runner.collect(plan, launched)
         with self.work.phase("engine_commit_output"):
