@@ -266,6 +266,36 @@ def test_a_row_whose_commit_falls_short_of_its_queued_round_is_rebuilt_by_replay
     assert_no_leak(engine)
 
 
+def test_a_device_that_advanced_a_row_otherwise_than_the_host_commits_costs_a_replay_not_a_token(
+        tiny_qwen_mtp_path, monkeypatch, caplog):
+    """The engine checks the counts the device advanced each queued row by (read back with the queued round) against
+    its own commit before it adopts the round. A device that counted otherwise (simulated: every fourth advance cuts
+    each row after its first token, as if that were a stop token) has the row rebuilt by replay: output still equals
+    decoding without drafts, and the log says what happened."""
+    from ninfer.engine import next_round
+
+    base = _plain(tiny_qwen_mtp_path, _requests("r", 40, n=3))
+    oracle = OracleProposer({f"r{i}": token_ids(e) for i, e in enumerate(base)}, corrupt=0.25, vocab=900, seed=4)
+    advance, calls = next_round.advance_rows, []
+
+    def miscounting(rows, b, w, samples, drafts, stop_ids, page_size):
+        calls.append(b)
+        if len(calls) % 4 == 0:
+            stop_ids = samples.view(b, w)[:, :1].to(stop_ids.dtype)
+        return advance(rows, b, w, samples, drafts, stop_ids, page_size)
+
+    monkeypatch.setattr(next_round, "advance_rows", miscounting)
+    engine = _mtp_engine(tiny_qwen_mtp_path, oracle)
+    try:
+        events = run_all(engine, _requests("r", 40, n=3))
+    finally:
+        engine.shutdown()
+    assert [token_ids(e) for e in events] == [token_ids(e) for e in base]
+    assert len(calls) >= 4 and engine.dropped_rows > 0 and any(e[-1].preemptions > 0 for e in events)
+    assert "the device advanced its queued round" in caplog.text
+    assert_no_leak(engine)
+
+
 @needs_interpreter
 def test_the_fused_advance_rewrites_the_rows_as_the_torch_one():
     """kernels.triton_next_round (CUDA's one launch) against next_round.advance_rows' torch path, under Triton's

@@ -481,7 +481,7 @@ class Engine:
             if counted:
                 lanes, ids = zip(*counted)
                 self.runner.count_tokens(list(lanes), list(ids))
-            as_queued = self._as_queued(plan, output, committed) if queued is not None else {}
+            as_queued = self._as_queued(plan, output, committed, queued[1]) if queued is not None else {}
             for seq, reason in finished:  # a state the queued round may have overwritten is not retained
                 self._finish(seq, reason, keep_state=as_queued.get(id(seq), True))
             if queued is not None:
@@ -564,17 +564,24 @@ class Engine:
                        and control.model_reasoning_tokens + tokens >= control.budget)
         return room >= tokens and not budget_near
 
-    def _as_queued(self, plan: StepPlan, output: RunnerOutput, committed: dict) -> dict[int, bool]:
+    def _as_queued(self, plan: StepPlan, output: RunnerOutput, committed: dict, queued: Launch) -> dict[int, bool]:
         """Per decode row of a round that had the next one queued behind it: whether the host committed what the
         device assumed when it queued that round (next_round.committed_counts: the accepted run, cut at a stop token,
-        every token as sampled). Where not, the queued round's states overwrote the one the commit ends at."""
+        every token as sampled), checked against the counts the device actually used (read back with the queued
+        round: a device that counted otherwise, never expected, costs a replay, not a wrong token). Where not, the
+        queued round's states overwrote the one the commit ends at."""
         offset = len(plan.works) - len(plan.decode)
+        device = queued.assumed_counts()
         agreed = {}
         for i, work in enumerate(plan.decode):
             seq, c = work.seq, committed.get(id(work.seq), 0)
             sampled = output.sampled[offset + i]
             expected = host_committed_count(work.draft_ids, sampled, seq.controller.eos_ids)
-            agreed[id(seq)] = c == expected and seq.output_ids[len(seq.output_ids) - c:] == sampled[:c]
+            if device[i] != expected:
+                log.error("request %s: the device advanced its queued round by %d tokens, the host counts %d",
+                          seq.request_id, device[i], expected)
+            agreed[id(seq)] = (c == expected == device[i]
+                               and seq.output_ids[len(seq.output_ids) - c:] == sampled[:c])
         return agreed
 
     def _adopt_queued(self, queued: StepPlan, launched: Launch, agreed: dict[int, bool]) -> None:

@@ -7,7 +7,8 @@ go to. Round n+1 of a row that commits c tokens starts at p + c with the target'
 (the bonus) and the drafter's next drafts; its state slot is the verify slot c-1 (the state after its last committed
 position), which trades places with the old one in the lane's verify slots: the same trade ModelRunner.rollback
 makes on the host once round n is read back, so the host's books and the device's agree whenever the host commits
-what the device assumed (the engine checks that; a row where it does not is never continued from these rows).
+what the device assumed (the engine checks that, against the counts the device used, read back before it adopts
+the round; a row where they differ is never continued from these rows).
 """
 
 from __future__ import annotations

@@ -91,7 +91,8 @@ class Launch:
     then the decode batch's), the logit rows' hidden states kept for drafters, the prefill's every-token ones, the
     verify's drafts still on the device, and the read back of the ids (and drafts) already queued into pinned host
     memory (`ready` once it has landed: collect waits for that, not for whatever was queued after it). verify: the
-    static rows the verify forward read (VerifyInputs, batch, width), which `launch_next_round` advances."""
+    static rows the verify forward read (VerifyInputs, batch, width), which `launch_next_round` advances. A queued
+    round also carries the counts the device assumed the round before it commits (`assumed_counts`)."""
 
     tokens: list[torch.Tensor] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
@@ -100,6 +101,15 @@ class Launch:
     host: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
     verify: tuple | None = None
+    assumed: torch.Tensor | None = None  # a queued round: the last round's committed counts it was derived from
+    assumed_ready: torch.cuda.Event | None = None
+
+    def assumed_counts(self) -> list[int]:
+        """The committed counts (one per row) the device derived this queued round's inputs from; waits for their
+        copy, queued right after they were computed (before this round's verify)."""
+        if self.assumed_ready is not None:
+            self.assumed_ready.synchronize()
+        return self.assumed.tolist()
 
 
 @dataclass(frozen=True)
@@ -723,6 +733,15 @@ class ModelRunner:
             inputs.load_pages(page_tables, self._tensor)
         committed = advance_rows(inputs, b, width, prev.tokens[-1], drafts, stop_ids, self.page_size)
         launch = Launch(verify=prev.verify)
+        # the counts the rows were advanced by, to the host before this round's verify runs: the engine checks them
+        # against its own commit of prev before it commits anything of this round
+        if self.device.type == "cuda":
+            launch.assumed = torch.empty(b, dtype=committed.dtype, pin_memory=True)
+            launch.assumed.copy_(committed, non_blocking=True)
+            launch.assumed_ready = torch.cuda.Event()
+            launch.assumed_ready.record()
+        else:
+            launch.assumed = committed
         ids = inputs.i64[: b * width].view(b, width)
         stage_drafts(plan.decode, [width - 1] * b, ids[:, 1:].clone())  # as verified: the read back brings them
         launch.staged = staged_drafts(plan.decode)
