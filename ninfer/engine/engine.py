@@ -431,7 +431,7 @@ class Engine:
         """Whether this step queues the next round (when it can): the setting, or the timed choice for its batch
         size, this step's cycle timed under it (start to start; counted only for a step of full-width verify rows,
         `_timed_round`)."""
-        if self.overlap_choice is None or not plan.decode or plan.prefill is not None:
+        if not self.overlap or self.overlap_choice is None or not plan.decode or plan.prefill is not None:
             return self.overlap
         b = len(plan.decode)
         on = self.overlap_choice.choose(b)
