@@ -494,6 +494,8 @@ def main() -> None:
             counts["queued_rounds"] = engine.queued_rounds - queued_before  # queued before the last read back
         if engine.overlap_choice is not None:  # queueing timed both ways: what it chose per batch size
             counts["overlap_chosen"] = {str(b): on for b, on in sorted(engine.overlap_choice.decided().items())}
+            counts["overlap_cycle_ms"] = {str(b): {("on" if on else "off"): round(1e3 * t, 3) for on, t in m.items()}
+                                          for b, m in sorted(engine.overlap_choice.medians().items())}
         if hostlog.enabled:
             counts["host_us"] = hostlog.take()
         if choices.enabled:

@@ -99,3 +99,7 @@ class TimedChoice:
     def decided(self) -> dict:
         """The measured best per key (keys with a round of tries ended)."""
         return {key: ch.best for key, ch in self._choices.items() if ch.decided}
+
+    def medians(self) -> dict:
+        """Per decided key, each candidate's median step cycle in its last try (seconds): what the choice rests on."""
+        return {key: {c: median(t) for c, t in ch.times.items() if t} for key, ch in self._choices.items() if ch.decided}
