@@ -296,6 +296,30 @@ def test_a_device_that_advanced_a_row_otherwise_than_the_host_commits_costs_a_re
     assert_no_leak(engine)
 
 
+def test_a_fused_advance_that_fails_falls_back_to_the_torch_ops(monkeypatch, caplog):
+    """next_round.advance_rows on a device where the fused kernel raises (a compile or launch failure; s40: it has not
+    run on a GPU yet) logs it once and advances with the torch ops, the same rows, from then on."""
+    pytest.importorskip("triton")
+    from ninfer.engine import next_round
+    from ninfer.engine.graphs import VerifyInputs
+    from ninfer.kernels import triton_next_round
+
+    def broken(*args):
+        raise RuntimeError("no kernel here")
+
+    rows, want = VerifyInputs(2, 4, 4, CPU), VerifyInputs(2, 4, 4, CPU)
+    samples, drafts, stops = torch.arange(8), torch.full((2, 3), 7), torch.full((2, 1), -1)
+    expected = next_round.advance_rows(want, 2, 4, samples, drafts, stops, 4)
+    monkeypatch.setattr(next_round, "_fused_failed", False)
+    monkeypatch.setattr(next_round, "use_triton", lambda t: True)
+    monkeypatch.setattr(triton_next_round, "advance_rows_fused", broken)
+    assert next_round.advance_rows(rows, 2, 4, samples, drafts, stops, 4).tolist() == expected.tolist()
+    assert torch.equal(rows.i64, want.i64) and torch.equal(rows.i32, want.i32)
+    assert next_round._fused_failed and caplog.text.count("fused next-round advance failed") == 1
+    next_round.advance_rows(rows, 2, 4, samples, drafts, stops, 4)
+    assert caplog.text.count("fused next-round advance failed") == 1
+
+
 @needs_interpreter
 def test_the_fused_advance_rewrites_the_rows_as_the_torch_one():
     """kernels.triton_next_round (CUDA's one launch) against next_round.advance_rows' torch path, under Triton's

@@ -13,11 +13,16 @@ the round; a row where they differ is never continued from these rows).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ninfer.engine.graphs import VerifyInputs
 from ninfer.engine.speculative import accepted_prefix
 from ninfer.kernels.backend import use_triton
+
+log = logging.getLogger("ninfer.engine")
+_fused_failed = False  # the fused advance raised once in this process: torch ops from then on
 
 
 def committed_counts(ids: torch.Tensor, samples: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
@@ -49,10 +54,15 @@ def advance_rows(rows: VerifyInputs, b: int, w: int, samples: torch.Tensor, draf
     """Rewrite the first b rows of a verify round (width w) in place into the next round's: samples [b * w] the
     round's sampled tokens, drafts [b, >= w-1] the next drafts. Returns the committed counts [b] (device). On CUDA
     one Triton launch (kernels.triton_next_round) computes the same."""
-    if use_triton(rows.i64):
+    global _fused_failed
+    if use_triton(rows.i64) and not _fused_failed:
         from ninfer.kernels.triton_next_round import advance_rows_fused
 
-        return advance_rows_fused(rows, b, w, samples, drafts, stop_ids, page_size)
+        try:
+            return advance_rows_fused(rows, b, w, samples, drafts, stop_ids, page_size)
+        except Exception:  # it did not compile or launch here (s40: not yet run on a GPU): the torch ops below
+            log.exception("the fused next-round advance failed; advancing queued rounds with torch ops from now on")
+            _fused_failed = True
     ids, pos, slots, own, scratch, _ = rows._views64(rows.i64)
     seq_lens, row_lens, table = rows._views32(rows.i32)
     ids, pos, slots = ids[: b * w].view(b, w), pos[: b * w].view(b, w), slots[: b * w].view(b, w)
