@@ -321,6 +321,33 @@ def test_a_fused_advance_that_fails_falls_back_to_the_torch_ops(monkeypatch, cap
 
 
 @needs_interpreter
+def test_the_start_up_warm_up_runs_the_fused_advance_over_the_verify_graph_rows(monkeypatch):
+    """Engine start-up compiles the fused advance over the one-sequence verify graph's static rows (next_round.warm_up)
+    so the first queued round does not wait for Triton; here through the interpreter, on rows of the graphs' shape."""
+    from types import SimpleNamespace
+
+    from ninfer.engine import next_round
+    from ninfer.engine.graphs import VerifyInputs
+
+    calls = []
+    fused = next_round.advance_rows
+
+    def counting(*args):
+        calls.append(args[1:3])
+        return fused(*args)
+
+    monkeypatch.setattr(next_round, "_fused_failed", False)
+    monkeypatch.setattr(next_round, "use_triton", lambda t: True)
+    monkeypatch.setattr(next_round, "advance_rows", counting)
+    rows = VerifyInputs(4, 4, 8, CPU)
+    runner = SimpleNamespace(draft_tokens=3, page_size=16, graphs={(1, 4): SimpleNamespace(inputs=rows)})
+    next_round.warm_up(runner, stops=2)
+    assert calls == [(1, 4)] and not next_round._fused_failed
+    next_round.warm_up(SimpleNamespace(draft_tokens=3, page_size=16, graphs={}), stops=2)  # no graphs (CPU): nothing
+    assert len(calls) == 1
+
+
+@needs_interpreter
 def test_the_fused_advance_rewrites_the_rows_as_the_torch_one():
     """kernels.triton_next_round (CUDA's one launch) against next_round.advance_rows' torch path, under Triton's
     interpreter: every accepted count from 0 to the width, stop tokens before, at and after the accepted run, and

@@ -18,7 +18,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from ninfer.engine import media_inputs, transfers
+from ninfer.engine import media_inputs, next_round, transfers
 from ninfer.engine.context_ops import ContextExecutor
 from ninfer.engine.counters import Counters, HostWork
 from ninfer.engine.emitter import loop_emitter
@@ -166,6 +166,8 @@ class Engine:
             self.proposer.bind(self.runner)
         self.hybrid = slots is not None
         self.overlap, self.overlap_choice = self._overlap_setting(settings)
+        if self.overlap:
+            next_round.warm_up(self.runner, len(settings.eos_ids))
         self._overlap_now = False  # this step's call (_overlap_step)
         self._queued: tuple[StepPlan, Launch] | None = None  # the next round, queued before this one's read back
         self._decided: tuple[tuple[str, ...], int] | None = None  # the draft controller's call made while queueing

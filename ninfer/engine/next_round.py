@@ -49,6 +49,20 @@ def host_committed_count(drafts: list[int], sampled: list[int], stop_ids: set[in
     return n + 1
 
 
+def warm_up(runner, stops: int) -> None:
+    """Compile the fused advance before serving, so the first queued round does not wait for Triton: once over the
+    static rows of the runner's one-sequence verify graph (rows of the real launches' shape, so the same compiled
+    variant; the next launch loads them afresh), with `stops` stop tokens a row (the engine's end-of-sequence set)."""
+    width = runner.draft_tokens + 1
+    entry = runner.graphs.get((1, width))
+    if entry is None or not use_triton(entry.inputs.i64):
+        return
+    device = entry.inputs.i64.device
+    advance_rows(entry.inputs, 1, width, torch.zeros(width, dtype=torch.long, device=device),
+                 torch.zeros(1, width - 1, dtype=torch.long, device=device),
+                 torch.full((1, max(stops, 1)), -1, dtype=torch.long, device=device), runner.page_size)
+
+
 def advance_rows(rows: VerifyInputs, b: int, w: int, samples: torch.Tensor, drafts: torch.Tensor,
                  stop_ids: torch.Tensor, page_size: int) -> torch.Tensor:
     """Rewrite the first b rows of a verify round (width w) in place into the next round's: samples [b * w] the
