@@ -174,6 +174,7 @@ class Engine:
         self._stop_tables: dict[tuple, torch.Tensor] = {}  # queued rounds' stop tokens, by the rows' sets (_stop_rows)
         self.queued_rounds = 0  # rounds queued before the last one was read back
         self.dropped_rows = 0  # rows of such rounds not committed (the request ended, or a commit fell short)
+        self.miscounted_rows = 0  # rows the device advanced by other counts than the host's (never expected)
         model_cache = self.runner.cache
         # host bytes for pause snapshots: --host-context-mib, else 8 GiB plus 8 state images
         host_budget = settings.host_context_bytes
@@ -580,6 +581,7 @@ class Engine:
             sampled = output.sampled[offset + i]
             expected = host_committed_count(work.draft_ids, sampled, seq.controller.eos_ids)
             if device[i] != expected:
+                self.miscounted_rows += 1
                 log.error("request %s: the device advanced its queued round by %d tokens, the host counts %d",
                           seq.request_id, device[i], expected)
             agreed[id(seq)] = (c == expected == device[i]
