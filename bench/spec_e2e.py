@@ -334,6 +334,10 @@ def main() -> None:
                         "the server's default); without it every round drafts --drafts tokens")
     p.add_argument("--no-free-samples", action="store_true",
                    help="with --with-mtp --adaptive: no free acceptance samples (DraftController.sample), as before s24")
+    p.add_argument("--overlap-modes", nargs="+", choices=["off", "on", "timed"],
+                   help="with --with-mtp: each acceptance's run once per mode, interleaved in this process (queued "
+                        "verify rounds never, always, or timed by the engine as on CUDA by default); a spec_e2e line "
+                        "and summary entry each (s38: a round's host time differed ~2x from one process to the next)")
     p.add_argument("--host-breakdown", action="store_true",
                    help="time the engine loop's parts (HostLog) and print them per decode step as host_us")
     p.add_argument("--fast-verify", action="store_true",
@@ -356,7 +360,7 @@ def main() -> None:
     import torch
 
     from ninfer.artifact.presets import instantiate_mtp
-    from ninfer.engine.engine import EngineSettings
+    from ninfer.engine.engine import EngineSettings, overlap_chooser
     from ninfer.engine.loader import engine_from_preset
     from ninfer.engine.mtp_proposer import MTPProposer
     from ninfer.engine.speculative import OracleProposer
@@ -511,6 +515,15 @@ def main() -> None:
          **({"mtp_graphs": len(engine.proposer.mtp._graphs), "mtp_capture_s": round(engine.proposer.mtp.capture_seconds, 3),
              "mtp_drafts_ahead": engine.proposer.mtp.drafts_ahead}
             if args.with_mtp else {}))
+    modes = args.overlap_modes or [None]
+    chooser = engine.overlap_choice or overlap_chooser()
+
+    def set_overlap(mode: str | None) -> None:
+        """--overlap-modes: queue verify rounds never, always, or as the engine's timed choice says (one chooser kept
+        across runs, as a serving engine keeps it); None leaves the engine as it started."""
+        if mode is not None:
+            engine.overlap, engine.overlap_choice = mode != "off", chooser if mode == "timed" else None
+
     summary = {}
     try:
         run(1)  # warm-up (first replays, allocator)
@@ -531,7 +544,9 @@ def main() -> None:
                 # every draft rejected: one token a row a step, so the batch over time is the plain run's; equal
                 # outputs say verify rows compute what decode rows do at every batch size the run passed through
                 emit(kind="spec_e2e_all_rejected", concurrency=c, output_equals_no_speculation=base == plain)
-            for warm, length in [(True, args.acceptance[0])] + [(False, a) for a in args.acceptance]:
+            for warm, length, mode in [(True, args.acceptance[0], m) for m in modes] + [
+                    (False, a, m) for a in args.acceptance for m in modes]:
+                set_overlap(mode)
                 oracle.continuations = {f"r{i}": ids for i, ids in enumerate(base)}
                 oracle.corrupt = corruption_for(oracle, [f"r{i}" for i in range(c)], length, args.drafts,
                                                 args.max_tokens)
@@ -551,8 +566,9 @@ def main() -> None:
                 same = outs == base
                 emit(kind="spec_e2e", concurrency=c, acceptance_target=length, acceptance_measured=measured,
                      corrupt=oracle.corrupt, decode_tok_s=rate, ratio=rate / base_rate if base_rate else None,
-                     output_equals_no_speculation=same, drafts_followed_target=settled, **counts)
-                summary[f"C{c}_L{length}"] = {"tok_s": round(rate, 1), "ratio": round(rate / base_rate, 3)
+                     output_equals_no_speculation=same, drafts_followed_target=settled,
+                     **({"overlap_mode": mode} if mode else {}), **counts)
+                summary[f"C{c}_L{length}" + (f"_{mode}" if mode else "")] = {"tok_s": round(rate, 1), "ratio": round(rate / base_rate, 3)
                                               if base_rate else None, "equal": same}
     finally:
         engine.shutdown()

@@ -99,6 +99,12 @@ class EngineSettings:
     vision: bool = False  # --vision: the artifact's vision tower is loaded and requests may carry media
 
 
+def overlap_chooser() -> TimedChoice:
+    """The timed choice between queueing verify rounds and not (EngineSettings.overlap_rounds None on CUDA)."""
+    return TimedChoice((False, True), what="queued verify rounds", trial=OVERLAP_TRIAL, revisit=OVERLAP_REVISIT,
+                       max_gap=0.001)
+
+
 def resolve_sampling(settings: EngineSettings, request: EngineRequest) -> ResolvedSampling:
     """Request values over process flags over the artifact's preset for the thinking mode; a seed is drawn
     when neither the request nor the process gives one. The router calls this too, to log what runs."""
@@ -424,10 +430,7 @@ class Engine:
         if not hasattr(self.proposer, "ahead_drafts"):
             return False, None
         if wanted is None:
-            if self.device.type != "cuda":
-                return False, None
-            return True, TimedChoice((False, True), what="queued verify rounds", trial=OVERLAP_TRIAL,
-                                     revisit=OVERLAP_REVISIT, max_gap=0.001)
+            return (True, overlap_chooser()) if self.device.type == "cuda" else (False, None)
         return wanted, None
 
     def _overlap_step(self, plan: StepPlan) -> bool:
