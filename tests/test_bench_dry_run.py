@@ -101,6 +101,18 @@ def test_spec_e2e_dry_run_keeps_outputs_equal_at_every_acceptance_length():
     assert all(0 < r["host_us"]["steps"] <= r["decode_steps"] and r["host_us"]["commit"] > 0 for r in drafted)
 
 
+def test_spec_e2e_dry_run_measures_each_queueing_mode_in_one_process():
+    """--overlap-modes: each acceptance's run with queued verify rounds off, on and timed by the engine, interleaved,
+    a line and summary entry each, outputs equal; only the runs allowed to queue do."""
+    records = _records("spec_e2e.py", "--with-mtp", "--overlap-modes", "off", "on", "timed")
+    runs = [r for r in records if r.get("acceptance_target")]
+    assert {r["overlap_mode"] for r in runs} == {"off", "on", "timed"}
+    assert all(r["queued_rounds"] == 0 for r in runs if r["overlap_mode"] == "off")
+    assert any(r["queued_rounds"] > 0 for r in runs if r["overlap_mode"] == "on")
+    summary = next(r for r in records if r["kind"] == "summary")
+    assert {k.rsplit("_", 1)[1] for k in summary["results"]} == {"off", "on", "timed"} and summary["all_outputs_equal"]
+
+
 def test_spec_phase_times_dry_run_times_the_drafting_calls():
     """bench/spec_phase_times.py: spec_e2e with timers around the step launches, verify forwards and MTP head
     passes; its last line names each timed call with its count."""
