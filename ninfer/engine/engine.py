@@ -174,6 +174,9 @@ class Engine:
         self.overlap, self.overlap_choice = self._overlap_setting(settings)
         if self.overlap:
             next_round.warm_up(self.runner, len(settings.eos_ids))
+        if hasattr(self.proposer, "ahead_drafts"):
+            log.info("queued verify rounds: %s", "timed per batch size" if self.overlap_choice is not None
+                     else ("on" if self.overlap else "off"))
         self._overlap_now = False  # this step's call (_overlap_step)
         self._queued: tuple[StepPlan, Launch] | None = None  # the next round, queued before this one's read back
         self._decided: tuple[tuple[str, ...], int] | None = None  # the draft controller's call made while queueing
