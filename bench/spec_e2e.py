@@ -165,11 +165,13 @@ class HostLog:
     rollback, ...), each wrapped in a timer, as microseconds per decode-only step: where a round's host time goes.
     Parts nest (`propose` and `launch` run inside the step; `observe_deferred` also inside `propose`), so they do
     not add up to the round. A step runs from one `_step` call to the next (a round queued during the step before
-    is not scheduled: s39); steps whose plan holds a prefill chunk are left out (s27: counted in, the prompt's eager prefill and its MTP observe put ~3.4 ms of launch
-    and ~0.3 ms of observe into every decode step's share)."""
+    is not scheduled: s39); steps whose plan holds a prefill chunk are left out (s27: counted in, the prompt's
+    eager prefill and its MTP observe put ~3.4 ms of launch and ~0.3 ms of observe into every decode step's
+    share)."""
 
     PARTS = {"step": (None, "_step"), "queue_next": (None, "_queue_next_round"),
-             "launch_next": ("runner", "launch_next_round"), "schedule": ("scheduler", "schedule"), "propose": (None, "_propose"), "launch": ("runner", "launch"),
+             "launch_next": ("runner", "launch_next_round"), "schedule": ("scheduler", "schedule"),
+             "propose": (None, "_propose"), "launch": ("runner", "launch"),
              "observe_deferred": ("proposer", "observe_deferred"), "collect": ("runner", "collect"),
              "commit": (None, "_commit"), "rollback": ("runner", "rollback"), "update": ("scheduler", "update"),
              "observe": ("proposer", "observe"), "finish": (None, "_finish"), "draft_ahead": ("proposer", "draft_ahead"),
@@ -509,7 +511,8 @@ def main() -> None:
     emit(kind="spec_e2e_setup", shape=args.shape, weights=args.weights, device=str(device), drafts=args.drafts,
          exact_verify=settings.exact_verify, with_mtp=args.with_mtp, draft_head=args.draft_head,
          nvfp4_mtp=args.nvfp4_mtp, nvfp4_draft_head=args.nvfp4_draft_head, nvfp4_lm_head=args.nvfp4_lm_head,
-         adaptive=args.adaptive, reference=args.reference, overlap_rounds="timed" if engine.overlap_choice is not None else engine.overlap,
+         adaptive=args.adaptive, reference=args.reference,
+         overlap_rounds="timed" if engine.overlap_choice is not None else engine.overlap,
          free_samples=args.with_mtp and args.adaptive and not args.no_free_samples,
          graph_status=engine.runner.graph_status, nvfp4_gemv=engine.runner.nvfp4_status,
          **({"mtp_graphs": len(engine.proposer.mtp._graphs), "mtp_capture_s": round(engine.proposer.mtp.capture_seconds, 3),
@@ -568,8 +571,9 @@ def main() -> None:
                      corrupt=oracle.corrupt, decode_tok_s=rate, ratio=rate / base_rate if base_rate else None,
                      output_equals_no_speculation=same, drafts_followed_target=settled,
                      **({"overlap_mode": mode} if mode else {}), **counts)
-                summary[f"C{c}_L{length}" + (f"_{mode}" if mode else "")] = {"tok_s": round(rate, 1), "ratio": round(rate / base_rate, 3)
-                                              if base_rate else None, "equal": same}
+                key = f"C{c}_L{length}" + (f"_{mode}" if mode else "")
+                summary[key] = {"tok_s": round(rate, 1), "ratio": round(rate / base_rate, 3) if base_rate else None,
+                                "equal": same}
     finally:
         engine.shutdown()
     emit(kind="summary", shape=args.shape, weights=args.weights, drafts=args.drafts, results=summary,

@@ -184,8 +184,8 @@ class ModelRunner:
         the recurrent state after each verified position there (ForwardBatch.verify_slots) and only reads the
         sequence's own slot, and `rollback` makes the accepted one the sequence's state slot (it trades slots
         with the lane). Leaving the own slot untouched is what lets the engine queue the next round's verify
-        before this one is read back: a row that turns out finished keeps its state (Engine, overlapped rounds). Verify forwards
-        of every batch size replay CUDA graphs of width draft_tokens + 1 (shorter rows padded).
+        before this one is read back: a row that turns out finished keeps its state (Engine, overlapped rounds).
+        Verify forwards of every batch size replay CUDA graphs of width draft_tokens + 1 (shorter rows padded).
         cache_spec: the cache to allocate (default the model's; a drafter may ride in it as extra layers).
         exact_verify: verified positions round exactly as plain decode steps (`verify`).
         feature_layers: the hidden states handed to drafters (RunnerOutput.hidden / prefill_hidden) are these
@@ -629,14 +629,17 @@ class ModelRunner:
             parts.append(launch.staged.table.reshape(-1).to(parts[-1].dtype))
         if not parts:
             return
-        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        launch.host, launch.ready = self._to_host(torch.cat(parts) if len(parts) > 1 else parts[0])
+
+    def _to_host(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A copy of `values` queued into pinned host memory, and the event after it (on the CPU: the values, None)."""
         if self.device.type != "cuda":
-            launch.host = flat
-            return
-        launch.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        launch.host.copy_(flat, non_blocking=True)
-        launch.ready = torch.cuda.Event()
-        launch.ready.record()
+            return values, None
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
 
     def _real_rows(self, tokens: torch.Tensor, rows: list[list[int]], width: int) -> torch.Tensor:
         """A padded verify batch's sampled tokens without the padding's rows (in order, as collect reads them)."""
@@ -675,7 +678,8 @@ class ModelRunner:
         entry = self.graphs.get((b, width))
         entry = entry if entry is not None and not mrope and entry.inputs.fits(seqs) else None
         # the graph's static rows, or on the CPU rows laid out alike: launch_next_round advances them on the device
-        static = entry.inputs if entry is not None else self._cpu_rows(width) if self.device.type == "cpu" and not mrope else None
+        cpu_rows = self.device.type == "cpu" and not mrope
+        static = entry.inputs if entry is not None else self._cpu_rows(width) if cpu_rows else None
         self.last_verify_rows = (static, b, width) if static is not None else None
         if static is not None:
             static.load(h)
@@ -735,13 +739,7 @@ class ModelRunner:
         launch = Launch(verify=prev.verify)
         # the counts the rows were advanced by, to the host before this round's verify runs: the engine checks them
         # against its own commit of prev before it commits anything of this round
-        if self.device.type == "cuda":
-            launch.assumed = torch.empty(b, dtype=committed.dtype, pin_memory=True)
-            launch.assumed.copy_(committed, non_blocking=True)
-            launch.assumed_ready = torch.cuda.Event()
-            launch.assumed_ready.record()
-        else:
-            launch.assumed = committed
+        launch.assumed, launch.assumed_ready = self._to_host(committed)
         ids = inputs.i64[: b * width].view(b, width)
         stage_drafts(plan.decode, [width - 1] * b, ids[:, 1:].clone())  # as verified: the read back brings them
         launch.staged = staged_drafts(plan.decode)
@@ -808,11 +806,11 @@ class ModelRunner:
     @torch.inference_mode()
     def rollback(self, works, committed: list[int], width: int | None = None) -> list[tuple[int, int]]:
         """After a verify forward of `width` tokens per row: a row that committed c tokens needs the recurrent
-        state after its position c-1, which the forward left in the lane's verify slot c-1. The two trade places: the verify slot becomes the sequence's state slot
-        and its old slot the lane's verify slot c-1, so no state moves (a copy would read and write a row's
-        151 MB of 27B state). Returns the trades (old slot, new slot), which the slot pool must follow
-        (SlotPool.exchange). Attention KV needs nothing: slots past the frontier are rewritten before anything
-        reads them. NINFER_ROLLBACK_COPY=1 copies the state back instead (the A/B of the trade)."""
+        state after its position c-1, which the forward left in the lane's verify slot c-1. The two trade places:
+        the verify slot becomes the sequence's state slot and its old slot the lane's verify slot c-1, so no state
+        moves (a copy would read and write a row's 151 MB of 27B state). Returns the trades (old slot, new slot),
+        which the slot pool must follow (SlotPool.exchange). Attention KV needs nothing: slots past the frontier are
+        rewritten before anything reads them. NINFER_ROLLBACK_COPY=1 copies the state back instead (the A/B of the trade)."""
         if self.cache.conv.shape[0] == 0:
             return []
         width = width or self.last_verify_width
