@@ -9,7 +9,7 @@ from ray import serve
 
 from ninfer.config import ServerConfig
 from ninfer.engine.types import EngineRequest
-from ninfer.server.engine_client import engine_events
+from ninfer.server.engine_client import engine_event_batches, engine_events
 from ninfer.server.metrics_board import BoardPublisher, replica_label
 from ninfer.server.request_log import ModelIdentity, RequestLog, server_start_fields
 from ninfer.server.startup import configure_logging, freeze_startup_objects, load_engine_for
@@ -41,9 +41,16 @@ class EngineDeployment:
                  freeze_startup_objects())
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[Any]:
-        """ACCEPTED, then engine events; a cancelled handle call cancels the request (frees its pages)."""
+        """ACCEPTED, then engine events one at a time; a cancelled handle call cancels the request (frees its
+        pages)."""
         async for item in engine_events(self.engine, request):
             yield item
+
+    async def stream_batches(self, request: EngineRequest) -> AsyncIterator[list[Any]]:
+        """`stream` in lists, each what the engine committed since the router last took one (the router's call:
+        a speculative round's tokens cross as one object)."""
+        async for batch in engine_event_batches(self.engine, request):
+            yield batch
 
     def ready(self) -> bool:
         return bool(self.engine.healthy)

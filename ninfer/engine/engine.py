@@ -21,6 +21,7 @@ import torch
 from ninfer.engine import media_inputs, next_round, transfers
 from ninfer.engine.context_ops import ContextExecutor
 from ninfer.engine.counters import Counters, HostWork
+from ninfer.engine.emitter import batched as batched_events
 from ninfer.engine.emitter import loop_emitter
 from ninfer.engine.kv_manager import KVManager
 from ninfer.engine.kv_pool import PagePool, SlotPool
@@ -394,33 +395,34 @@ class Engine:
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop:
-            try:
-                with self.work.phase("engine_boundary"):
-                    self._drain_inbox()
-                    self._expire_waiting()
-                    queued, self._queued = self._queued, None
-                    plan = queued[0] if queued is not None else self.scheduler.schedule()
-                    if self.proposer is not None:  # drafters read the target's hidden states
-                        plan.want_hidden = True
-                        plan.want_prefill_hidden = getattr(self.proposer, "wants_prefill_hidden", False)
-                    started = time.perf_counter()
-                    self._admitted(plan)
-                    self._preempted(plan)
-                    for seq in plan.starved:
-                        self._finish(seq, FinishReason.CONTEXT)
-                worked = not plan.empty
-                if plan.prefill is not None or plan.decode or plan.before or plan.after:
-                    self._overlap_now = self._overlap_step(plan)
-                    self.work.run_step("decode" if plan.decode else "prefill",
-                                       lambda plan=plan, queued=queued: self._step(plan, queued and queued[1]))
-                    self._timed_round(plan)
-                    if self.drafts_control is not None and plan.decode and plan.prefill is None:
-                        width = max(len(w.tokens) for w in plan.decode)
-                        self.drafts_control.step_time(len(plan.decode), width, time.perf_counter() - started)
-            except Exception as exc:  # an engine-wide failure: fail everything, report unhealthy
-                log.exception("engine step failed")
-                self._fail_all(exc)
-                return
+            with batched_events():  # this iteration's events wake each consumer loop once, at its end
+                try:
+                    with self.work.phase("engine_boundary"):
+                        self._drain_inbox()
+                        self._expire_waiting()
+                        queued, self._queued = self._queued, None
+                        plan = queued[0] if queued is not None else self.scheduler.schedule()
+                        if self.proposer is not None:  # drafters read the target's hidden states
+                            plan.want_hidden = True
+                            plan.want_prefill_hidden = getattr(self.proposer, "wants_prefill_hidden", False)
+                        started = time.perf_counter()
+                        self._admitted(plan)
+                        self._preempted(plan)
+                        for seq in plan.starved:
+                            self._finish(seq, FinishReason.CONTEXT)
+                    worked = not plan.empty
+                    if plan.prefill is not None or plan.decode or plan.before or plan.after:
+                        self._overlap_now = self._overlap_step(plan)
+                        self.work.run_step("decode" if plan.decode else "prefill",
+                                           lambda plan=plan, queued=queued: self._step(plan, queued and queued[1]))
+                        self._timed_round(plan)
+                        if self.drafts_control is not None and plan.decode and plan.prefill is None:
+                            width = max(len(w.tokens) for w in plan.decode)
+                            self.drafts_control.step_time(len(plan.decode), width, time.perf_counter() - started)
+                except Exception as exc:  # an engine-wide failure: fail everything, report unhealthy
+                    log.exception("engine step failed")
+                    self._fail_all(exc)
+                    return
             if not worked:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()

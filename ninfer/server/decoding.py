@@ -62,28 +62,36 @@ class Generation:
         self.tally = LiveTally(len(prompt.token_ids))
         self.outcome: Outcome | None = None
 
-    async def steps(self) -> AsyncIterator[ProgressEvent | OutputDelta]:
-        """Progress events and live decoder deltas; `outcome` is set once they end.
+    async def steps(self) -> AsyncIterator[list[ProgressEvent | OutputDelta]]:
+        """Progress events and live decoder deltas, a list per engine event list (a streamed response writes
+        each list at once); `outcome` is set once they end.
 
         Raises EngineError (a refusal after the stream opened) or GenerationFailed."""
-        async for ev in self.events:
-            self.tally.observe(ev)
-            if isinstance(ev, ProgressEvent):
-                yield ev
-            elif isinstance(ev, TokenEvent) and ev.text:
-                text = ev.text
-                kept = self.cutoff.keep(text) if self.cutoff and ev.channel != Channel.REASONING else None
-                for d in self.decoder.feed(text if kept is None else kept, ev.channel):
-                    yield d
-                if kept is not None:
-                    await self.events.aclose()  # cancels the rest of the request in the engine
-                    self._finish(self.tally.stop())
+        async for batch in self.events:
+            out: list[ProgressEvent | OutputDelta] = []
+            for ev in batch:
+                self.tally.observe(ev)
+                if isinstance(ev, ProgressEvent):
+                    out.append(ev)
+                elif isinstance(ev, TokenEvent) and ev.text:
+                    text = ev.text
+                    kept = self.cutoff.keep(text) if self.cutoff and ev.channel != Channel.REASONING else None
+                    out += self.decoder.feed(text if kept is None else kept, ev.channel)
+                    if kept is not None:
+                        await self.events.aclose()  # cancels the rest of the request in the engine
+                        self._finish(self.tally.stop())
+                        yield out
+                        return
+                elif isinstance(ev, FinishEvent):
+                    if ev.reason is FinishReason.ERROR:
+                        if out:
+                            yield out
+                        raise GenerationFailed(f"generation failed in the engine: {ev.error}")
+                    self._finish(ev)
+                    yield out
                     return
-            elif isinstance(ev, FinishEvent):
-                if ev.reason is FinishReason.ERROR:
-                    raise GenerationFailed(f"generation failed in the engine: {ev.error}")
-                self._finish(ev)
-                return
+            if out:
+                yield out
         raise GenerationFailed("the engine stream ended without a finish")
 
     def _finish(self, fin: FinishEvent) -> None:

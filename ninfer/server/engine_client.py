@@ -2,7 +2,8 @@
 
 Both give one shape: `open(request)` submits and returns once the engine has accepted the request
 (raising the engine's typed refusal, e.g. overload or context length, so HTTP can still answer with
-its status), then the returned stream yields engine events until the FinishEvent. Closing the
+its status), then the returned stream yields lists of engine events (`engine_event_batches`) until the
+FinishEvent. Closing the
 stream early cancels the request inside the engine, which frees its pages.
 """
 
@@ -52,9 +53,12 @@ def _error_classes() -> list[type[EngineError]]:
     return [c for c in EngineError.__subclasses__() if c is not ContextLengthExceededError]
 
 
-async def engine_events(engine, request: EngineRequest) -> AsyncIterator[Any]:
-    """Submit to a plain Engine and yield ACCEPTED, then its events; refusals come as EngineFailure.
+async def engine_event_batches(engine, request: EngineRequest) -> AsyncIterator[list[Any]]:
+    """Submit to a plain Engine and yield [ACCEPTED], then lists of its events; a refusal comes as [EngineFailure].
 
+    Each list holds every event that arrived since the consumer last asked: one while it keeps up with a step
+    of one token, a speculative round's tokens together, more when the consumer lags. Each list then crosses a
+    Ray hop as one object and leaves the router as one HTTP write, instead of one per token.
     Runs wherever the Engine lives (in-process, or inside the Ray engine replica). If the consumer
     stops early (client gone, generator closed or cancelled), the request is cancelled in the engine.
     """
@@ -63,49 +67,70 @@ async def engine_events(engine, request: EngineRequest) -> AsyncIterator[Any]:
     try:
         engine.submit(request, loop_emitter(loop, events.put_nowait, lambda: engine.cancel(request.request_id)))
     except EngineError as exc:
-        yield EngineFailure.of(exc)
+        yield [EngineFailure.of(exc)]
         return
     done = False
     try:
-        yield ACCEPTED
+        yield [ACCEPTED]
         while not done:
-            ev = await events.get()
-            if isinstance(ev, EngineError):
-                done = True
-                yield EngineFailure.of(ev)
-            else:
-                done = isinstance(ev, FinishEvent)
-                yield ev
+            arrived = [await events.get()]
+            while not events.empty():
+                arrived.append(events.get_nowait())
+            batch = []
+            for ev in arrived:  # nothing follows a terminal event
+                if isinstance(ev, EngineError):
+                    ev = EngineFailure.of(ev)
+                batch.append(ev)
+                if isinstance(ev, (EngineFailure, FinishEvent)):
+                    done = True
+                    break
+            yield batch
     finally:
         if not done:
             engine.cancel(request.request_id)
 
 
+async def engine_events(engine, request: EngineRequest) -> AsyncIterator[Any]:
+    """`engine_event_batches` one item at a time (the Engine deployment's `stream`, for notebooks and scripts)."""
+    batches = engine_event_batches(engine, request)
+    try:
+        async for batch in batches:
+            for item in batch:
+                yield item
+    finally:
+        await batches.aclose()
+
+
 class EngineClient(Protocol):
-    async def open(self, request: EngineRequest) -> AsyncIterator[Any]: ...
+    async def open(self, request: EngineRequest) -> AsyncIterator[list[Any]]: ...
 
     async def ready(self) -> bool: ...
 
     async def snapshot(self) -> dict[str, Any]: ...
 
 
-async def _checked(items: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """Turn EngineFailure items back into exceptions for the consumer; closing it closes the source."""
+async def _checked(batches: AsyncIterator[list[Any]]) -> AsyncIterator[list[Any]]:
+    """Turn an EngineFailure back into an exception for the consumer, after the events before it; closing it
+    closes the source."""
     try:
-        async for item in items:
-            if isinstance(item, EngineFailure):
-                raise item.to_exception()
-            yield item
+        async for batch in batches:
+            failure = next((i for i, item in enumerate(batch) if isinstance(item, EngineFailure)), None)
+            if failure is None:
+                yield batch
+                continue
+            if failure:
+                yield batch[:failure]
+            raise batch[failure].to_exception()
     finally:
-        await items.aclose()
+        await batches.aclose()
 
 
-async def _open(items: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    first = await anext(items)
+async def _open(batches: AsyncIterator[list[Any]]) -> AsyncIterator[list[Any]]:
+    first = (await anext(batches))[0]
     if isinstance(first, EngineFailure):
-        await items.aclose()
+        await batches.aclose()
         raise first.to_exception()
-    return _checked(items)
+    return _checked(batches)
 
 
 class LocalEngineClient:
@@ -114,8 +139,8 @@ class LocalEngineClient:
     def __init__(self, engine):
         self.engine = engine
 
-    async def open(self, request: EngineRequest) -> AsyncIterator[Any]:
-        return await _open(engine_events(self.engine, request))
+    async def open(self, request: EngineRequest) -> AsyncIterator[list[Any]]:
+        return await _open(engine_event_batches(self.engine, request))
 
     async def ready(self) -> bool:
         return bool(self.engine.healthy)
@@ -131,16 +156,16 @@ class RayEngineClient:
         self.handle = handle
         self.ready_timeout_s = ready_timeout_s
 
-    async def open(self, request: EngineRequest) -> AsyncIterator[Any]:
+    async def open(self, request: EngineRequest) -> AsyncIterator[list[Any]]:
         return await _open(self._stream(request))
 
-    async def _stream(self, request: EngineRequest) -> AsyncIterator[Any]:
-        response = self.handle.options(stream=True).stream.remote(request)
+    async def _stream(self, request: EngineRequest) -> AsyncIterator[list[Any]]:
+        response = self.handle.options(stream=True).stream_batches.remote(request)
         finished = False
         try:
-            async for item in response:
-                finished = isinstance(item, (FinishEvent, EngineFailure))
-                yield item
+            async for batch in response:
+                finished = isinstance(batch[-1], (FinishEvent, EngineFailure))
+                yield batch
         finally:
             if not finished:  # abandoned: cancel the replica's generator, which cancels the request
                 response.cancel()
@@ -156,5 +181,5 @@ class RayEngineClient:
 
 
 __all__ = ["ACCEPTED", "EngineClient", "EngineFailure", "EngineUnavailableError", "LocalEngineClient",
-           "RayEngineClient", "engine_events"]
+           "RayEngineClient", "engine_event_batches", "engine_events"]
 

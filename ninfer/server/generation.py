@@ -165,8 +165,9 @@ async def _stream(generation: Generation, renderer: OutputRenderer, trace: Reque
         with trace.generation():  # a client that goes away mid-stream ends here as a cancellation
             for frame in renderer.opening():
                 yield frame
-            async for step in generation.steps():
-                frames = renderer.progress(step) if isinstance(step, ProgressEvent) else renderer.delta(step)
+            async for steps in generation.steps():  # one write per engine event list
+                frames = [frame for step in steps for frame in
+                          (renderer.progress(step) if isinstance(step, ProgressEvent) else renderer.delta(step))]
                 if frames:
                     yield b"".join(frames)
             outcome = _recorded(generation, trace)

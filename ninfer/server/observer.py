@@ -11,9 +11,9 @@ requests and get no request id):
         prompt = build_prompt(...)
         trace.prompt_built(seconds)           # template + tokenizer + media placeholder expansion
         trace.submitting(engine_request, prompt)
-        events = await ctx.engine.open(engine_request)
+        events = await ctx.engine.open(engine_request)   # event lists
     with trace.generation():                  # exactly one terminal: request_done or request_error
-        async for ev in trace.watch(events):  # SchedulingEvents become request_scheduling; never yielded
+        async for batch in trace.watch(events):  # SchedulingEvents become request_scheduling; never yielded
             ...
         trace.finish(decoded)                 # request_done (or request_error for an engine failure)
 
@@ -205,20 +205,24 @@ class RequestTrace:
                     media=self._media_fields())
 
     # ---- generation --------------------------------------------------------------------------
-    async def watch(self, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """The engine stream as the endpoint should see it, observed on the way through."""
+    async def watch(self, batches: AsyncIterator[list[Any]]) -> AsyncIterator[list[Any]]:
+        """The engine stream's event lists as the endpoint should see them, observed on the way through."""
         try:
-            async for ev in events:
-                if isinstance(ev, SchedulingEvent):
-                    self._scheduling(ev)
-                    continue
-                self._observe(ev)
-                yield ev
+            async for batch in batches:
+                kept = []
+                for ev in batch:
+                    if isinstance(ev, SchedulingEvent):
+                        self._scheduling(ev)
+                        continue
+                    self._observe(ev)
+                    kept.append(ev)
+                if kept:
+                    yield kept
         except EngineError as exc:
             self.engine_error = exc
             raise
         finally:
-            await events.aclose()
+            await batches.aclose()
 
     def _observe(self, ev: Any) -> None:
         now = time.monotonic()
