@@ -127,6 +127,18 @@ def _launch(config: str, overrides: list[str], work: str) -> tuple[subprocess.Po
     return proc, url, app_args["artifact"]
 
 
+def _stop(proc: subprocess.Popen | None, work: str) -> None:
+    """Stop a `_launch`ed server's process group (SIGTERM, then SIGKILL after 60 s) and say where its log is."""
+    if proc is None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    print(f"server log: {work}/serve.log", file=sys.stderr)
+
+
 def _wait_ready(client: httpx.Client, url: str, proc: subprocess.Popen | None, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -173,13 +185,7 @@ def main() -> None:
                                "overrides": args.set, "command": " ".join(sys.argv)})
                 print(json.dumps(result), flush=True)
     finally:
-        if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-            print(f"server log: {work}/serve.log", file=sys.stderr)
+        _stop(proc, work)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +27,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.http_decode import _launch, _wait_ready  # noqa: E402
+from bench.http_decode import _launch, _stop, _wait_ready  # noqa: E402
 
 ROLES = (("engine", "ServeReplica:ninfer:Engine"), ("router", "ServeReplica:ninfer:Router"), ("proxy", "ProxyActor"))
 
@@ -117,13 +115,7 @@ def main() -> None:
                                   "max_tokens": args.max_tokens, "config": args.launch, "overrides": args.set,
                                   "command": " ".join(sys.argv)}), flush=True)
     finally:
-        if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-            print(f"server log: {work}/serve.log", file=sys.stderr)
+        _stop(proc, work)
 
 
 if __name__ == "__main__":
