@@ -3,8 +3,7 @@
 Both give one shape: `open(request)` submits and returns once the engine has accepted the request
 (raising the engine's typed refusal, e.g. overload or context length, so HTTP can still answer with
 its status), then the returned stream yields lists of engine events (`engine_event_batches`) until the
-FinishEvent. Closing the
-stream early cancels the request inside the engine, which frees its pages.
+FinishEvent. Closing the stream early cancels the request inside the engine, which frees its pages.
 """
 
 from __future__ import annotations
