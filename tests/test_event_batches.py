@@ -1,6 +1,7 @@
 """Engine events reach the router in batches: one loop wake-up per burst (ninfer.engine.emitter), one list per
-burst through `engine_event_batches` (one Ray object, one SSE write). Contract: streaming deltas keep their order
-and content; progress events "may be coalesced when the consumer is slower"."""
+burst through `engine_event_batches` (one Ray object, one SSE write). Contract (spec/serving.md, "OpenAI Chat
+Completions": streaming sends the deltas in order; prompt-progress events "may be coalesced when the consumer is
+slower than prefill"): batching changes how events travel, never which tokens or in what order."""
 
 from __future__ import annotations
 

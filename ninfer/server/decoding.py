@@ -80,7 +80,8 @@ class Generation:
                     if kept is not None:
                         await self.events.aclose()  # cancels the rest of the request in the engine
                         self._finish(self.tally.stop())
-                        yield out
+                        if out:
+                            yield out
                         return
                 elif isinstance(ev, FinishEvent):
                     if ev.reason is FinishReason.ERROR:
@@ -88,7 +89,8 @@ class Generation:
                             yield out
                         raise GenerationFailed(f"generation failed in the engine: {ev.error}")
                     self._finish(ev)
-                    yield out
+                    if out:
+                        yield out
                     return
             if out:
                 yield out
