@@ -8,8 +8,8 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from ninfer.config import ServerConfig
-from ninfer.engine.types import EngineRequest
-from ninfer.server.engine_client import engine_event_batches, engine_events
+from ninfer.engine.types import EngineError, EngineRequest
+from ninfer.server.engine_client import EngineFailure, engine_event_batches, engine_events
 from ninfer.server.metrics_board import BoardPublisher, replica_label
 from ninfer.server.request_log import ModelIdentity, RequestLog, server_start_fields
 from ninfer.server.startup import configure_logging, freeze_startup_objects, load_engine_for
@@ -51,6 +51,17 @@ class EngineDeployment:
         a speculative round's tokens cross as one object)."""
         async for batch in engine_event_batches(self.engine, request):
             yield batch
+
+    def reserve(self, request_id: str) -> EngineFailure | None:
+        """A lifetime slot for a request the router is about to prepare; its refusal as data (it crosses Ray)."""
+        try:
+            self.engine.reserve(request_id)
+        except EngineError as exc:
+            return EngineFailure.of(exc)
+        return None
+
+    def release(self, request_id: str) -> None:
+        self.engine.release(request_id)
 
     def ready(self) -> bool:
         return bool(self.engine.healthy)

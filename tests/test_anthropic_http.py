@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
@@ -16,7 +17,6 @@ from server_fixtures import wait_until
 from ninfer.protocol.anthropic_errors import anthropic_error
 from ninfer.protocol.errors import ProtocolError
 from ninfer.protocol.reasoning_seal import unseal
-from ninfer.server.sse import KEEPALIVE
 
 
 @pytest.fixture(scope="module")
@@ -162,29 +162,39 @@ def test_x_api_key_or_bearer_authenticates_every_route(artifacts_dir, qwen_token
         live.stop()
 
 
-def test_overload_is_529_queue_timeout_is_504_and_waiting_streams_keep_alive(artifacts_dir, qwen_tokenizer):
+def test_overload_is_529_and_queue_timeout_is_504_even_for_a_stream(artifacts_dir, qwen_tokenizer, tmp_path):
+    """Contract, "Execution behavior" in Anthropic's error shape: a full capacity is 529 overloaded_error and a
+    request not admitted in time is 504 timeout_error, a queued stream too (its answer waits for admission).
+    The request log's request_rejected carries the status and type the client received ("Structured request
+    log")."""
+    request_log = tmp_path / "requests.jsonl"
     live = start_anthropic_server(artifacts_dir, qwen_tokenizer, max_concurrency=1, max_pending_requests=1,
-                                  pending_timeout_ms=1500, keepalive_s=0.2)
+                                  pending_timeout_ms=1500, keepalive_s=0.2, request_log_jsonl=str(request_log))
     try:
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", live.url + "/v1/messages",
                              json=body("LONG", stream=True, max_tokens=2500)) as running:
                 lines = running.iter_lines()  # held: a dropped line iterator closes the response
                 next(lines)
-                with http.stream("POST", live.url + "/v1/messages", json=body("ALPHA", stream=True)) as waiting:
-                    assert waiting.status_code == 200
+                with ThreadPoolExecutor(1) as pool:
+                    waiting = pool.submit(httpx.post, live.url + "/v1/messages", json=body("ALPHA", stream=True),
+                                          timeout=30)
+                    assert wait_until(lambda: live.engine.snapshot()["waiting"] == 1)
                     sdk = anthropic.Anthropic(base_url=live.url, api_key="k", max_retries=0)
                     with pytest.raises(anthropic.OverloadedError) as err:
                         sdk.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "A"}])
                     assert err.value.status_code == 529 and err.value.body["error"]["type"] == "overloaded_error"
-                    text = b"".join(waiting.iter_raw()).decode()
-                # the queued stream: keep-alive comments while it waited, then the timeout as an error event
-                assert KEEPALIVE.decode() in text
-                assert sse_events(text) == [("error", {"type": "error", "error": {
-                    "type": "timeout_error", "message": sse_events(text)[0][1]["error"]["message"]},
-                    "request_id": waiting.headers["request-id"]})]
+                    queued = waiting.result()
+                assert queued.status_code == 504, queued.text
+                assert queued.json() == {"type": "error", "error": {
+                    "type": "timeout_error", "message": queued.json()["error"]["message"]},
+                    "request_id": queued.headers["request-id"]}
                 r = httpx.post(live.url + "/v1/messages", json=body("ALPHA"), timeout=30)
                 assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
+        rejected = [json.loads(line) for line in request_log.read_text().splitlines()
+                    if json.loads(line)["event"] == "request_rejected"]
+        assert [(r["error"]["status"], r["error"]["type"], r["error"]["code"]) for r in rejected] == [
+            (529, "overloaded_error", "server_overloaded")]
     finally:
         live.stop()
 

@@ -140,6 +140,11 @@ CASES = [
     ("preserve_thinking aliases disagree", {"preserve_thinking": True,
                                             "chat_template_kwargs": {"preserve_thinking": False}}, 400,
      "conflicting_template_option", "preserve_thinking"),
+    # the Responses field names the conflict, not Chat's reasoning_effort
+    ("effort disagrees with kwargs", {"reasoning": {"effort": "high"}, "chat_template_kwargs": {"reasoning_effort": "low"}},
+     400, "conflicting_template_option", "reasoning.effort"),
+    ("effort none with thinking on", {"reasoning": {"effort": "none"}, "chat_template_kwargs": {"enable_thinking": True}},
+     400, "conflicting_template_option", "reasoning.effort"),
     ("kwargs override the server", {"chat_template_kwargs": {"add_generation_prompt": False}}, 400,
      "chat_template_option_not_supported", "chat_template_kwargs.add_generation_prompt"),
     ("bad cache breakpoint", part({"type": "input_text", "text": "x", "prompt_cache_breakpoint": {"mode": "auto"}}),

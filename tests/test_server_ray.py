@@ -116,6 +116,7 @@ def test_serve_run_from_yaml_end_to_end(artifacts_dir, qwen_tokenizer):
         snap = subprocess.run([sys.executable, "-c", SNAPSHOT], env=env, capture_output=True, text=True, timeout=90)
         state = json.loads(snap.stdout.strip().splitlines()[-1])
         assert state["running"] == 0 and state["kv_pages_used"] == 0, state
+        assert state["held_requests"] == 0, state  # every router call released its lifetime slot
         assert state["requests"].get("cancelled", 0) >= 1, state
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

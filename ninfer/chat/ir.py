@@ -127,6 +127,9 @@ class PromptOptions:
     preserve_thinking: bool | None = None
     reasoning_effort: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs, validated
+    # the request field behind a typed option where the protocol names it otherwise (Responses: reasoning.effort),
+    # so a conflict's error names the field the client sent
+    option_params: dict[str, str] = field(default_factory=dict)
     implicit_cache: bool = True  # OpenAI prompt_cache_options mode:"explicit" turns it off
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # Anthropic assistant prefill

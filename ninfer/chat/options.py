@@ -56,16 +56,17 @@ def template_variables(options: PromptOptions, defaults: ServerPromptDefaults,
             continue
         if key in kwargs and kwargs[key] != value:
             raise ConflictingTemplateOptionError(
-                f"{key}={value!r} disagrees with chat_template_kwargs.{key}={kwargs[key]!r}", param=key)
+                f"{options.option_params.get(key, key)}={value!r} disagrees with chat_template_kwargs.{key}="
+                f"{kwargs[key]!r}", param=options.option_params.get(key, key))
         kwargs[key] = value
     _check_types(kwargs)
     effort = kwargs.get("reasoning_effort")
     if effort is not None:
         wants_thinking = effort != "none"
         if kwargs.get("enable_thinking", wants_thinking) != wants_thinking:
+            param = options.option_params.get("reasoning_effort", "reasoning_effort")
             raise ConflictingTemplateOptionError(
-                f"reasoning_effort={effort!r} conflicts with enable_thinking={kwargs['enable_thinking']}",
-                param="reasoning_effort")
+                f"{param}={effort!r} conflicts with enable_thinking={kwargs['enable_thinking']}", param=param)
         if not wants_thinking:
             kwargs["enable_thinking"] = False
     # Request options override server defaults; an explicit effort other than none asks for thinking.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import queue
 import random
@@ -30,6 +31,7 @@ from ninfer.engine.next_round import host_committed_count
 from ninfer.engine.output_control import OutputController
 from ninfer.engine.output_processor import OutputProcessor
 from ninfer.engine.plan import RunnerOutput, SeqWork, StepPlan
+from ninfer.engine.request_slots import RequestSlots
 from ninfer.engine.runner import Launch, ModelRunner
 from ninfer.engine.scheduler import Scheduler
 from ninfer.engine.sequence import Sequence, Status
@@ -46,7 +48,6 @@ from ninfer.engine.types import (
     QueueTimeoutError,
     ResolvedSampling,
     SchedulingEvent,
-    ServerOverloadedError,
     ThinkingBudgetCapacityError,
     ThinkingControl,
     VisionDisabledError,
@@ -209,6 +210,8 @@ class Engine:
         self.healthy = True
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._by_id: dict[str, Sequence] = {}
+        self.slots = RequestSlots(settings.max_concurrency + settings.max_pending_requests,
+                                  settings.pending_timeout_ms / 1000.0)
         self._order = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -260,19 +263,23 @@ class Engine:
         if not self.healthy:
             raise EngineUnavailableError("the engine failed and cannot accept work")
         seq = self._prepare(request, emit)
+        seq.deadline = self.slots.claim(request.request_id)  # the last refusal: overload or a spent deadline
         with self._lock:
-            if request.request_id in self._by_id:
-                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-            limit = self.settings.max_concurrency + self.settings.max_pending_requests
-            if len(self._by_id) >= limit:
-                raise ServerOverloadedError(
-                    f"the server holds {len(self._by_id)} requests, its limit of running plus pending requests"
-                )
             self._order += 1
             seq.order = self._order
             self._by_id[request.request_id] = seq
         self._inbox.put(("submit", seq))
         self._wake.set()
+
+    def reserve(self, request_id: str) -> None:
+        """Hold a lifetime slot for a request about to be prepared (request_slots); raises ServerOverloadedError."""
+        if not self.healthy:
+            raise EngineUnavailableError("the engine failed and cannot accept work")
+        self.slots.reserve(request_id)
+
+    def release(self, request_id: str) -> None:
+        """The reserved request's answer is written (or abandoned): its slot is free."""
+        self.slots.release(request_id)
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
@@ -319,6 +326,7 @@ class Engine:
         c = self.counters
         return {
             "ready": self.healthy,
+            "held_requests": len(self.slots),  # lifetime slots: preparing, in the engine, or answer not yet written
             "running": len(resident),
             "waiting": len(sched.waiting),
             "paused": len(sched.paused),
@@ -381,7 +389,6 @@ class Engine:
         controller = OutputController(self.tokenizer, stops=request.stop, eos_ids=s.eos_ids,
                                       thinking=self.thinking, thinking_open=thinking_open,
                                       thinking_budget=budget if thinking_open else None)
-        deadline = time.monotonic() + s.pending_timeout_ms / 1000.0
         # attention-only models reuse any page-aligned prefix of a finished request; only hybrid
         # models need their state captured at the frontend's boundaries
         checkpoints = sorted({p for p in request.checkpoints if 0 < p < n}) if self.hybrid and s.prefix_reuse else []
@@ -389,7 +396,7 @@ class Engine:
             raise VisionDisabledError("media input needs the engine started with --vision (a vision tower)")
         mrope, mrope_delta, prompt_key = media_inputs.setup(request)
         return Sequence(request=request, order=0, sampling=self.resolve_sampling(request), max_tokens=max_tokens,
-                        controller=controller, emit=emit, deadline=deadline, checkpoints=checkpoints,
+                        controller=controller, emit=emit, deadline=math.inf, checkpoints=checkpoints,
                         mrope=mrope, mrope_delta=mrope_delta, prompt_key=prompt_key)
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -796,6 +803,7 @@ class Engine:
     def _drop(self, seq: Sequence) -> None:
         with self._lock:
             self._by_id.pop(seq.request_id, None)
+        self.slots.finished(seq.request_id)
 
     def _count_outcome(self, outcome: str) -> None:
         self.counters.requests[outcome] = self.counters.requests.get(outcome, 0) + 1

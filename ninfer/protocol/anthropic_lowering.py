@@ -114,7 +114,8 @@ class _Lowering:
                                    reasoning_effort=_effort(req, thinking),
                                    template_kwargs=dict(req.chat_template_kwargs or {}),
                                    implicit_cache=False,  # Anthropic writes only where cache_control asks
-                                   continue_final_message=prefill)
+                                   continue_final_message=prefill,
+                                   option_params={"reasoning_effort": "output_config.effort"})
         conversation = ir.Conversation(messages=messages, tools=tools, tool_choice=_tool_choice(req, tools),
                                        options=options)
         if self.counting:

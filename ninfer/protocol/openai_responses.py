@@ -218,7 +218,8 @@ def _prompt(req: PromptBody, body: dict, defaults: ChatDefaults) -> ResponsesPro
     implicit = not (isinstance(req, CreateBody) and req.prompt_cache_options
                     and req.prompt_cache_options.mode == "explicit")
     options = ir.PromptOptions(preserve_thinking=req.preserve_thinking, reasoning_effort=reasoning.effort,
-                               template_kwargs=dict(req.chat_template_kwargs or {}), implicit_cache=implicit)
+                               template_kwargs=dict(req.chat_template_kwargs or {}), implicit_cache=implicit,
+                               option_params={"reasoning_effort": "reasoning.effort"})
     return ResponsesPrompt(model=req.model, items=items, instructions=req.instructions,
                            previous_response_id=req.previous_response_id,
                            tools=parse_tools(req.tools, req.tool_choice, body), options=options,

@@ -33,7 +33,7 @@ async def chat_completions(request: Request):
     shape = RequestShape.of("openai_chat", chat.conversation, model=chat.model, stream=chat.stream,
                             max_tokens=chat.max_tokens)
     return await generate(request, GenerationSpec(
-        shape, chat.conversation,
+        shape, identity.id, chat.conversation,
         engine_request=lambda prompt: engine_request(identity.id, prompt, sampling=chat.sampling,
                                                      max_tokens=chat.max_tokens, stop=chat.stop),
         renderer=lambda generation: ChatRenderer(identity, chat, generation.tally)))

@@ -62,6 +62,16 @@ class Generation:
         self.tally = LiveTally(len(prompt.token_ids))
         self.outcome: Outcome | None = None
 
+    async def admitted(self) -> None:
+        """Wait until the engine admits the request (its first progress event: every server request asks for
+        progress) or ends it; what was read stays for `steps`. Raises the engine's refusal (a queue timeout)."""
+        held: list[list[Any]] = []
+        async for batch in self.events:
+            held.append(batch)
+            if any(isinstance(ev, (ProgressEvent, FinishEvent)) for ev in batch):
+                break
+        self.events = _replayed(held, self.events)
+
     async def steps(self) -> AsyncIterator[list[ProgressEvent | OutputDelta]]:
         """Progress events and live decoder deltas, a list per engine event list (a streamed response writes
         each list at once); `outcome` is set once they end.
@@ -99,3 +109,14 @@ class Generation:
     def _finish(self, fin: FinishEvent) -> None:
         tail, decoded = self.decoder.finish()
         self.outcome = Outcome(decoded, fin, tail)
+
+
+async def _replayed(held: list[list[Any]], rest: AsyncIterator[list[Any]]) -> AsyncIterator[list[Any]]:
+    """`held`, then `rest`; closing this closes `rest` (which cancels the request in the engine)."""
+    try:
+        for batch in held:
+            yield batch
+        async for batch in rest:
+            yield batch
+    finally:
+        await rest.aclose()

@@ -101,6 +101,10 @@ async def engine_events(engine, request: EngineRequest) -> AsyncIterator[Any]:
 
 
 class EngineClient(Protocol):
+    async def reserve(self, request_id: str) -> None: ...  # a lifetime slot before preparation; raises EngineError
+
+    async def release(self, request_id: str) -> None: ...  # the answer is written; does not wait for the engine
+
     async def open(self, request: EngineRequest) -> AsyncIterator[list[Any]]: ...
 
     async def ready(self) -> bool: ...
@@ -138,6 +142,12 @@ class LocalEngineClient:
     def __init__(self, engine):
         self.engine = engine
 
+    async def reserve(self, request_id: str) -> None:
+        self.engine.reserve(request_id)
+
+    async def release(self, request_id: str) -> None:
+        self.engine.release(request_id)
+
     async def open(self, request: EngineRequest) -> AsyncIterator[list[Any]]:
         return await _open(engine_event_batches(self.engine, request))
 
@@ -149,11 +159,20 @@ class LocalEngineClient:
 
 
 class RayEngineClient:
-    """The Engine deployment behind a Ray Serve handle (methods `stream`, `ready`, `snapshot`)."""
+    """The Engine deployment behind a Ray Serve handle (methods `reserve`, `release`, `stream_batches`, `ready`,
+    `snapshot`)."""
 
     def __init__(self, handle, ready_timeout_s: float = 5.0):
         self.handle = handle
         self.ready_timeout_s = ready_timeout_s
+
+    async def reserve(self, request_id: str) -> None:
+        failure = await self.handle.reserve.remote(request_id)
+        if failure is not None:
+            raise failure.to_exception()
+
+    async def release(self, request_id: str) -> None:
+        self.handle.release.remote(request_id)  # sent at once; nothing waits for the replica's answer
 
     async def open(self, request: EngineRequest) -> AsyncIterator[list[Any]]:
         return await _open(self._stream(request))

@@ -55,6 +55,7 @@ class GenerationSpec:
     """A lowered request: what the pipeline needs from the protocol before it meets the engine."""
 
     shape: RequestShape
+    request_id: str  # the engine request's id (the protocol's object id): its lifetime slot is held under it
     conversation: ir.Conversation
     engine_request: Callable[[ir.Prompt], EngineRequest]  # the protocol's engine fields, once the prompt is built
     renderer: Callable[[Generation], OutputRenderer]  # made once the engine accepted the request
@@ -108,41 +109,82 @@ def check_media_context(ctx: ServerContext, prompt: ir.Prompt) -> None:
         raise from_engine_error(ContextLengthExceededError(len(prompt.token_ids), ctx.max_model_len))
 
 
+@dataclass
+class _Held:
+    """What a request holds until its answer is written: its lifetime slot in the engine (contract, "Execution
+    behavior": requests in preparation and results not yet released count against capacity) and its media."""
+
+    ctx: ServerContext
+    request_id: str
+    media: PromptMedia | None = None
+
+    async def release(self) -> None:
+        try:
+            if self.media is not None:
+                await self.media.release()
+        finally:
+            await self.ctx.engine.release(self.request_id)
+
+
 async def generate(request: Request, spec: GenerationSpec) -> Response:
     """Run a validated request through the engine and answer it as JSON or as an SSE stream."""
     ctx: ServerContext = request.app.state.ctx
     trace = request.app.state.observer.begin(spec.shape, request.state.request_id)  # validated: measured
-    media: PromptMedia | None = None
+    held: _Held | None = None
     try:
         with trace.preparation():
-            media = await prepare_media(ctx, spec.conversation, hold=True)  # live until the engine is done
+            # the slot first (429 before any preparation); the admission deadline counts from here
+            deadline = time.monotonic() + ctx.config.pending_timeout_ms / 1000.0
+            await _engine_call(ctx.engine.reserve(spec.request_id))
+            held = _Held(ctx, spec.request_id)
+            media = held.media = await prepare_media(ctx, spec.conversation, hold=True, deadline=deadline)
             trace.media_prepared(media.batch.stats if media is not None else None)
             prompt, seconds = await asyncio.to_thread(_timed_build_prompt, ctx, spec.conversation, media)
             trace.prompt_built(seconds)
             decoder = ctx.frontend.output_decoder(spec.conversation, prompt)
             submitted = spec.engine_request(prompt)
+            assert submitted.request_id == spec.request_id
             if media is not None:
                 check_media_context(ctx, prompt)
                 submitted.media = media_inputs(prompt, media)
             trace.submitting(submitted, prompt)
-            try:
-                events = trace.watch(await ctx.engine.open(submitted))
-            except EngineError as exc:
-                raise from_engine_error(exc) from None
+            events = trace.watch(await _engine_call(ctx.engine.open(submitted)))
     except BaseException:
-        if media is not None:
-            await media.release()
+        if held is not None:
+            await held.release()
         raise
     generation = Generation(events, decoder, prompt, single_call=spec.single_call)
     renderer = spec.renderer(generation)
     if not spec.shape.stream:
-        return await _aggregate(generation, renderer, trace, media)
-    frames = with_keepalive(_stream(generation, renderer, trace, media), ctx.keepalive_s)
-    return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+        return await _aggregate(generation, renderer, trace, held)
+    frames = _stream(generation, renderer, trace, held)
+    # the stream's headers wait for admission, so a queue timeout is still an HTTP 503 (contract, "Execution
+    # behavior"), not a failure frame after a 200
+    opening = await anext(frames)
+    return StreamingResponse(with_keepalive(_after(opening, frames), ctx.keepalive_s),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _engine_call(call):
+    """Await an engine client call; its typed refusal becomes the protocol's error (overload 429, ...)."""
+    try:
+        return await call
+    except EngineError as exc:
+        raise from_engine_error(exc) from None
+
+
+async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`first`, then `rest`; closing this closes `rest`."""
+    try:
+        yield first
+        async for frame in rest:
+            yield frame
+    finally:
+        await rest.aclose()
 
 
 async def _aggregate(generation: Generation, renderer: OutputRenderer, trace: RequestTrace,
-                     media: PromptMedia | None = None) -> JSONResponse:
+                     held: _Held) -> JSONResponse:
     with trace.generation():  # exactly one terminal record, whatever happens below
         try:
             async for _ in generation.steps():
@@ -152,17 +194,26 @@ async def _aggregate(generation: Generation, renderer: OutputRenderer, trace: Re
         except GenerationFailed as exc:
             raise _engine_failure(exc) from None
         finally:
-            await generation.events.aclose()  # the engine is done with the media now
-            if media is not None:
-                await media.release()
+            try:
+                await generation.events.aclose()  # the engine is done with the media now
+            finally:
+                await held.release()
         outcome = _recorded(generation, trace)
         return JSONResponse(await renderer.body(outcome))  # a failure now is a response failure
 
 
 async def _stream(generation: Generation, renderer: OutputRenderer, trace: RequestTrace,
-                  media: PromptMedia | None = None) -> AsyncIterator[bytes]:
+                  held: _Held) -> AsyncIterator[bytes]:
+    """The SSE frames. Its first frame comes once the engine admitted the request; an engine refusal before
+    that is raised as the protocol's error (the HTTP answer has not started), later ones are failure frames."""
+    opened = False
     try:
         with trace.generation():  # a client that goes away mid-stream ends here as a cancellation
+            try:
+                await generation.admitted()
+            except EngineError as exc:
+                raise from_engine_error(exc) from None
+            opened = True
             for frame in renderer.opening():
                 yield frame
             async for steps in generation.steps():  # one write per engine event list
@@ -177,11 +228,14 @@ async def _stream(generation: Generation, renderer: OutputRenderer, trace: Reque
     except GenerationFailed as exc:
         yield b"".join(renderer.failure(_engine_failure(exc)))
     except ProtocolError as err:
+        if not opened:
+            raise
         yield b"".join(renderer.failure(err))
     finally:
-        await generation.events.aclose()
-        if media is not None:
-            await media.release()
+        try:
+            await generation.events.aclose()
+        finally:
+            await held.release()
 
 
 def _recorded(generation: Generation, trace: RequestTrace) -> Outcome:

@@ -11,13 +11,16 @@ naming the request field of the item that failed.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ninfer.chat import ir
-from ninfer.engine.types import MediaInput
-from ninfer.media import MediaError, MediaItem, PreparedBatch, PreparedMedia
-from ninfer.protocol.errors import ProtocolError, from_media_error
+from ninfer.engine.types import MediaInput, QueueTimeoutError
+from ninfer.media import MediaError, MediaItem, MediaTimeoutError, PreparedBatch, PreparedMedia
+from ninfer.protocol.errors import ProtocolError, from_engine_error, from_media_error
 from ninfer.server.context import ServerContext
+
+_DEADLINE_SLACK_S = 0.05  # a media timeout this close to the admission deadline is that deadline's
 
 
 def vision_disabled(param: str | None) -> ProtocolError:
@@ -43,16 +46,28 @@ class PromptMedia:
             await self.ctx.media.release(lease)
 
 
-async def prepare_media(ctx: ServerContext, conversation: ir.Conversation, *, hold: bool) -> PromptMedia | None:
-    """Prepare every image and video of `conversation`; None when it has none."""
+async def prepare_media(ctx: ServerContext, conversation: ir.Conversation, *, hold: bool,
+                        deadline: float | None = None) -> PromptMedia | None:
+    """Prepare every image and video of `conversation`; None when it has none.
+
+    `deadline` (time.monotonic) is a generation's admission deadline: media spends the same wait as the
+    engine's queue (contract, "Execution behavior"), and running out of it is the queue timeout."""
     parts = ir.media_parts(conversation.messages)
     if not parts:
         return None
     if ctx.media is None:  # the protocols refuse media without --vision; this covers any other way in
         raise vision_disabled(parts[0].param)
     items = [MediaItem(part.type, part.source) for part in parts]
+    timeout_s = ctx.config.pending_timeout_ms / 1000 if deadline is None else deadline - time.monotonic()
     try:
-        batch = await ctx.media.prepare(items, timeout_s=ctx.config.pending_timeout_ms / 1000, hold=hold)
+        if timeout_s <= 0:
+            raise MediaTimeoutError("no time was left for the media")
+        batch = await ctx.media.prepare(items, timeout_s=timeout_s, hold=hold)
+    except MediaTimeoutError as exc:
+        if deadline is not None and time.monotonic() >= deadline - _DEADLINE_SLACK_S:
+            raise from_engine_error(QueueTimeoutError(
+                f"request was not admitted within {ctx.config.pending_timeout_ms} ms (media preparation)")) from None
+        raise from_media_error(exc, [part.param for part in parts]) from None
     except MediaError as exc:
         raise from_media_error(exc, [part.param for part in parts]) from None
     return PromptMedia(parts, batch, ctx)

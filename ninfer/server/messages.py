@@ -62,7 +62,7 @@ async def create_message(request: Request):
                               thinking_budget=_thinking_budget(ctx, msg, prompt, request_id))
 
     return await generate(request, GenerationSpec(
-        shape, msg.conversation, engine_request=ask,
+        shape, identity.id, msg.conversation, engine_request=ask,
         renderer=lambda generation: MessagesRenderer(identity, msg, request_id)))
 
 

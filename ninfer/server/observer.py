@@ -45,6 +45,7 @@ from ninfer.engine.types import (
     TokenEvent,
 )
 from ninfer.media import MediaStats
+from ninfer.protocol.anthropic_errors import anthropic_category, anthropic_status
 from ninfer.protocol.errors import ProtocolError, from_engine_error
 from ninfer.server.metrics import RequestFigures
 from ninfer.server.request_log import ModelIdentity, RequestLog, server_start_fields
@@ -182,9 +183,13 @@ class RequestTrace:
             return
         self.settled = True
         self.observer.figures.count("rejected")
-        log.info("%s %s rejected: %d %s", self.http_id, self.shape.protocol, err.status, err.code or err.type)
+        status, kind = err.status, err.type
+        if self.shape.protocol == "anthropic_messages":  # what the client received: Anthropic's status and type
+            status = anthropic_status(err)
+            kind = anthropic_category(status)
+        log.info("%s %s rejected: %d %s", self.http_id, self.shape.protocol, status, err.code or kind)
         self._write("request_rejected", phase="prepare", request=self._shape_fields(),
-                    error={"status": err.status, "type": err.type, "code": err.code, "param": err.param,
+                    error={"status": status, "type": kind, "code": err.code, "param": err.param,
                            "message": err.message})
 
     def _start(self) -> None:

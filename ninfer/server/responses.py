@@ -105,7 +105,7 @@ async def create_response(request: Request):
                                                   generation.prompt.preserve_thinking, store,
                                                   request.state.request_id))
 
-    return await generate(request, GenerationSpec(shape, conversation, engine_request=ask, renderer=renderer,
+    return await generate(request, GenerationSpec(shape, frame.id, conversation, engine_request=ask, renderer=renderer,
                                                   single_call=create.single_call))
 
 
