@@ -203,6 +203,20 @@ def test_outcomes_per_request(campaign):
     assert result["prefix_reuse_path"] in ("root", "checkpoint") and result["tool_call_parse"]["marker_seen"] is False
     assert 0 < timings["prepare"] <= timings["ttft"] <= timings["total"] and timings["queue"] >= 0
     assert any(not float(v).is_integer() for v in timings.values() if v)  # full precision, not rounded ms
+    # engine_timing: the request's share of the engine's time ("Structured request log"); total is the sum of the
+    # five host phases, device wait apart; a decode round per committed token after the first (one per step)
+    engine = done["engine_timing"]
+    host = engine["host_exposed_seconds"]
+    assert host["total"] == pytest.approx(sum(v for k, v in host.items() if k != "total"))
+    assert host["total"] > 0 and engine["queue_wait_seconds"] >= 0
+    assert engine["decode"]["rounds"] == result["completion_tokens"] - 1
+    assert engine["units"]["prefill"] >= 1 and engine["units"]["control"] == 0
+    assert engine["decode"]["host_exposed_seconds"] <= host["total"]
+    first = done["first_output_timing"]  # frozen at the first committed token: the prefill, no decode yet
+    assert first["prefill"]["computed_tokens"] == result["computed_prefill_tokens"]
+    assert first["prefill"]["units"] == engine["units"]["prefill"]
+    assert 0 < first["elapsed_seconds"] <= timings["total"] and first["replay"]["units"] == 0
+    assert first["elapsed_seconds"] == pytest.approx(first["initial_queue_seconds"] + first["resident_seconds"])
 
     tool_done = by_http_id(records, ids["tool"])[-1]
     assert tool_done["request"]["tool_count"] == 1
@@ -225,6 +239,11 @@ def test_scheduling_events_trace_pause_and_replay(campaign):
     assert paused["scheduling"]["route"] == "replay" and paused["scheduling"]["preemption_index"] == 1
     done = [r for r in campaign["records"] if r["event"] == "request_done" and r["result"]["finish_reason"] == "length"]
     assert sum(r["scheduling"]["preemptions"] for r in done) >= 1
+    # the preempted request's own pause work ("generation.scheduling"): replayed by rebuilding its committed state
+    preempted = next(r for r in done if r["scheduling"]["preemptions"])
+    scheduling = preempted["scheduling"]
+    assert scheduling["replay_restores"] >= 1 and scheduling["replayed_tokens"] > 0 and scheduling["paused_seconds"] > 0
+    assert preempted["engine_timing"]["units"]["control"] >= 1  # the replay chunks
 
 
 def test_server_start_and_throughput(campaign):

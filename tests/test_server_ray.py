@@ -35,10 +35,10 @@ engine = serve.get_deployment_handle("Engine", app_name="ninfer")
 deadline = time.monotonic() + 20
 while True:
     snap = engine.snapshot.remote().result()
-    if snap["running"] == 0 or time.monotonic() > deadline:
+    if snap["running"] == snap["held_requests"] == 0 or time.monotonic() > deadline:
         break
     time.sleep(0.2)
-print(json.dumps({k: snap[k] for k in ("running", "kv_pages_used", "requests")}))
+print(json.dumps({k: snap[k] for k in ("running", "held_requests", "kv_pages_used", "requests")}))
 """
 
 

@@ -48,6 +48,8 @@ class ContextExecutor:
         c.transfer_bytes_d2h += snap.nbytes
         c.host_context_peak_bytes = max(c.host_context_peak_bytes, self.kv.host_used)
         self._count_snapshot("d2h", snap)
+        if seq.exposure is not None:
+            seq.exposure.transfer_bytes["d2h"] += snap.nbytes
 
     def _restore(self, op: ContextOp) -> None:
         seq = op.seq
@@ -59,6 +61,9 @@ class ContextExecutor:
         self.counters.transfer_bytes_h2d += snap.nbytes
         self._count_snapshot("h2d", snap)
         self.counters.snapshot_restores += 1
+        if seq.exposure is not None:
+            seq.exposure.snapshot_restores += 1
+            seq.exposure.transfer_bytes["h2d"] += snap.nbytes
 
     def _count(self, direction: str, kv: int = 0, state: int = 0, backend: int = 0) -> None:
         moved = self.counters.context_transfer_bytes

@@ -24,6 +24,7 @@ from ninfer.engine.context_ops import ContextExecutor
 from ninfer.engine.counters import Counters, HostWork
 from ninfer.engine.emitter import batched as batched_events
 from ninfer.engine.emitter import loop_emitter
+from ninfer.engine.exposure import RequestExposure, host_marks
 from ninfer.engine.kv_manager import KVManager
 from ninfer.engine.kv_pool import PagePool, SlotPool
 from ninfer.engine.kv_sizing import auto_kv_capacity
@@ -82,7 +83,9 @@ class EngineSettings:
     prefix_reuse: bool = True  # --no-prefix-reuse turns cross-request reads and writes off
     host_context_bytes: int | None = None  # pause-snapshot budget; None: 8 GiB + 8 state images; 0: replay only
     no_cuda_graph: bool = False  # --no-cuda-graph: decode runs eagerly instead of replaying CUDA graphs
-    scheduling_events: bool = False  # emit SchedulingEvents (pause/restore/replay) for the request log
+    # the request log's per-request records: SchedulingEvents (pause/restore/replay) and each request's share of
+    # the engine's time (exposure.RequestExposure) in its FinishEvent
+    scheduling_events: bool = False
     draft_tokens: int = 0  # speculative decoding: the most drafts per decode row (with a proposer)
     spec: str | None = None  # --spec: the loader builds this drafter from the artifact (mtp, dflash, dflash2)
     lm_head_draft: bool = False  # --lm-head-draft: drafts scored on the artifact's proposal head (draft_head)
@@ -207,6 +210,9 @@ class Engine:
         self.output = OutputProcessor(self.thinking, self.counters, max_context=settings.max_context)
         self.work = HostWork()
         self._recovering: set[str] = set()  # restored requests whose next commit completes recovery
+        # the iteration under way, while the request log is on: its start's host_marks and, by sequence, its step's
+        # works (sequence, decode row, unit) as planned (exposure)
+        self._exposing: tuple[tuple[float, ...], dict[int, tuple[Sequence, bool, str]]] | None = None
         self.healthy = True
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._by_id: dict[str, Sequence] = {}
@@ -397,12 +403,15 @@ class Engine:
         mrope, mrope_delta, prompt_key = media_inputs.setup(request)
         return Sequence(request=request, order=0, sampling=self.resolve_sampling(request), max_tokens=max_tokens,
                         controller=controller, emit=emit, deadline=math.inf, checkpoints=checkpoints,
-                        mrope=mrope, mrope_delta=mrope_delta, prompt_key=prompt_key)
+                        mrope=mrope, mrope_delta=mrope_delta, prompt_key=prompt_key,
+                        exposure=RequestExposure() if s.scheduling_events else None)
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop:
             with batched_events():  # this iteration's events wake each consumer loop once, at its end
+                self._exposing = None
+                marks = host_marks(self.work) if self.settings.scheduling_events else None
                 try:
                     with self.work.phase("engine_boundary"):
                         self._drain_inbox()
@@ -413,6 +422,8 @@ class Engine:
                             plan.want_hidden = True
                             plan.want_prefill_hidden = getattr(self.proposer, "wants_prefill_hidden", False)
                         started = time.perf_counter()
+                        if marks is not None:
+                            self._exposing = (marks, {id(w.seq): (w.seq, w.decode, _unit(w)) for w in plan.works})
                         self._admitted(plan)
                         self._preempted(plan)
                         for seq in plan.starved:
@@ -423,6 +434,8 @@ class Engine:
                         self.work.run_step("decode" if plan.decode else "prefill",
                                            lambda plan=plan, queued=queued: self._step(plan, queued and queued[1]))
                         self._timed_round(plan)
+                        if self._exposing is not None:
+                            self._expose()
                         if self.drafts_control is not None and plan.decode and plan.prefill is None:
                             width = max(len(w.tokens) for w in plan.decode)
                             self.drafts_control.step_time(len(plan.decode), width, time.perf_counter() - started)
@@ -666,6 +679,8 @@ class Engine:
             self.counters.prefill_chunks += 1
             if seq.output_ids:
                 self.counters.replayed_tokens += computed
+                if seq.exposure is not None:
+                    seq.exposure.replayed_tokens += computed
             else:
                 self.counters.prefill_tokens += computed
             last = prefill.end >= seq.prefill_target
@@ -732,7 +747,10 @@ class Engine:
         for admission in plan.admitted:
             seq, route = admission.seq, admission.route
             if seq.t_paused is not None:
-                self.counters.paused_seconds += time.monotonic() - seq.t_paused
+                paused = time.monotonic() - seq.t_paused
+                self.counters.paused_seconds += paused
+                if seq.exposure is not None:
+                    seq.exposure.paused_seconds += paused
                 seq.t_paused = None
             if route != "snapshot":
                 if seq.t_admit is None:  # initial binding: the request's cached count is fixed here
@@ -741,6 +759,8 @@ class Engine:
                     self.counters.cached_prompt_tokens += admission.reused
                 elif seq.output_ids:
                     self.counters.replay_restores += 1
+                    if seq.exposure is not None:
+                        seq.exposure.replay_restores += 1
             if seq.t_admit is None:
                 seq.t_admit = time.monotonic()
                 self.counters.prompt_tokens += seq.prompt_len
@@ -752,6 +772,33 @@ class Engine:
                 self.runner.reset_lane(seq.lane, seq.output_ids)
             if route:
                 self._scheduling_event(seq, "restored", route)
+
+    def _expose(self) -> None:
+        """Each request in this iteration's step takes the iteration's time (exposure); one that finished in it
+        took its share when it finished."""
+        marks, works = self._exposing
+        after = host_marks(self.work)
+        for seq, decode, unit in works.values():
+            if seq.exposure is not None and seq.status is not Status.FINISHED:
+                seq.exposure.add(marks, after, decode=decode, unit=unit)
+                self._first_output(seq)
+
+    def _expose_so_far(self, seq: Sequence) -> None:
+        """A request finishing inside the iteration under way takes the iteration's time so far, if it is in
+        the iteration's step."""
+        work = self._exposing[1].get(id(seq)) if self._exposing is not None else None
+        if seq.exposure is not None and work is not None:
+            _, decode, unit = work
+            seq.exposure.add(self._exposing[0], host_marks(self.work), decode=decode, unit=unit)
+            self._first_output(seq)
+
+    @staticmethod
+    def _first_output(seq: Sequence) -> None:
+        """Freeze first_output_timing at the end of the iteration that committed the request's first output (its
+        events are published as the iteration ends)."""
+        if seq.output_ids and seq.exposure.first_output is None:
+            seq.exposure.freeze_first_output(t_submit=seq.t_submit, t_admit=seq.t_admit,
+                                             computed=seq.prompt_len - seq.cached_tokens)
 
     def _preempted(self, plan: StepPlan) -> None:
         now = time.monotonic()
@@ -773,6 +820,7 @@ class Engine:
         if self.drafts_control is not None:
             self.drafts_control.forget(seq.request_id)
         self.output.flush_tail(seq, reason)
+        self._expose_so_far(seq)
         self.scheduler.finish(seq, retain=retain)
         if seq.preemptions:
             self._recovering.discard(seq.request_id)
@@ -818,3 +866,8 @@ class Engine:
                     self._finish(seq, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
                 except Exception:  # keep failing the rest
                     log.exception("failing request %s", seq.request_id)
+
+
+def _unit(work: SeqWork) -> str:
+    """What a step's work is, for a request's exposure: a decode round, a prompt chunk, or a replay chunk."""
+    return "decode" if work.decode else ("control" if work.seq.output_ids else "prefill")

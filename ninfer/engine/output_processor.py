@@ -95,7 +95,11 @@ class OutputProcessor:
                     "fallback_steps": seq.spec_fallback_steps, "accepted_per_position": list(seq.accepted_per_position)}
         usage = Usage(prompt_tokens=seq.prompt_len, cached_tokens=seq.cached_tokens,
                       completion_tokens=len(seq.output_ids), reasoning_tokens=seq.controller.reasoning_tokens)
+        exposure = seq.exposure
         return FinishEvent(reason, usage, timings, stop_string=seq.controller.stop_string,
                            thinking_budget_applied=seq.controller.budget_applied,
                            preemptions=seq.preemptions, prefix_reuse_path=seq.prefix_path, error=error,
-                           speculative=spec, vision_seconds=media_inputs.vision_seconds(seq))
+                           speculative=spec, vision_seconds=media_inputs.vision_seconds(seq),
+                           engine_timing=exposure.engine_timing((seq.t_admit or now) - seq.t_submit) if exposure else None,
+                           first_output_timing=exposure.first_output if exposure else None,
+                           scheduling=exposure.scheduling(seq.preemptions) if exposure else None)

@@ -10,6 +10,7 @@ from typing import Callable
 
 import numpy as np
 
+from ninfer.engine.exposure import RequestExposure
 from ninfer.engine.output_control import OutputController
 from ninfer.engine.types import EngineRequest, ResolvedSampling
 
@@ -64,6 +65,7 @@ class Sequence:
     vision_seconds: float = 0.0  # vision encode time (CPU), and the CUDA events of its encodes (media_inputs)
     vision_events: list = field(default_factory=list)
     cancelled: bool = False
+    exposure: RequestExposure | None = None  # its share of the engine's time, while the request log is on
     t_submit: float = field(default_factory=time.monotonic)
     t_admit: float | None = None
     t_first: float | None = None

@@ -173,6 +173,11 @@ class FinishEvent:
     # fallback_steps, accepted_per_position); None without speculative decoding
     speculative: dict[str, Any] | None = None
     vision_seconds: float = 0.0  # time the vision tower spent encoding this request's media
+    # with the request log on (exposure.RequestExposure): the request's share of the engine's time, the
+    # observations at its first output, and its own pause/restore work; None otherwise
+    engine_timing: dict[str, Any] | None = None
+    first_output_timing: dict[str, Any] | None = None
+    scheduling: dict[str, Any] | None = None
 
 
 @dataclass

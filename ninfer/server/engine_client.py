@@ -9,6 +9,7 @@ FinishEvent. Closing the stream early cancels the request inside the engine, whi
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
@@ -172,7 +173,9 @@ class RayEngineClient:
             raise failure.to_exception()
 
     async def release(self, request_id: str) -> None:
-        self.handle.release.remote(request_id)  # sent at once; nothing waits for the replica's answer
+        # Sent at once, nothing waits for the answer, and from an empty context: Serve cancels the calls a
+        # cancelled request made (its request context marks them as children), and this one must still arrive.
+        contextvars.Context().run(self.handle.release.remote, request_id)
 
     async def open(self, request: EngineRequest) -> AsyncIterator[list[Any]]:
         return await _open(self._stream(request))

@@ -280,7 +280,9 @@ class RequestTrace:
                  self.http_id, fin.reason.value, u.prompt_tokens, u.cached_tokens, fin.prefix_reuse_path,
                  u.completion_tokens, _ms(self._since_begin(self.t_first)), rate, now - self.t_begin)
         self._write("request_done", request=self._request_fields(), result=self._result(fin, decoded),
-                    timings_seconds=self._timings(now, fin), scheduling={"preemptions": fin.preemptions})
+                    timings_seconds=self._timings(now, fin),
+                    scheduling=fin.scheduling or {"preemptions": fin.preemptions},
+                    engine_timing=fin.engine_timing, first_output_timing=fin.first_output_timing)
 
     def _settle_without_finish(self, exc: BaseException | None) -> None:
         if self.settled or not self.started:
