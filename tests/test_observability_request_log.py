@@ -233,8 +233,13 @@ def test_outcomes_per_request(campaign):
 def test_scheduling_events_trace_pause_and_replay(campaign):
     events = [r for r in campaign["records"] if r["event"] == "request_scheduling"]
     kinds = [e["scheduling"]["kind"] for e in events]
-    for kind in ("paused", "restored", "replay_complete", "terminal"):
+    for kind in ("pause_started", "paused", "restore_started", "restored", "replay_complete", "terminal"):
         assert kind in kinds, kinds
+    for request_id in {e["request"]["request_id"] for e in events}:  # each cycle's boundaries in order
+        mine = [e["scheduling"] for e in events if e["request"]["request_id"] == request_id]
+        cycle = [e["kind"] for e in mine if e["preemption_index"] == 1]
+        assert cycle[:4] == ["pause_started", "paused", "restore_started", "restored"], cycle
+        assert [e["steady_ns"] for e in mine] == sorted(e["steady_ns"] for e in mine)
     paused = next(e for e in events if e["scheduling"]["kind"] == "paused")
     assert paused["scheduling"]["route"] == "replay" and paused["scheduling"]["preemption_index"] == 1
     done = [r for r in campaign["records"] if r["event"] == "request_done" and r["result"]["finish_reason"] == "length"]

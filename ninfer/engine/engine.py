@@ -483,6 +483,8 @@ class Engine:
         with self.work.phase("program_submit"):
             if launched is None:
                 self.context.run(plan.before)
+            self._pause_boundaries(plan)
+            if launched is None:
                 # drafts after the copies and restores: a drafter reads its context from the pages they fill
                 self._propose(plan)
                 launched = self.runner.launch(plan)
@@ -771,7 +773,7 @@ class Engine:
             if seq.sampling.penalized and seq.lane is not None:
                 self.runner.reset_lane(seq.lane, seq.output_ids)
             if route:
-                self._scheduling_event(seq, "restored", route)
+                self._scheduling_event(seq, "restore_started", route)
 
     def _expose(self) -> None:
         """Each request in this iteration's step takes the iteration's time (exposure); one that finished in it
@@ -804,7 +806,16 @@ class Engine:
         now = time.monotonic()
         for seq in plan.preempted:
             seq.t_paused = now
+            self._scheduling_event(seq, "pause_started", "snapshot" if seq.snapshot is not None else "replay")
+
+    def _pause_boundaries(self, plan: StepPlan) -> None:
+        """The pause-cycle boundaries reached once the plan's copies are under way (snapshots to the host, restores
+        from it; a replay-route pause or restore copies nothing): paused and restored."""
+        for seq in plan.preempted:
             self._scheduling_event(seq, "paused", "snapshot" if seq.snapshot is not None else "replay")
+        for admission in plan.admitted:
+            if admission.route:
+                self._scheduling_event(admission.seq, "restored", admission.route)
 
     def _progress(self, seq: Sequence, computed: int) -> None:
         if seq.request.return_progress and seq.t_admit is not None:
@@ -841,7 +852,7 @@ class Engine:
             kind=kind, preemption_index=seq.preemptions, route=route, steady_ns=now,
             elapsed_ns=now - int(seq.t_submit * 1e9),
             global_tokens={"prefill": c.prefill_tokens, "decode": c.decode_tokens, "replay": c.replayed_tokens},
-            request_tokens={"computed": seq.paused_frontier if kind == "paused" else seq.num_computed,
+            request_tokens={"computed": seq.paused_frontier if kind in ("pause_started", "paused") else seq.num_computed,
                             "generated": len(seq.output_ids)}))
 
     @property

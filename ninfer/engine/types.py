@@ -184,7 +184,10 @@ class FinishEvent:
 class SchedulingEvent:
     """A pause-cycle boundary of one request, for the request log (only with EngineSettings.scheduling_events).
 
-    kind: paused, restored, replay_complete, recovery_complete, or terminal (a preempted request ended).
+    kind: pause_started (the plan pauses it), paused (its snapshot copy is under way, or nothing to copy),
+    restore_started, restored (likewise), replay_complete, recovery_complete, or terminal (a preempted request
+    ended). A snapshot is never revoked here (a pause without host room takes the replay route), so there is no
+    snapshot_revoked.
     route: snapshot or replay; None where no route applies. steady_ns is the engine's monotonic clock and
     elapsed_ns counts from submission. Token counters are cumulative: global ones for the whole engine.
     """
