@@ -439,6 +439,8 @@ class Engine:
                         if self.drafts_control is not None and plan.decode and plan.prefill is None:
                             width = max(len(w.tokens) for w in plan.decode)
                             self.drafts_control.step_time(len(plan.decode), width, time.perf_counter() - started)
+                    else:  # no step: a pause or restore that copies nothing still reaches its boundary
+                        self._pause_boundaries(plan)
                 except Exception as exc:  # an engine-wide failure: fail everything, report unhealthy
                     log.exception("engine step failed")
                     self._fail_all(exc)
