@@ -9,12 +9,14 @@ stop) is made from what the router saw committed up to that point.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeVar
 
 from ninfer.chat.ir import DecodedOutput, OutputDelta, Prompt
 from ninfer.chat.qwen_tool_parser import TOOL_CLOSE, TOOL_OPEN
 from ninfer.engine.types import Channel, FinishEvent, FinishReason, ProgressEvent, TokenEvent, Usage
 from ninfer.server.live_tally import LiveTally
+
+T = TypeVar("T")
 
 
 class GenerationFailed(Exception):
@@ -70,7 +72,7 @@ class Generation:
             held.append(batch)
             if any(isinstance(ev, (ProgressEvent, FinishEvent)) for ev in batch):
                 break
-        self.events = _replayed(held, self.events)
+        self.events = prepended(held, self.events)
 
     async def steps(self) -> AsyncIterator[list[ProgressEvent | OutputDelta]]:
         """Progress events and live decoder deltas, a list per engine event list (a streamed response writes
@@ -111,12 +113,13 @@ class Generation:
         self.outcome = Outcome(decoded, fin, tail)
 
 
-async def _replayed(held: list[list[Any]], rest: AsyncIterator[list[Any]]) -> AsyncIterator[list[Any]]:
-    """`held`, then `rest`; closing this closes `rest` (which cancels the request in the engine)."""
+async def prepended(first: list[T], rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """The items of `first`, then those of `rest`; closing this closes `rest` (for engine events, that cancels the
+    request in the engine). What a consumer read ahead goes back in front of the stream this way."""
     try:
-        for batch in held:
-            yield batch
-        async for batch in rest:
-            yield batch
+        for item in first:
+            yield item
+        async for item in rest:
+            yield item
     finally:
         await rest.aclose()

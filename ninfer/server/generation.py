@@ -28,7 +28,7 @@ from ninfer.chat.errors import PromptError
 from ninfer.engine.types import ContextLengthExceededError, EngineError, EngineRequest, ProgressEvent
 from ninfer.protocol.errors import ProtocolError, from_engine_error, from_prompt_error
 from ninfer.server.context import ServerContext
-from ninfer.server.decoding import Generation, GenerationFailed, Outcome
+from ninfer.server.decoding import Generation, GenerationFailed, Outcome, prepended
 from ninfer.server.media_prep import PromptMedia, media_inputs, prepare_media
 from ninfer.server.observer import RequestShape, RequestTrace
 from ninfer.server.sse import SSE_HEADERS, with_keepalive
@@ -161,7 +161,7 @@ async def generate(request: Request, spec: GenerationSpec) -> Response:
     # the stream's headers wait for admission, so a queue timeout is still an HTTP 503 (contract, "Execution
     # behavior"), not a failure frame after a 200
     opening = await anext(frames)
-    return StreamingResponse(with_keepalive(_after(opening, frames), ctx.keepalive_s),
+    return StreamingResponse(with_keepalive(prepended([opening], frames), ctx.keepalive_s),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -171,16 +171,6 @@ async def _engine_call(call):
         return await call
     except EngineError as exc:
         raise from_engine_error(exc) from None
-
-
-async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """`first`, then `rest`; closing this closes `rest`."""
-    try:
-        yield first
-        async for frame in rest:
-            yield frame
-    finally:
-        await rest.aclose()
 
 
 async def _aggregate(generation: Generation, renderer: OutputRenderer, trace: RequestTrace,
