@@ -209,3 +209,45 @@ def test_metrics_count_responses_generations(campaign):
     before, after = campaign["store_metrics"]
     assert moved(before, after, "ninfer_requests_total", outcome="stop") == 2
     assert moved(before, after, "ninfer_response_failures_total") == 2  # storage failed after each outcome
+
+
+def test_a_cut_answer_logs_only_the_tokens_it_answered():
+    """parallel_tool_calls:false ends the answer inside an engine event list: the tokens after the cut in that
+    list were observed on the way through but never answered, so generated_token_ids leaves them out."""
+    import asyncio
+
+    from ninfer.chat.qwen_tool_parser import TOOL_CLOSE, TOOL_OPEN
+    from ninfer.config import ServerConfig
+    from ninfer.engine.types import Channel, ProgressEvent, TokenEvent
+    from ninfer.server.decoding import Generation
+    from ninfer.server.observer import RequestObserver, RequestShape
+    from ninfer.server.request_log import ModelIdentity
+
+    class Echo:  # the decoder is below the layer under test: it passes text through
+        def feed(self, text, channel):
+            return [text]
+
+        def finish(self):
+            return [], None
+
+    async def one_list():
+        yield [ProgressEvent(total=3, cache=0, processed=3, time_ms=1.0),
+               TokenEvent([11, 12], Channel.ANSWER, f"{TOOL_OPEN}x{TOOL_CLOSE}"),
+               TokenEvent([13], Channel.ANSWER, TOOL_OPEN)]
+
+    observer = RequestObserver(ServerConfig(artifact="unused.ninfer"), ModelIdentity("m", "m", "qwen3", {}), None)
+    shape = RequestShape("openai_responses", "m", False, 1, 0, 1, "auto", False, None, None, None)
+    trace = observer.begin(shape, "req_cut")
+    trace.started = True
+
+    async def run():
+        generation = Generation(trace.watch(one_list()), Echo(), type("P", (), {"token_ids": [1, 2, 3]})(),
+                                single_call=True)
+        async for _ in generation.steps():
+            pass
+        return generation.outcome
+
+    outcome = asyncio.run(run())
+    assert outcome.usage.completion_tokens == 2
+    trace.finish(outcome.decoded, fin=outcome.finish)
+    assert trace.token_ids == [11, 12] and trace.settled

@@ -259,8 +259,10 @@ class RequestTrace:
 
         `fin` stands in when the endpoint ended the generation itself (Responses stops at the first
         call with parallel_tool_calls:false) and no engine FinishEvent was observed."""
-        if self.fin is None:
+        if self.fin is None and fin is not None:
             self.fin = fin
+            # the endpoint stopped reading mid event list: tokens observed past its cutoff were never answered
+            del self.token_ids[fin.usage.completion_tokens:]
         fin = self.fin
         if self.settled or fin is None:
             return
