@@ -27,8 +27,11 @@ $(ARTIFACT): | $(VENV)/.installed
 
 artifact: $(ARTIFACT)
 
+# Serve's HTTP proxy loads ninfer's edge: TCP keepalive on accepted connections, a fresh x-request-id
+PROXY_CALLBACK ?= ninfer.server.proxy_edge:middlewares
+
 serve: install artifact
-	$(VENV)/bin/serve run $(CONFIG)
+	RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=$(PROXY_CALLBACK) $(VENV)/bin/serve run $(CONFIG)
 
 test: install
 	$(VENV)/bin/pytest -q -n 2 --dist loadgroup

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -70,6 +72,46 @@ def test_every_response_has_a_unique_request_id(server):
         r = httpx.request(method, server.url + url, timeout=30, **kwargs)
         ids.add(r.headers["x-request-id"])
     assert len(ids) == 6
+
+
+def test_accepted_connections_use_keepalive_and_a_user_timeout(server):
+    """Contract, "HTTP behavior": on Linux an accepted connection uses TCP keepalive and a 15 s TCP_USER_TIMEOUT.
+    The server's end of a live keep-alive connection is found among this process's sockets and read back."""
+    if not hasattr(socket, "TCP_USER_TIMEOUT"):
+        pytest.skip("TCP_USER_TIMEOUT is Linux's")
+    with socket.create_connection(("127.0.0.1", server.port)) as client:
+        client.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert client.recv(4096).startswith(b"HTTP/1.1 200")
+        with _accepted_end(client.getsockname()) as accepted:
+            assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 15_000
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5
+
+
+def _accepted_end(peer) -> socket.socket:
+    """A duplicate of this process's TCP socket whose peer is `peer` (the server thread's end of a connection)."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):  # every socket first: the duplicates below take new numbers
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                fds.append(int(fd))
+        except OSError:
+            continue
+    found = []
+    for fd in fds:
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.family == socket.AF_INET and sock.getpeername() == peer:
+                found.append(sock)
+                continue
+        except OSError:
+            pass
+        sock.close()
+    assert len(found) == 1, found
+    return found[0]
 
 
 def test_error_bodies_use_the_openai_shape(server):

@@ -1,4 +1,5 @@
-"""One real Ray Serve run from a YAML config: chat, stream, cancel by disconnect, clean shutdown.
+"""One real Ray Serve run from a YAML config: chat, stream, cancel by disconnect, clean shutdown, and ninfer's
+edge in Serve's proxy (fresh x-request-ids, keepalive on accepted connections).
 
 The config is configs/tiny.yaml with the scripted artifact and a free port, started with
 `serve run` in its own process group (stopped with SIGTERM, as an operator would) and its own
@@ -25,6 +26,8 @@ import pytest
 import yaml
 from process_helpers import processes_mentioning
 from server_fixtures import MODEL, free_port, scripted_artifact, wait_until
+
+from ninfer.server.proxy_edge import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = """
@@ -62,7 +65,8 @@ def test_serve_run_from_yaml_end_to_end(artifacts_dir, qwen_tokenizer):
     port = free_port()
     config = work / "serve.yaml"
     config.write_text(yaml.safe_dump(serve_config(scripted_artifact(artifacts_dir, qwen_tokenizer), port)))
-    env = {**os.environ, "RAY_TMPDIR": str(work), "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_TMPDIR": str(work), "RAY_USAGE_STATS_ENABLED": "0",
+           PROXY_CALLBACK_ENV: PROXY_CALLBACK}  # as `make serve` starts it
     log = open(work / "serve.log", "wb")
     proc = subprocess.Popen([str(serve_bin), "run", str(config)], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -79,9 +83,16 @@ def test_serve_run_from_yaml_end_to_end(artifacts_dir, qwen_tokenizer):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         messages = [{"role": "user", "content": "ALPHA"}]
 
-        raw = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=60)
-        assert raw.status_code == 200 and len(raw.headers.get_list("x-request-id")) == 1
-        assert raw.json()["choices"][0]["message"]["content"] == "The answer is 4."
+        # the proxy's edge (ninfer.server.proxy_edge): a client-sent x-request-id is replaced by a fresh one
+        ids = []
+        for _ in range(2):
+            raw = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=60,
+                             headers={"x-request-id": "chosen-by-client"})
+            assert raw.status_code == 200 and len(raw.headers.get_list("x-request-id")) == 1
+            assert raw.json()["choices"][0]["message"]["content"] == "The answer is 4."
+            ids.append(raw.headers["x-request-id"])
+        assert len(set(ids)) == 2 and "chosen-by-client" not in ids, ids
+        _assert_proxy_connections_keepalive(port)
 
         chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True,
                                                      stream_options={"include_usage": True}))
@@ -130,6 +141,18 @@ def test_serve_run_from_yaml_end_to_end(artifacts_dir, qwen_tokenizer):
     # Serve's HTTP proxy and this cluster's GCS and raylet (their command lines name its temp dir) stop too
     assert wait_until(lambda: not healthy() and not processes_mentioning(str(work)), timeout=30)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def _assert_proxy_connections_keepalive(port: int) -> None:
+    """The proxy's end of an open keep-alive connection runs a keepalive timer (contract, "HTTP behavior"); the
+    exact option values are read back in process by test_server_http."""
+    if shutil.which("ss") is None:
+        return  # iproute2's ss is the only window into another process's socket timers here
+    with httpx.Client(timeout=30) as http:
+        assert http.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        shown = subprocess.run(["ss", "-tnoH", "state", "established", f"( sport = :{port} )"],
+                               capture_output=True, text=True, timeout=10).stdout
+    assert "keepalive" in shown, shown
 
 
 def _png_base64(width: int, height: int) -> str:

@@ -50,7 +50,7 @@ FLAG_HELP: dict[str, tuple[str | None, str]] = {
                        "E2M1 values with an E4M3 scale per 16 and an fp32 scale per head (~29%%, ~3.5x the "
                        "tokens; error within half a step of each 16-block's grid, under 18%% of the block's "
                        "amax); k8v4, int8 K and nvfp4 V (~40%%, ~2.5x the tokens)"),
-    "spec": (None, "speculative backend: mtp (the artifact's MTP head); dflash / dflash2 are not wired in yet"),
+    "spec": (None, "speculative backend: mtp (the artifact's MTP head), dflash or dflash2 (its block drafter)"),
     "draft_tokens": ("N", "draft tokens: MTP 1..5, DFlash/DFlash2 1..15"),
     "lm_head_draft": (None, "load the optimized proposal head"),
     "default_max_tokens": ("N", "output limit when a request omits one"),
@@ -131,6 +131,7 @@ def flag_errors(errors: list[dict[str, Any]]) -> str:
 def run(cfg: ServerConfig) -> int:
     """Start a local Ray, deploy the graph on cfg.host:cfg.port, serve until SIGINT/SIGTERM."""
     from ninfer.artifact.container import Artifact
+    from ninfer.server.proxy_edge import PROXY_CALLBACK, PROXY_CALLBACK_ENV
     from ninfer.server.request_log import ARGV_ENV, redact_argv
     from ninfer.server.startup import check_implemented, configure_logging
 
@@ -147,6 +148,9 @@ def run(cfg: ServerConfig) -> int:
 
     from deployments.app import APP_NAME, build_application
 
+    # Serve's HTTP proxy loads ninfer's edge (TCP keepalive, fresh x-request-id): the local Ray started below
+    # gives its actors this environment
+    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
     if cfg.device and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.device)  # Ray (and so the engine replica) sees GPU N only
     stop = threading.Event()

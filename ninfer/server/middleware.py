@@ -1,4 +1,5 @@
-"""The HTTP edge as one pure-ASGI middleware: request ids, API-key check, body-size limit, last-resort 500.
+"""The HTTP edge as one pure-ASGI middleware: connection keepalive, request ids, API-key check, body-size limit,
+last-resort 500.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses pass through untouched and a client
 disconnect still reaches the endpoint. Order inside: id first (every answer carries it), then auth
@@ -15,6 +16,7 @@ from typing import Any
 
 from ninfer.protocol.anthropic_errors import anthropic_error
 from ninfer.protocol.errors import ProtocolError
+from ninfer.server.proxy_edge import tune_connection
 
 log = logging.getLogger("ninfer.server")
 
@@ -49,6 +51,8 @@ class EdgeMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
+        if not self.upstream_request_id:  # this app is the edge (in process); behind Serve, proxy_edge does it
+            tune_connection(receive)
         upstream = self._upstream_id(scope)
         request_id = upstream or new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
