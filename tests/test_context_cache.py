@@ -134,14 +134,14 @@ def _storm(path, **kw):
         results = asyncio.run(main())
     finally:
         engine.shutdown()
-    return prompts, [_ids(r) for r in results], engine
+    return prompts, [_ids(r) for r in results], engine, [r[-1] for r in results]
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen_path", "smollm2_path"])
 @pytest.mark.parametrize("host_budget", [None, 0], ids=["snapshot", "replay"])
 def test_pressure_storm_keeps_greedy_output(fixture, host_budget, request):
     path = request.getfixturevalue(fixture)
-    prompts, outputs, engine = _storm(path, host_context_bytes=host_budget)
+    prompts, outputs, engine, _ = _storm(path, host_context_bytes=host_budget)
     alone = _engine(path, prefix_reuse=False)
     try:
         expected = [_run(alone, p, f"alone{i}", max_tokens=40)[0] for i, p in enumerate(prompts)]
@@ -188,3 +188,58 @@ def test_many_snapshot_restores_at_once_never_fail_the_engine(qwen_tokenizer):
         assert_no_leak(engine)
     finally:
         engine.shutdown()
+
+
+def test_request_log_sees_each_requests_copies_and_prefill_work(tiny_qwen_path):
+    """Contract, "Structured request log": request_done's work.gpu_seconds (the prompt chunks' device time; on the
+    CPU their wall time) and context_transfers (the request's own copies by direction), and the throughput
+    record's StateImage operations, tail-page copies and last selection."""
+    from ninfer.server.request_log import throughput_fields
+
+    base = _prompt(40)
+    engine = _engine(tiny_qwen_path, scheduling_events=True)
+    try:
+        before = engine.snapshot()
+        _, first = _run(engine, base, "a", checkpoints=[22])  # a StateImage captured at 22
+        _, reuse = _run(engine, base[:30] + [999] + base[31:], "b")  # adopts 22: the state and the tail page 20-23
+        after = engine.snapshot()
+    finally:
+        engine.shutdown()
+    assert reuse.usage.cached_tokens == 22
+    for fin in (first, reuse):
+        assert fin.work["gpu_seconds"] > 0 and fin.work["prefill_intervals"] >= 1
+        assert fin.context_transfers["d2h"] == fin.context_transfers["h2d"] == {
+            "bytes": {"main_kv": 0, "state": 0, "backend_kv": 0}, "copies": 0, "seconds": 0}
+    captured = first.context_transfers["d2d"]  # its own state copied into the checkpoint's slot
+    assert captured["copies"] == 1 and captured["bytes"]["state"] > 0 and captured["bytes"]["main_kv"] == 0
+    adopted = reuse.context_transfers["d2d"]
+    assert adopted["copies"] == 1 and adopted["seconds"] >= 0
+    assert adopted["bytes"]["state"] == captured["bytes"]["state"] and adopted["bytes"]["main_kv"] > 0
+
+    record = throughput_fields(before, after, 1.0, None)
+    cache = record["context_cache"]
+    assert cache["state_images"] == {"captured": 1, "adopted": 1, "to_host": 0, "from_host": 0}
+    assert cache["tail_page_copies"] == 1 and cache["pressure_evictions"] == 0
+    assert cache["last_selection"] == {"outcome": "hit", "reused_tokens": 22, "checkpoint_kind": "input"}
+    assert record["scheduler"]["terminal_pending"] == 0 and record["scheduler"]["capture_pending"] == 0
+    work = record["host_work"]
+    assert work["detail_invocations"]["request_observation"] > 0
+    assert 0 < work["detail_subset_seconds"]["request_observation"] < work["elapsed_seconds"]["total"]
+    assert work["per_round_seconds"]["host"] == pytest.approx(
+        work["elapsed_seconds"]["total"] / record["decode_batch"]["rounds"])
+    idle = throughput_fields(after, after, 1.0, None)["host_work"]  # no rounds: normalized values are null
+    assert idle["per_round_seconds"] == {"host": None, "device_wait": None}
+    assert idle["detail_per_invocation_seconds"] == {"request_observation": None}
+
+
+def test_a_snapshot_pause_logs_the_requests_host_copies(tiny_qwen_path):
+    _, _, engine, finishes = _storm(tiny_qwen_path, scheduling_events=True)
+    paused = [f for f in finishes if f.scheduling["snapshot_restores"]]
+    assert paused, [f.scheduling for f in finishes]
+    for fin in paused:
+        out, back = fin.context_transfers["d2h"], fin.context_transfers["h2d"]
+        assert out["copies"] >= back["copies"] >= 1 and out["seconds"] >= 0
+        assert out["bytes"]["main_kv"] > 0 and out["bytes"]["state"] > 0
+        assert fin.scheduling["transfer_bytes"]["h2d"] == sum(back["bytes"].values())
+    images = engine.snapshot()["state_images"]
+    assert images["to_host"] >= images["from_host"] >= len(paused)

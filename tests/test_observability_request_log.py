@@ -217,6 +217,9 @@ def test_outcomes_per_request(campaign):
     assert first["prefill"]["units"] == engine["units"]["prefill"]
     assert 0 < first["elapsed_seconds"] <= timings["total"] and first["replay"]["units"] == 0
     assert first["elapsed_seconds"] == pytest.approx(first["initial_queue_seconds"] + first["resident_seconds"])
+    # work: the device time of its prompt chunks (one interval each without a drafter; on the CPU, wall time)
+    assert done["work"]["prefill_intervals"] == engine["units"]["prefill"] and done["work"]["gpu_seconds"] > 0
+    assert set(done["context_transfers"]) == {"d2h", "h2d", "d2d"}
 
     tool_done = by_http_id(records, ids["tool"])[-1]
     assert tool_done["request"]["tool_count"] == 1
@@ -258,8 +261,15 @@ def test_server_start_and_throughput(campaign):
     assert "--api-key" in start["argv"] and "<redacted>" in start["argv"]
     (throughput,) = [r for r in campaign["records"] if r["event"] == "throughput"]
     assert throughput["tokens"]["committed_decode"] > 0 and throughput["interval_seconds"] == 2.5
-    assert throughput["host_work"]["elapsed_seconds"]["total"] == pytest.approx(
-        sum(v for k, v in throughput["host_work"]["elapsed_seconds"].items() if k != "total"))
+    work = throughput["host_work"]
+    assert work["elapsed_seconds"]["total"] == pytest.approx(
+        sum(v for k, v in work["elapsed_seconds"].items() if k != "total"))
+    # the request log's own bookkeeping on the engine thread, a subset of the phases (never in total)
+    assert 0 < work["detail_subset_seconds"]["request_observation"] < work["elapsed_seconds"]["total"]
+    assert work["per_row_round_seconds"]["host"] == pytest.approx(
+        work["elapsed_seconds"]["total"] / throughput["decode_batch"]["row_rounds"])
+    assert throughput["scheduler"]["terminal_pending"] == 0  # every answer was written
+    assert throughput["context_cache"]["last_selection"]["outcome"] in ("hit", "miss")
 
 
 def test_no_secrets_prompts_or_outputs_in_any_log(campaign):

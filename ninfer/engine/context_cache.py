@@ -57,6 +57,9 @@ class ContextCache:
         self.entries: list[Checkpoint] = []
         self._clock = itertools.count(1)
         self.hits = self.misses = self.captures = self.evictions = 0
+        self.pressure_evictions = 0  # of those, to make room for a request (the rest: replaced or over the cap)
+        # the latest recorded selection, a gauge for the request log: hit or miss, tokens reused, checkpoint kind
+        self.last_selection: dict[str, object] | None = None
 
     # ---- lookup ----------------------------------------------------------------------------
     def lookup(self, prompt: list[int], record: bool = True) -> Match | None:
@@ -89,6 +92,9 @@ class ContextCache:
         else:
             self.hits += 1
             match.checkpoint.last_used = next(self._clock)
+        self.last_selection = {"outcome": "miss" if match is None else "hit",
+                               "reused_tokens": match.length if match else 0,
+                               "checkpoint_kind": match.checkpoint.kind if match else None}
 
     def has_prefix(self, tokens: tuple[int, ...]) -> bool:
         return any(e.tokens == tokens for e in self.entries)
@@ -119,6 +125,7 @@ class ContextCache:
         if not candidates:
             return False
         self._evict(min(candidates, key=lambda e: e.last_used))
+        self.pressure_evictions += 1
         return True
 
     def evict_for_slot(self, keep: Checkpoint | None = None) -> bool:
@@ -127,11 +134,12 @@ class ContextCache:
         if not holders:
             return False
         self._evict(min(holders, key=lambda e: e.last_used))
+        self.pressure_evictions += 1
         return True
 
     def clear(self) -> None:
-        while self.evict_one():
-            pass
+        while self.entries:
+            self._evict(self.entries[0])
 
     def _evict(self, entry: Checkpoint) -> None:
         self.entries.remove(entry)

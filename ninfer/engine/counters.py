@@ -31,6 +31,11 @@ class Counters:
     spec_fallback_steps: int = 0  # decode rows of a speculative engine that carried none
     # ---- observability (metrics and the request log) ----
     host_context_peak_bytes: int = 0
+    # StateImage copies: into a checkpoint (captured), from one into a request (adopted), a pause's to the host
+    # and back (to_host / from_host); a finished request's slot handed to the cache moves nothing (not counted)
+    state_images: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("captured", "adopted", "to_host", "from_host"), 0))
+    tail_page_copies: int = 0  # copy-on-write KV pages of a reused prefix
     context_transfer_bytes: dict[str, int] = field(  # "<resource>_<direction>": main_kv|state|backend_kv x d2h|h2d|d2d
         default_factory=lambda: {f"{r}_{d}": 0 for r in ("main_kv", "state", "backend_kv") for d in ("d2h", "h2d", "d2d")})
 
@@ -59,6 +64,9 @@ class HostWork:
         self.class_seconds = {f"{c}_{k}": 0.0 for c in WORK_CLASSES for k in ("host", "device_wait")}
         self._work_class = "control"
         self._claimed = 0.0
+        # subsets of the phases above, never added to their total: the engine thread's request-log bookkeeping
+        self.detail_seconds = {"request_observation": 0.0}
+        self.detail_invocations = {"request_observation": 0}
 
     def _book(self, phase: str, seconds: float) -> None:
         if phase == "device_wait":
@@ -78,6 +86,16 @@ class HostWork:
             self._claimed += spent
             self._book(phase, spent)
 
+    @contextmanager
+    def detail(self, name: str):
+        """Time a part of whatever phase is under way (a subset, booked beside it)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.detail_seconds[name] += time.perf_counter() - start
+            self.detail_invocations[name] += 1
+
     def run_step(self, work_class: str, step: Callable[[], bool]) -> bool:
         """Run one engine step; a step that found nothing to do books no time."""
         start, self._work_class, self._claimed = time.perf_counter(), work_class, 0.0
@@ -91,4 +109,5 @@ class HostWork:
 
     def snapshot(self) -> dict[str, object]:
         return {"host_work_seconds": dict(self.phase_seconds), "device_wait_seconds": self.device_wait_seconds,
-                "work_class_seconds": dict(self.class_seconds)}
+                "work_class_seconds": dict(self.class_seconds), "host_detail_seconds": dict(self.detail_seconds),
+                "host_detail_invocations": dict(self.detail_invocations)}

@@ -24,7 +24,7 @@ from ninfer.engine.context_ops import ContextExecutor
 from ninfer.engine.counters import Counters, HostWork
 from ninfer.engine.emitter import batched as batched_events
 from ninfer.engine.emitter import loop_emitter
-from ninfer.engine.exposure import RequestExposure, host_marks
+from ninfer.engine.exposure import RequestExposure, StreamInterval, host_marks
 from ninfer.engine.kv_manager import KVManager
 from ninfer.engine.kv_pool import PagePool, SlotPool
 from ninfer.engine.kv_sizing import auto_kv_capacity
@@ -339,6 +339,8 @@ class Engine:
             "prefilling": sum(s.status is Status.PREFILL for s in resident),
             "replaying": sum(s.status is Status.PREFILL and bool(s.output_ids) for s in resident),
             "materializing": 0,  # snapshot restores and prefix copies complete inside admission
+            "capture_pending": 0,  # a checkpoint's capture runs in the step that computes its position
+            "terminal_pending": self.slots.terminal_pending,
             "decode_ready": sum(s.status is Status.DECODE for s in resident),
             "kv_pages_used": sched.pages.used_pages,
             "kv_pages_capacity": sched.pages.num_pages,
@@ -352,9 +354,12 @@ class Engine:
             "prefix_captures": self.cache.captures,
             "prefix_evictions": self.cache.evictions,
             "retained_checkpoints": len(self.cache.entries),
+            "prefix_pressure_evictions": self.cache.pressure_evictions,
+            "last_selection": dict(self.cache.last_selection) if self.cache.last_selection else None,
             "host_context_used_bytes": self.kv.host_used,
             "host_context_capacity_bytes": self.kv.host_budget,
-            **{k: v for k, v in vars(c).items() if k not in ("requests", "context_transfer_bytes")},
+            **{k: v for k, v in vars(c).items() if k not in ("requests", "context_transfer_bytes", "state_images")},
+            "state_images": dict(c.state_images),
             "spec_decode_rounds": c.spec_rounds,
             "spec_decode_draft_tokens": c.spec_drafted_tokens,
             "spec_decode_accepted_tokens": c.spec_accepted_tokens,
@@ -435,12 +440,14 @@ class Engine:
                                            lambda plan=plan, queued=queued: self._step(plan, queued and queued[1]))
                         self._timed_round(plan)
                         if self._exposing is not None:
-                            self._expose()
+                            with self.work.phase("engine_maintenance"), self.work.detail("request_observation"):
+                                self._expose()
                         if self.drafts_control is not None and plan.decode and plan.prefill is None:
                             width = max(len(w.tokens) for w in plan.decode)
                             self.drafts_control.step_time(len(plan.decode), width, time.perf_counter() - started)
                     else:  # no step: a pause or restore that copies nothing still reaches its boundary
-                        self._pause_boundaries(plan)
+                        with self.work.phase("engine_maintenance"):
+                            self._pause_boundaries(plan)
                 except Exception as exc:  # an engine-wide failure: fail everything, report unhealthy
                     log.exception("engine step failed")
                     self._fail_all(exc)
@@ -482,11 +489,14 @@ class Engine:
         """Copies, forwards, commits and the scheduler's update for one plan (launched: already queued, by
         `_queue_next_round` during the step before)."""
         predicted = []
+        # with the request log on, a prompt chunk's device intervals (its forward and drafter work: work.gpu_seconds)
+        prefilled = plan.prefill.seq.exposure if plan.prefill is not None and launched is None else None
         with self.work.phase("program_submit"):
             if launched is None:
                 self.context.run(plan.before)
             self._pause_boundaries(plan)
             if launched is None:
+                interval = StreamInterval(self.device) if prefilled is not None else None
                 # drafts after the copies and restores: a drafter reads its context from the pages they fill
                 self._propose(plan)
                 launched = self.runner.launch(plan)
@@ -494,6 +504,8 @@ class Engine:
                     self.proposer.draft_ahead(plan, launched.tokens[-1])
                 if hasattr(self.proposer, "observe_deferred"):  # the last plain step's observe, under this forward
                     self.proposer.observe_deferred()
+                if interval is not None:
+                    prefilled.prefill_intervals.append(interval.stop())
                 predicted = self._predicted(plan)
                 self.context.run(plan.after)
             queued = self._queue_next_round(plan, launched) if self._overlap_now else None
@@ -511,7 +523,10 @@ class Engine:
                     self.scheduler.slots.exchange(held, verify_slot)
             self.scheduler.update(plan, output, committed)
             if hasattr(self.proposer, "observe"):  # the drafter's half-step over the committed positions
+                interval = StreamInterval(self.device) if prefilled is not None else None
                 self.proposer.observe(plan, output, committed)
+                if interval is not None:
+                    prefilled.prefill_intervals.append(interval.stop())
             counted = self.output.take_counted()
             if counted:
                 lanes, ids = zip(*counted)
@@ -792,9 +807,10 @@ class Engine:
         the iteration's step."""
         work = self._exposing[1].get(id(seq)) if self._exposing is not None else None
         if seq.exposure is not None and work is not None:
-            _, decode, unit = work
-            seq.exposure.add(self._exposing[0], host_marks(self.work), decode=decode, unit=unit)
-            self._first_output(seq)
+            with self.work.detail("request_observation"):
+                _, decode, unit = work
+                seq.exposure.add(self._exposing[0], host_marks(self.work), decode=decode, unit=unit)
+                self._first_output(seq)
 
     @staticmethod
     def _first_output(seq: Sequence) -> None:
@@ -847,6 +863,10 @@ class Engine:
         """Tell the request's consumer about a pause-cycle boundary (only when the request log wants them)."""
         if not self.settings.scheduling_events:
             return
+        with self.work.detail("request_observation"):
+            self._emit_scheduling_event(seq, kind, route)
+
+    def _emit_scheduling_event(self, seq: Sequence, kind: str, route: str | None) -> None:
         if kind == "restored":
             self._recovering.add(seq.request_id)
         c, now = self.counters, time.monotonic_ns()

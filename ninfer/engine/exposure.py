@@ -1,5 +1,5 @@
 """One request's view of the engine's time, for the request log's request_done (contract, "Structured request
-log": engine_timing, first_output_timing, generation.scheduling).
+log": engine_timing, first_output_timing, generation.scheduling, work, context_transfers).
 
 The engine thread's wall time is booked once, by phase (counters.HostWork); each engine iteration's share of it
 is added to every request that took part in that iteration's step, since in a compact batch each of them waits
@@ -13,12 +13,59 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ninfer.engine.counters import HOST_PHASES, HostWork
+
+RESOURCES = ("main_kv", "state", "backend_kv")
+DIRECTIONS = ("d2h", "h2d", "d2d")
 
 
 def host_marks(work: HostWork) -> tuple[float, ...]:
     """The engine's cumulative host phases and device wait, to take an iteration's share by difference."""
     return (*work.phase_seconds.values(), work.device_wait_seconds)
+
+
+class StreamInterval:
+    """The device time of work queued on the current stream between `__init__` and `stop`: a pair of CUDA events
+    (read once both completed, so never a wait), or on the CPU, where the work runs as it is called, the clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t_start = self.t_end = time.perf_counter()
+
+    def stop(self) -> "StreamInterval":
+        if self.cuda:
+            self.end.record()
+        else:
+            self.t_end = time.perf_counter()
+        return self
+
+    def seconds(self) -> float | None:
+        """None while the device has not reached the end mark."""
+        if not self.cuda:
+            return self.t_end - self.t_start
+        return self.start.elapsed_time(self.end) / 1000.0 if self.end.query() else None
+
+
+def _total(intervals: list[StreamInterval]) -> float | None:
+    times = [i.seconds() for i in intervals]
+    return None if None in times else sum(times)
+
+
+@dataclass
+class _Transfers:
+    """A request's own copies in one direction: bytes by resource, the copies, their device intervals."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESOURCES, 0))
+    intervals: list[StreamInterval] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bytes": dict(self.bytes), "copies": len(self.intervals), "seconds": _total(self.intervals)}
 
 
 @dataclass
@@ -37,6 +84,23 @@ class RequestExposure:
     paused_seconds: float = 0.0
     transfer_bytes: dict[str, int] = field(default_factory=lambda: {"d2h": 0, "h2d": 0})
     first_output: dict[str, Any] | None = None
+    # work.gpu_seconds: the device intervals of its prompt chunks' forwards and their drafter work
+    prefill_intervals: list[StreamInterval] = field(default_factory=list)
+    transfers: dict[str, _Transfers] = field(default_factory=lambda: {d: _Transfers() for d in DIRECTIONS})
+
+    def transferred(self, direction: str, interval: StreamInterval, **moved: int) -> None:
+        """One completed copy of this request's context (`moved`: bytes by resource)."""
+        record = self.transfers[direction]
+        record.intervals.append(interval)
+        for resource, nbytes in moved.items():
+            record.bytes[resource] += nbytes
+
+    def work(self) -> dict[str, Any]:
+        """gpu_seconds: the device time of the request's prefill intervals (null if one has not completed)."""
+        return {"gpu_seconds": _total(self.prefill_intervals), "prefill_intervals": len(self.prefill_intervals)}
+
+    def context_transfers(self) -> dict[str, Any]:
+        return {d: t.as_dict() for d, t in self.transfers.items()}
 
     def add(self, before: tuple[float, ...], after: tuple[float, ...], *, decode: bool, unit: str | None) -> None:
         """One iteration's share: `before`/`after` are host_marks around it. `unit`: the work it did (decode, prefill,

@@ -144,7 +144,7 @@ class KVManager:
         pages = seq.pages[: self.pages_for(end)]
         self.pages.share(pages)
         self.cache.add(tokens, pages, slot, kind)
-        return ContextOp("copy", seq, src_slot=seq.state_slot, dst_slot=slot) if slot is not None else None
+        return ContextOp("capture", seq, src_slot=seq.state_slot, dst_slot=slot) if slot is not None else None
 
     def retains_endpoint(self, seq: Sequence) -> bool:
         """Whether `retain_endpoint` would hand this request's context to the cache."""

@@ -102,4 +102,6 @@ class OutputProcessor:
                            speculative=spec, vision_seconds=media_inputs.vision_seconds(seq),
                            engine_timing=exposure.engine_timing((seq.t_admit or now) - seq.t_submit) if exposure else None,
                            first_output_timing=exposure.first_output if exposure else None,
-                           scheduling=exposure.scheduling(seq.preemptions) if exposure else None)
+                           scheduling=exposure.scheduling(seq.preemptions) if exposure else None,
+                           work=exposure.work() if exposure else None,
+                           context_transfers=exposure.context_transfers() if exposure else None)

@@ -47,7 +47,8 @@ class ContextOp:
 
     kind:
     - "copy": device to device: KV pages src_pages -> dst_pages and/or state slot src_slot -> dst_slot
-      (a reused prefix's copy-on-write tail page and StateImage, or a checkpoint capture);
+      (a reused prefix's copy-on-write tail page and StateImage);
+    - "capture": device to device, the request's state slot src_slot into a checkpoint's dst_slot;
     - "snapshot": a pausing sequence's pages and state slot to its host snapshot;
     - "restore": a paused sequence's host snapshot into its new pages and slot.
     """

@@ -45,6 +45,12 @@ class RequestSlots:
     def __len__(self) -> int:
         return len(self._slots)
 
+    @property
+    def terminal_pending(self) -> int:
+        """Requests the engine finished whose answers the router has not released yet."""
+        with self._lock:
+            return sum(slot.finished_at is not None for slot in self._slots.values())
+
     def reserve(self, request_id: str) -> None:
         """Take a slot before preparation; raises ServerOverloadedError when every slot is held."""
         with self._lock:

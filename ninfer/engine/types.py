@@ -178,6 +178,8 @@ class FinishEvent:
     engine_timing: dict[str, Any] | None = None
     first_output_timing: dict[str, Any] | None = None
     scheduling: dict[str, Any] | None = None
+    work: dict[str, Any] | None = None  # gpu_seconds: the device time of its prefill intervals
+    context_transfers: dict[str, Any] | None = None  # its own context copies, by direction
 
 
 @dataclass

@@ -284,7 +284,8 @@ class RequestTrace:
         self._write("request_done", request=self._request_fields(), result=self._result(fin, decoded),
                     timings_seconds=self._timings(now, fin),
                     scheduling=fin.scheduling or {"preemptions": fin.preemptions},
-                    engine_timing=fin.engine_timing, first_output_timing=fin.first_output_timing)
+                    engine_timing=fin.engine_timing, first_output_timing=fin.first_output_timing,
+                    work=fin.work, context_transfers=fin.context_transfers)
 
     def _settle_without_finish(self, exc: BaseException | None) -> None:
         if self.settled or not self.started:

@@ -232,6 +232,9 @@ def throughput_fields(before: dict[str, Any], after: dict[str, Any], seconds: fl
     rounds = _delta(before, after, "decode_steps")
     phases = _dict_delta(before, after, "host_work_seconds")
     transfers = _dict_delta(before, after, "context_transfer_bytes")
+    host, device_wait = sum(phases.values()), _delta(before, after, "device_wait_seconds")
+    detail = _dict_delta(before, after, "host_detail_seconds")
+    calls = _dict_delta(before, after, "host_detail_invocations")
     return {
         "replica": replica,
         "interval_seconds": seconds,
@@ -242,7 +245,7 @@ def throughput_fields(before: dict[str, Any], after: dict[str, Any], seconds: fl
                    "generated": _delta(before, after, "generation_tokens")},
         "throughput_tokens_per_second": {"prefill": prefill / seconds, "decode": decode / seconds},
         "scheduler": {k: after[k] for k in ("running", "prefilling", "decode_ready", "waiting", "paused",
-                                            "replaying", "materializing")},
+                                            "replaying", "materializing", "capture_pending", "terminal_pending")},
         "decode_batch": {"rounds": rounds, "row_rounds": decode, "average_size": decode / rounds if rounds else None},
         "scheduling": {"preemptions": _delta(before, after, "preemptions"),
                        "snapshot_restores": _delta(before, after, "snapshot_restores"),
@@ -255,15 +258,31 @@ def throughput_fields(before: dict[str, Any], after: dict[str, Any], seconds: fl
                            "reused_prompt_tokens": _delta(before, after, "cached_prompt_tokens")},
             "captures": _delta(before, after, "prefix_captures"),
             "evictions": _delta(before, after, "prefix_evictions"),
+            # this engine drops retained prefixes under pressure (it never spills them to the host)
+            "pressure_evictions": _delta(before, after, "prefix_pressure_evictions"),
+            "state_images": _dict_delta(before, after, "state_images"),
+            "tail_page_copies": _delta(before, after, "tail_page_copies"),
             "transfer_bytes": {r: {d: transfers[f"{r}_{d}"] for d in ("d2h", "h2d", "d2d")}
                                for r in ("main_kv", "state", "backend_kv")},
             "occupancy": {k: after[k] for k in ("kv_pages_used", "kv_pages_capacity", "state_slots_used",
                                                 "state_slots_capacity", "retained_checkpoints",
                                                 "host_context_used_bytes", "host_context_capacity_bytes")},
+            "last_selection": after["last_selection"],
         },
         "host_work": {
-            "elapsed_seconds": {**phases, "total": sum(phases.values())},
-            "device_wait_seconds": _delta(before, after, "device_wait_seconds"),
+            "elapsed_seconds": {**phases, "total": host},
+            "device_wait_seconds": device_wait,
             "work_class_seconds": _dict_delta(before, after, "work_class_seconds"),
+            # already inside the phases above: never add them to total
+            "detail_subset_seconds": detail,
+            "detail_invocations": calls,
+            "per_round_seconds": {"host": _per(host, rounds), "device_wait": _per(device_wait, rounds)},
+            "per_row_round_seconds": {"host": _per(host, decode), "device_wait": _per(device_wait, decode)},
+            "detail_per_invocation_seconds": {k: _per(detail[k], calls[k]) for k in detail},
         },
     }
+
+
+def _per(amount: float, count: int) -> float | None:
+    """A normalized value; null when its denominator is zero (contract)."""
+    return amount / count if count else None

@@ -26,10 +26,11 @@ def throughput_line(before: dict[str, Any], after: dict[str, Any], seconds: floa
     steps = after["decode_steps"] - before["decode_steps"]
     host = sum(after["host_work_seconds"].values()) - sum(before["host_work_seconds"].values())
     batch = decode / steps if steps else 0.0
+    terminal = f", answers pending {after['terminal_pending']}" if after.get("terminal_pending") else ""
     return (f"throughput: prefill {prefill / seconds:.1f} tok/s, decode {decode / seconds:.1f} tok/s, "
             f"replay {replay} tok, avg batch {batch:.2f} | running {after['running']} "
             f"(prefill {after['prefilling']}, decode {after['decode_ready']}), waiting {after['waiting']}, "
-            f"paused {after['paused']}, kv pages {after['kv_pages_used']}/{after['kv_pages_capacity']} | "
+            f"paused {after['paused']}{terminal}, kv pages {after['kv_pages_used']}/{after['kv_pages_capacity']} | "
             f"host active {host:.2f} s ({100 * host / seconds:.0f}%)")
 
 
