@@ -8,6 +8,7 @@ import threading
 
 import pytest
 from engine_helpers import assert_no_leak
+from kernel_markers import needs_cuda
 
 from ninfer.chat.thinking import thinking_control
 from ninfer.engine.engine import EngineSettings
@@ -28,10 +29,10 @@ def _run(engine, prompt, rid, max_tokens=8, **kw):
     return _ids(events), events[-1]
 
 
-def _engine(path, **kw):
+def _engine(path, device=None, **kw):
     settings = dict(max_context=512, max_concurrency=2, prefill_chunk=32, page_size=PAGE)
     settings.update(kw)
-    return load_engine(path, EngineSettings(**settings))
+    return load_engine(path, EngineSettings(**settings), **({"device": device} if device else {}))
 
 
 def _prompt(n, salt=0):
@@ -190,14 +191,16 @@ def test_many_snapshot_restores_at_once_never_fail_the_engine(qwen_tokenizer):
         engine.shutdown()
 
 
-def test_request_log_sees_each_requests_copies_and_prefill_work(tiny_qwen_path):
-    """Contract, "Structured request log": request_done's work.gpu_seconds (the prompt chunks' device time; on the
-    CPU their wall time) and context_transfers (the request's own copies by direction), and the throughput
-    record's StateImage operations, tail-page copies and last selection."""
+@pytest.mark.parametrize("device", [None, pytest.param("cuda", marks=[needs_cuda, pytest.mark.cuda])],
+                         ids=["cpu", "cuda"])
+def test_request_log_sees_each_requests_copies_and_prefill_work(tiny_qwen_path, device):
+    """Contract, "Structured request log": request_done's work.gpu_seconds (the prompt chunks' device time from
+    CUDA events; on the CPU their wall time) and context_transfers (the request's own copies by direction), and
+    the throughput record's StateImage operations, tail-page copies and last selection."""
     from ninfer.server.request_log import throughput_fields
 
     base = _prompt(40)
-    engine = _engine(tiny_qwen_path, scheduling_events=True)
+    engine = _engine(tiny_qwen_path, device=device, scheduling_events=True)
     try:
         before = engine.snapshot()
         _, first = _run(engine, base, "a", checkpoints=[22])  # a StateImage captured at 22
