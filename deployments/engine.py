@@ -31,7 +31,8 @@ class EngineDeployment:
         self.request_log = RequestLog.for_config(cfg)  # this replica's own writer: throughput records
         if self.request_log is not None:
             self.request_log.write("server_start", **server_start_fields(
-                cfg, ModelIdentity.of(cfg), role="engine", replica=self.replica, engine=self.engine.snapshot()))
+                cfg, ModelIdentity.of(cfg), role="engine", replica=self.replica, engine=self.engine.snapshot(),
+                report=self.engine.startup_report()))
         self.stats = StatsReporter(self.engine.snapshot, cfg.log_stats_interval_ms, request_log=self.request_log,
                                    replica=self.replica).start()
         app_name = serve.get_replica_context().app_name

@@ -259,6 +259,15 @@ def test_server_start_and_throughput(campaign):
     assert start["event"] == "server_start" and start["process"]["role"] == "server"
     assert start["server"]["api_key_configured"] is True and start["artifact"]["architecture"] == "scripted"
     assert "--api-key" in start["argv"] and "<redacted>" in start["argv"]
+    # the engine in this process: its arenas (server_start "Device arenas"), formats and environment
+    memory = start["memory"]
+    assert memory["device"] == "cpu" and memory["workspace"] is None and memory["vision_workspace"] is None
+    arenas = memory["arenas_bytes"]
+    assert arenas["main_kv"] > 0 and arenas["drafter_weights"] == arenas["vision_weights"] == arenas["backend_kv"] == 0
+    kv_bytes = start["resources"]["kv_pages_capacity"] * start["engine"]["page_size"]  # bytes a token, over layers
+    assert arenas["main_kv"] % kv_bytes == 0
+    assert start["formats"]["kv_cache"] == "bf16" and start["formats"]["prefill"]["chunk_tokens"] > 0
+    assert start["environment"]["torch"] == torch.__version__ and start["environment"]["gpu"] is None
     (throughput,) = [r for r in campaign["records"] if r["event"] == "throughput"]
     assert throughput["tokens"]["committed_decode"] > 0 and throughput["interval_seconds"] == 2.5
     work = throughput["host_work"]
@@ -454,3 +463,11 @@ def test_request_done_times_the_vision_encode(media_campaign):
     assert 0 < miss["vision"] < miss["total"]
     assert text["vision"] == 0.0
     assert text["speculative"]["backend"] is None and text["speculative"]["rounds"] == 0
+
+
+def test_a_vision_server_logs_its_tower_and_vision_bounds(media_campaign):
+    (start,) = [r for r in media_campaign["records"] if r["event"] == "server_start"]
+    memory = start["memory"]
+    assert memory["arenas_bytes"]["vision_weights"] > 0 and memory["arenas_bytes"]["weights"] > 0
+    assert memory["vision_workspace"]["request_token_bound"] > 0
+    assert memory["vision_workspace"]["prompt_token_bound"] == start["engine"]["max_context"]

@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
@@ -28,6 +28,7 @@ from ninfer.engine.exposure import RequestExposure, StreamInterval, host_marks
 from ninfer.engine.kv_manager import KVManager
 from ninfer.engine.kv_pool import PagePool, SlotPool
 from ninfer.engine.kv_sizing import auto_kv_capacity
+from ninfer.engine.memory_report import environment, memory_report
 from ninfer.engine.next_round import host_committed_count
 from ninfer.engine.output_control import OutputController
 from ninfer.engine.output_processor import OutputProcessor
@@ -209,6 +210,7 @@ class Engine:
         self.context = ContextExecutor(self.kv, model_cache, self.counters, companions)
         self.output = OutputProcessor(self.thinking, self.counters, max_context=settings.max_context)
         self.work = HostWork()
+        self._startup_report: dict[str, Any] | None = None
         self._recovering: set[str] = set()  # restored requests whose next commit completes recovery
         # the iteration under way, while the request log is on: its start's host_marks and, by sequence, its step's
         # works (sequence, decode row, unit) as planned (exposure)
@@ -257,6 +259,25 @@ class Engine:
         if "error" in box:
             raise box["error"]  # type: ignore[misc]
         return box["engine"]  # type: ignore[return-value]
+
+    def startup_report(self) -> dict[str, Any]:
+        """server_start's memory (arenas, workspace, vision layout), formats and environment, taken once, after
+        start-up's warm-up (the first call)."""
+        if self._startup_report is None:
+            from ninfer.media.types import MediaLimits
+
+            s = self.settings
+            weights = sorted({str(p.dtype).removeprefix("torch.") for p in self.runner.model.parameters()})
+            self._startup_report = {
+                "memory": memory_report(self.runner, self.proposer, self.context.companions,
+                                        vision_token_bound=MediaLimits().max_request_tokens if s.vision else None,
+                                        prompt_token_bound=min(s.max_context, self.kv_capacity)),
+                "formats": {"weight_storage_dtypes": weights, "kv_cache": s.kv_dtype,
+                            "prefill": {"chunk_tokens": s.prefill_chunk, "page_size": s.page_size,
+                                        "cuda_graphs": self.device.type == "cuda" and not s.no_cuda_graph}},
+                "environment": environment(self.device),
+            }
+        return self._startup_report
 
     def shutdown(self) -> None:
         self._stop = True

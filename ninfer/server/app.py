@@ -27,7 +27,8 @@ def create_app(ctx: ServerContext, *, behind_serve_proxy: bool = False, response
     app = FastAPI(title="ninfer", version=_version(), docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.ctx = ctx
     # Request lifecycle (JSONL, metrics, stderr) and /metrics; the endpoints reach them via app.state.
-    app.state.observer = observer = observer or RequestObserver.for_config(ctx.config)
+    app.state.observer = observer = observer or RequestObserver.for_config(
+        ctx.config, engine=getattr(ctx.engine, "engine", None))  # an engine in this process
     app.state.metrics_feed = metrics_feed or EngineClientFeed(ctx.engine, observer.figures)
     app.state.server_facts = ServerFacts.of(ctx.config, observer.model, ctx.max_model_len)
     app.add_api_route("/metrics", metrics_endpoint, methods=["GET"])

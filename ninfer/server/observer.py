@@ -102,12 +102,14 @@ class RequestObserver:
 
     @classmethod
     def for_config(cls, cfg: ServerConfig, *, role: str = "server", replica: str | None = None,
-                   model: ModelIdentity | None = None) -> "RequestObserver":
-        """Open the request log (if configured) and write this process's server_start."""
+                   model: ModelIdentity | None = None, engine=None) -> "RequestObserver":
+        """Open the request log (if configured) and write this process's server_start (`engine`: the engine when it
+        lives in this process, for its capacities, memory and environment)."""
         model = model or ModelIdentity.of(cfg)
         request_log = RequestLog.for_config(cfg)
         if request_log is not None:
-            request_log.write("server_start", **server_start_fields(cfg, model, role=role, replica=replica))
+            facts = {"engine": engine.snapshot(), "report": engine.startup_report()} if engine is not None else {}
+            request_log.write("server_start", **server_start_fields(cfg, model, role=role, replica=replica, **facts))
         logging.getLogger("ninfer.server").info(
             "%s ready: model %s (%s), context %d tokens, auth %s, request log %s", role, model.model_id,
             model.architecture, cfg.max_context, "on" if cfg.api_key else "off", cfg.request_log_jsonl or "off")

@@ -157,9 +157,9 @@ def _identity(path: str, mtime_ns: int, model_id: str | None) -> ModelIdentity:
 
 
 def server_start_fields(cfg: ServerConfig, model: ModelIdentity, *, role: str, replica: str | None,
-                        engine: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`role`: router, engine or server (both in one process). `engine` is an engine snapshot, given
-    where the engine lives, for the capacities it actually allocated."""
+                        engine: dict[str, Any] | None = None, report: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`role`: router, engine or server (both in one process). `engine` is an engine snapshot and `report` its
+    startup_report (memory, formats, environment), given where the engine lives."""
     artifact = Path(cfg.artifact)
     overrides = cfg.process_sampling_overrides()
     presets = model.sampling_presets
@@ -204,6 +204,8 @@ def server_start_fields(cfg: ServerConfig, model: ModelIdentity, *, role: str, r
             "kv_capacity_tokens": engine.get("kv_capacity_tokens"),
             "kv_sizing": engine.get("kv_sizing"),  # the --kv-capacity auto ledger (bytes), else null
         }
+    if report is not None:
+        fields.update(report)
     return fields
 
 
