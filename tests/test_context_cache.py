@@ -202,6 +202,7 @@ def test_request_log_sees_each_requests_copies_and_prefill_work(tiny_qwen_path, 
     base = _prompt(40)
     engine = _engine(tiny_qwen_path, device=device, scheduling_events=True)
     try:
+        report = engine.startup_report()
         before = engine.snapshot()
         _, first = _run(engine, base, "a", checkpoints=[22])  # a StateImage captured at 22
         _, reuse = _run(engine, base[:30] + [999] + base[31:], "b")  # adopts 22: the state and the tail page 20-23
@@ -209,6 +210,9 @@ def test_request_log_sees_each_requests_copies_and_prefill_work(tiny_qwen_path, 
     finally:
         engine.shutdown()
     assert reuse.usage.cached_tokens == 22
+    memory = report["memory"]  # server_start's arenas; on CUDA the allocator's workspace beyond them, and the GPU
+    assert memory["arenas_bytes"]["weights"] > 0 and memory["arenas_bytes"]["state"] > 0
+    assert (memory["workspace"] is None) == (device is None) and (report["environment"]["gpu"] is None) == (device is None)
     for fin in (first, reuse):
         assert fin.work["gpu_seconds"] > 0 and fin.work["prefill_intervals"] >= 1
         assert fin.context_transfers["d2h"] == fin.context_transfers["h2d"] == {
