@@ -8,11 +8,22 @@ import json
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import httpx
 import pytest
-from server_fixtures import MODEL, scripted_artifact, start_server, wait_until
+from server_fixtures import (
+    MODEL,
+    LiveServer,
+    base_context,
+    scripted_artifact,
+    scripted_engine,
+    start_server,
+    wait_until,
+)
 
+from ninfer.config import ServerConfig
+from ninfer.server.engine_client import LocalEngineClient
 from ninfer.server.sse import KEEPALIVE, with_keepalive
 
 
@@ -112,6 +123,24 @@ def _accepted_end(peer) -> socket.socket:
         sock.close()
     assert len(found) == 1, found
     return found[0]
+
+
+def test_auto_capacity_models_report_the_engines_pool(path, qwen_tokenizer):
+    """Contract: GET /v1/models reports the effective max_model_len. With --kv-capacity auto only the engine knows
+    its pool (sized from free device memory): the router asks it. Here the engine's pool is 256 tokens, as a GPU
+    with little memory left would size it, below --max-context 4096."""
+    router_cfg = ServerConfig(artifact=str(path), max_context=4096, page_size=16, max_concurrency=2, kv_capacity="auto")
+    engine = scripted_engine(path, qwen_tokenizer, router_cfg.model_copy(update={"kv_capacity": 256}))
+    ctx = replace(base_context(path), config=router_cfg, engine=LocalEngineClient(engine),
+                  max_model_len=router_cfg.max_model_len)
+    live = LiveServer(ctx, engine)
+    try:
+        assert ctx.max_model_len == 4096  # what the options alone say
+        listed = httpx.get(live.url + "/v1/models", timeout=10).json()["data"][0]
+        one = httpx.get(live.url + f"/v1/models/{MODEL}", timeout=10).json()
+        assert listed["max_model_len"] == one["max_model_len"] == 256
+    finally:
+        live.stop()
 
 
 def test_error_bodies_use_the_openai_shape(server):

@@ -12,7 +12,7 @@ from starlette.middleware.cors import CORSMiddleware
 from ninfer.protocol.errors import ProtocolError, model_not_found
 from ninfer.server import openapi
 from ninfer.server.chat_completions import chat_completions
-from ninfer.server.context import ServerContext
+from ninfer.server.context import ServerContext, effective_max_model_len
 from ninfer.server.messages import count_tokens, create_message
 from ninfer.server.metrics import EngineClientFeed, MetricsFeed, ServerFacts, metrics_endpoint
 from ninfer.server.middleware import EdgeMiddleware, error_response_parts
@@ -65,20 +65,20 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "unavailable"}, status_code=503)
 
 
-def _model_object(ctx: ServerContext) -> dict:
+async def _model_object(ctx: ServerContext) -> dict:
     return {"id": ctx.model_id, "object": "model", "created": ctx.created, "owned_by": "ninfer",
-            "max_model_len": ctx.max_model_len}
+            "max_model_len": await effective_max_model_len(ctx)}
 
 
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_object(request.app.state.ctx)]})
+    return JSONResponse({"object": "list", "data": [await _model_object(request.app.state.ctx)]})
 
 
 async def get_model(model_id: str, request: Request) -> JSONResponse:
     ctx = request.app.state.ctx
     if model_id != ctx.model_id:
         raise model_not_found(model_id)
-    return JSONResponse(_model_object(ctx))
+    return JSONResponse(await _model_object(ctx))
 
 
 def _render(request: Request, err: ProtocolError) -> Response:

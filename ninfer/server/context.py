@@ -25,6 +25,19 @@ class ServerContext:
     media: MediaClient | None = None  # set with --vision: where images and videos are prepared
     keepalive_s: float = 5.0
     created: int = field(default_factory=lambda: int(time.time()))
+    capacity_resolved: bool = False  # max_model_len includes the engine's resolved pool (--kv-capacity auto)
+
+
+async def effective_max_model_len(ctx: ServerContext) -> int:
+    """The per-request ceiling. With --kv-capacity auto the engine sizes its pool from free device memory at
+    startup, which the router cannot know from its options: it asks the engine once, and a pool smaller than
+    --max-context lowers the ceiling from then on (/v1/models, output room, media prompts)."""
+    if ctx.config.kv_capacity == "auto" and not ctx.capacity_resolved:
+        tokens = (await ctx.engine.snapshot()).get("kv_capacity_tokens")
+        if tokens:
+            ctx.max_model_len = min(ctx.config.max_context, int(tokens))
+            ctx.capacity_resolved = True
+    return ctx.max_model_len
 
 
 def build_context(cfg: ServerConfig, engine: EngineClient, *, keepalive_s: float = 5.0,

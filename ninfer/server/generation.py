@@ -27,7 +27,7 @@ from ninfer.chat import ir
 from ninfer.chat.errors import PromptError
 from ninfer.engine.types import ContextLengthExceededError, EngineError, EngineRequest, ProgressEvent
 from ninfer.protocol.errors import ProtocolError, from_engine_error, from_prompt_error
-from ninfer.server.context import ServerContext
+from ninfer.server.context import ServerContext, effective_max_model_len
 from ninfer.server.decoding import Generation, GenerationFailed, Outcome, prepended
 from ninfer.server.media_prep import PromptMedia, media_inputs, prepare_media
 from ninfer.server.observer import RequestShape, RequestTrace
@@ -137,6 +137,7 @@ async def generate(request: Request, spec: GenerationSpec) -> Response:
             deadline = time.monotonic() + ctx.config.pending_timeout_ms / 1000.0
             await _engine_call(ctx.engine.reserve(spec.request_id))
             held = _Held(ctx, spec.request_id)
+            await effective_max_model_len(ctx)  # once per router: the engine's pool may lower the ceiling
             media = held.media = await prepare_media(ctx, spec.conversation, hold=True, deadline=deadline)
             trace.media_prepared(media.batch.stats if media is not None else None)
             prompt, seconds = await asyncio.to_thread(_timed_build_prompt, ctx, spec.conversation, media)
