@@ -33,14 +33,15 @@ class StreamInterval:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         if self.cuda:
+            self.stream = torch.cuda.current_stream(device)
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
+            self.start.record(self.stream)
         else:
             self.t_start = self.t_end = time.perf_counter()
 
     def stop(self) -> "StreamInterval":
         if self.cuda:
-            self.end.record()
+            self.end.record(self.stream)
         else:
             self.t_end = time.perf_counter()
         return self
