@@ -21,7 +21,7 @@
 # with the MTP head drafting ahead; ahead_c1_fp4: with the proposal head in NVFP4 too), host_c8 (s29: C=8 adaptive with the loop's parts timed), fused_gdn (s29: a verify's GDN positions
 # in one launch, A/B), few_ab (s36: the N = 5120 linears' launch, the table's against sweep_mma_down's fastest), sweep_mma_cap (s36: 24 and 32 rows, registers capped), pytest_caps (s36: their CUDA tests), attn_tiles (s37: the decode attention's tiles at short contexts), host_c1_x2 (s38: host_c1 at acceptance 3.0 with NVFP4 heads, twice), host_threads_ab (its runs with the CPU thread pools at one thread, then default), pytest_overlap / overlap_ab /
 # overlap_lm_head / overlap_c8 (s39: verify rounds queued before the last read back: CUDA tests, MTP3 at C=1 without
-# and with them, the same with an NVFP4 lm_head, C=8 adaptive), overlap_auto (s40: queued rounds timed by the engine, off, on, in one process; NVFP4 then bf16 lm_head), pytest_log (s43: the request log's CUDA intervals), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
+# and with them, the same with an NVFP4 lm_head, C=8 adaptive), overlap_auto (s40: queued rounds timed by the engine, off, on, in one process; NVFP4 then bf16 lm_head), pytest_log (s43: the request log's CUDA intervals), overlap_auto_fp4 (s43: its NVFP4 lm_head run alone), sweep_mma_group / group_ab (s30, call 1-2's grouped loads: removed), sweep_mma_paired / paired_ab /
 # pytest_s30 (s30: the mma GEMV on weights stored paired), gates_ab / pytest_s31 (s31: the GDN gates computed in the
 # recurrent kernels), gdn_loads_ab (s32: the GDN verify kernels' loads first, against the
 # file AB_OLD_GDN), sweep_mma_pad (s32: the mma GEMV on rows stored apart), read_ceiling (s34: the 27B linears' bytes read without decoding), sweep_mma_tiled / tiled_ab / pytest_tiled (s34: the mma GEMV on tiled weights; the verify and MTP3 at C=1 with them; their CUDA tests), rollback_ab (s33: rollback by copy, then by
@@ -304,6 +304,10 @@ print(json.dumps(check_fused('cuda', torch.bfloat16)))" > $out/fused.jsonl 2>&1 
           --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 --max-tokens 256 --repeat 3 \
           --overlap-modes timed off on > $out/auto${head:+_fp4head}.log 2>&1
       done ;;
+    overlap_auto_fp4)  # s43: overlap_auto's NVFP4 lm_head run alone (issue 21's C=1 figure in one short call)
+      timeout 200 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 --nvfp4-lm-head --with-mtp \
+        --draft-head 32768 --nvfp4-mtp --nvfp4-draft-head --concurrency 1 --acceptance 3.0 3.5 --max-tokens 256 \
+        --repeat 3 --overlap-modes timed off on > $out/auto_fp4head.log 2>&1 ;;
     overlap_lm_head)  # s39: overlap_ab's runs on an artifact whose lm_head is NVFP4 too, with queued rounds then without
       for value in 1 0; do
         NINFER_OVERLAP_ROUNDS=$value timeout 120 python3 bench/spec_e2e.py --shape qwen3.6-27b --weights nvfp4 \
