@@ -4,8 +4,8 @@
                                      -> ResponseStore (1 actor)
                                      -> MediaPreprocessor (CPU pool)
 
-The args are ServerConfig fields; they are validated here, so a bad or not-yet-implemented option
-fails before any replica starts. HTTP host and port belong to Serve's http_options in a YAML config.
+The args are ServerConfig fields; they are validated here, with the artifact's header, so a bad or
+not-yet-implemented option or a missing artifact fails before any replica starts. HTTP host and port belong to Serve's http_options in a YAML config.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def build_application(cfg: ServerConfig):
     from deployments.media import MediaPreprocessorDeployment
     from deployments.router import Router
     from deployments.store import ResponseStoreDeployment
+    from ninfer.artifact.container import Artifact
 
     check_implemented(cfg)
+    Artifact(cfg.artifact)  # a missing or corrupt file fails the build once, not each replica start in a loop
     config = cfg.model_dump()
     engine = EngineDeployment
     if _has_gpu():

@@ -71,6 +71,8 @@ class EngineDeployment:
         return {**self.engine.snapshot(), "replica": self.replica}
 
     def __del__(self):
+        if not hasattr(self, "publisher"):  # __init__ failed (its error is what Serve reports)
+            return
         log.info("engine replica %s shutting down", self.replica)
         self.publisher.stop()
         self.stats.stop()

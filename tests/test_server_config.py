@@ -109,6 +109,16 @@ def test_missing_artifact_fails_before_ray_starts(capsys, tmp_path):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_missing_artifact_fails_the_serve_build_before_any_replica(tmp_path):
+    """`serve run` of a config naming a missing artifact: the application's build fails with the path, once,
+    instead of every Engine and Router replica failing in turn."""
+    from deployments.app import build_app
+    from ninfer.artifact.container import ArtifactError
+
+    with pytest.raises(ArtifactError, match="none.ninfer: file does not exist"):
+        build_app({"artifact": str(tmp_path / "none.ninfer")})
+
+
 def test_yaml_configs_are_valid_server_configs():
     from deployments.app import build_app
 
