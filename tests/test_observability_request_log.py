@@ -243,6 +243,12 @@ def test_scheduling_events_trace_pause_and_replay(campaign):
         cycle = [e["kind"] for e in mine if e["preemption_index"] == 1]
         assert cycle[:4] == ["pause_started", "paused", "restore_started", "restored"], cycle
         assert [e["steady_ns"] for e in mine] == sorted(e["steady_ns"] for e in mine)
+    for e in events:  # the request's share of each global counter ("global minus request": the others' work)
+        own, total = e["progress"]["request"], e["progress"]["global"]
+        assert all(0 <= own[k] <= total[k] for k in ("prefill", "decode", "replay")), e["progress"]
+        assert own["decode"] == max(own["generated"] - 1, 0)
+    replayed = next(e for e in events if e["scheduling"]["kind"] == "replay_complete")
+    assert replayed["progress"]["request"]["replay"] > 0 and replayed["progress"]["request"]["prefill"] > 0
     paused = next(e for e in events if e["scheduling"]["kind"] == "paused")
     assert paused["scheduling"]["route"] == "replay" and paused["scheduling"]["preemption_index"] == 1
     done = [r for r in campaign["records"] if r["event"] == "request_done" and r["result"]["finish_reason"] == "length"]

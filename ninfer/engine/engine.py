@@ -723,6 +723,8 @@ class Engine:
                     seq.exposure.replayed_tokens += computed
             else:
                 self.counters.prefill_tokens += computed
+                if seq.exposure is not None:
+                    seq.exposure.prefill_tokens += computed
             last = prefill.end >= seq.prefill_target
             if not last or seq.samples_after_prefill:
                 self._progress(seq, prefill.end)
@@ -895,7 +897,10 @@ class Engine:
             kind=kind, preemption_index=seq.preemptions, route=route, steady_ns=now,
             elapsed_ns=now - int(seq.t_submit * 1e9),
             global_tokens={"prefill": c.prefill_tokens, "decode": c.decode_tokens, "replay": c.replayed_tokens},
-            request_tokens={"computed": seq.paused_frontier if kind in ("pause_started", "paused") else seq.num_computed,
+            # the request's own share of each global counter (global minus request: the others' work), then its frontier
+            request_tokens={"prefill": seq.exposure.prefill_tokens, "decode": max(len(seq.output_ids) - 1, 0),
+                            "replay": seq.exposure.replayed_tokens,
+                            "computed": seq.paused_frontier if kind in ("pause_started", "paused") else seq.num_computed,
                             "generated": len(seq.output_ids)}))
 
     @property

@@ -82,6 +82,7 @@ class RequestExposure:
     snapshot_restores: int = 0
     replay_restores: int = 0
     replayed_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens it computed (counters.prefill_tokens' share; replay apart)
     paused_seconds: float = 0.0
     transfer_bytes: dict[str, int] = field(default_factory=lambda: {"d2h": 0, "h2d": 0})
     first_output: dict[str, Any] | None = None
