@@ -7,6 +7,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 from engine_helpers import assert_no_leak
 from kernel_markers import needs_cuda
 
@@ -250,3 +251,34 @@ def test_a_snapshot_pause_logs_the_requests_host_copies(tiny_qwen_path):
         assert fin.scheduling["transfer_bytes"]["h2d"] == sum(back["bytes"].values())
     images = engine.snapshot()["state_images"]
     assert images["to_host"] >= images["from_host"] >= len(paused)
+
+
+def test_context_costs_choose_the_cheaper_pause_route(tiny_qwen_path, tmp_path):
+    """Contract, "Server options": --context-cost-presets. A pause takes the snapshot route only where it costs less
+    than recomputing the request: with the generic CPU coefficients a tiny model's copies are far cheaper; a
+    registry entry for this hardware whose transfers crawl makes replay the cheaper route; one whose prefill crawls
+    too (for this engine's signature) brings the snapshots back. Output is the same by every route."""
+    import json
+
+    from ninfer.engine.context_cost import hardware_name
+
+    hardware = hardware_name(torch.device("cpu"))
+    _, generic_out, generic, _ = _storm(tiny_qwen_path)
+    assert generic.counters.snapshot_restores > 0 and generic.context_costs.transfer_source == "generic"
+
+    slow_copies = tmp_path / "slow_copies.json"
+    crawl = {"hardware": hardware, "d2h_gib_per_s": 1e-6, "h2d_gib_per_s": 1e-6}
+    slow_copies.write_text(json.dumps({"transfer": [crawl]}))
+    _, replay_out, replayed, _ = _storm(tiny_qwen_path, context_cost_presets=str(slow_copies))
+    costs = replayed.context_costs
+    assert (costs.transfer_source, costs.prefill_source) == (f"presets:{slow_copies}", "generic")
+    assert replayed.scheduler.preemptions > 0 and replayed.kv.replay_by_cost > 0
+    assert replayed.counters.snapshot_restores == 0 and replayed.counters.replay_restores > 0
+
+    slow_prefill = tmp_path / "slow_prefill.json"
+    slow_prefill.write_text(json.dumps({"transfer": [crawl], "prefill": [
+        {"hardware": hardware, "signature": costs.signature, "tokens_per_s": 1e-9}]}))
+    _, snapshot_out, snapshotted, _ = _storm(tiny_qwen_path, context_cost_presets=str(slow_prefill))
+    assert snapshotted.context_costs.prefill_source == f"presets:{slow_prefill}"
+    assert snapshotted.counters.snapshot_restores > 0 and snapshotted.kv.replay_by_cost == 0
+    assert generic_out == replay_out == snapshot_out

@@ -274,6 +274,8 @@ def test_server_start_and_throughput(campaign):
     assert arenas["main_kv"] % kv_bytes == 0
     assert start["formats"]["kv_cache"] == "bf16" and start["formats"]["prefill"]["chunk_tokens"] > 0
     assert start["environment"]["torch"] == torch.__version__ and start["environment"]["gpu"] is None
+    costs = start["context_cost"]  # no --context-cost-presets: the generic coefficients, named as such
+    assert costs["transfer_source"] == costs["prefill_source"] == "generic" and costs["prefill_tokens_per_s"] > 0
     (throughput,) = [r for r in campaign["records"] if r["event"] == "throughput"]
     assert throughput["tokens"]["committed_decode"] > 0 and throughput["interval_seconds"] == 2.5
     work = throughput["host_work"]

@@ -96,12 +96,21 @@ def test_enum_flags_are_checked_by_the_parser(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,named", [
-    (["--context-cost-presets", "presets.json"], "--context-cost-presets"),
-])  # --kv-dtype nvfp4 / k8v4 are implemented now (tests/test_kv_dtype.py)
-def test_unimplemented_options_fail_at_startup(argv, named, capsys):
-    assert main(["serve", "m.ninfer", *argv]) == 1
-    assert named in capsys.readouterr().err
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot read it"),
+    ("{not json", "not JSON"),
+    ('{"transfer": [{"hardware": "x", "d2h_gib_per_s": 0, "h2d_gib_per_s": 1}]}', "transfer.0.d2h_gib_per_s"),
+    ('{"prefill": [{"hardware": "x", "tokens_per_s": 10}]}', "prefill.0.signature"),
+    ('{"transfers": []}', "transfers: Extra inputs"),
+])
+def test_a_malformed_context_cost_registry_aborts_startup(content, message, tmp_path, capsys):
+    """Contract, "Server options": a malformed --context-cost-presets file aborts startup, naming what is wrong."""
+    presets = tmp_path / "presets.json"
+    if content is not None:
+        presets.write_text(content)
+    assert main(["serve", "m.ninfer", "--context-cost-presets", str(presets)]) == 1
+    err = capsys.readouterr().err
+    assert "--context-cost-presets" in err and message in err, err
 
 
 def test_missing_artifact_fails_before_ray_starts(capsys, tmp_path):

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from ninfer.engine import media_inputs, next_round, transfers
+from ninfer.engine import context_cost, media_inputs, next_round, transfers
 from ninfer.engine.context_ops import ContextExecutor
 from ninfer.engine.counters import Counters, HostWork
 from ninfer.engine.emitter import batched as batched_events
@@ -83,6 +83,7 @@ class EngineSettings:
     eos_ids: set[int] = field(default_factory=set)
     prefix_reuse: bool = True  # --no-prefix-reuse turns cross-request reads and writes off
     host_context_bytes: int | None = None  # pause-snapshot budget; None: 8 GiB + 8 state images; 0: replay only
+    context_cost_presets: str | None = None  # --context-cost-presets FILE: measured route costs (context_cost)
     no_cuda_graph: bool = False  # --no-cuda-graph: decode runs eagerly instead of replaying CUDA graphs
     # the request log's per-request records: SchedulingEvents (pause/restore/replay) and each request's share of
     # the engine's time (exposure.RequestExposure) in its FinishEvent
@@ -197,7 +198,15 @@ class Engine:
             host_budget = 8 * 2**30 + 8 * transfers.state_bytes(model_cache)
         # caches paged like the model's (a block drafter's context): their pages are copied and paused with it
         companions = tuple(self.proposer.companion_caches()) if hasattr(self.proposer, "companion_caches") else ()
+        # what each pause route costs here, so a pause takes the cheaper one (resolved once, logged)
+        self.context_costs = context_cost.resolve(self.device, context_cost.prefill_signature(
+            model, settings.kv_dtype, settings.prefill_chunk, settings.vision), settings.context_cost_presets)
+        c = self.context_costs
+        log.info("context costs on %s: transfer d2h %.1f / h2d %.1f GiB/s (%s), prefill %.0f tok/s for %s (%s)",
+                 c.hardware, c.d2h_bytes_per_s / context_cost.GIB, c.h2d_bytes_per_s / context_cost.GIB,
+                 c.transfer_source, c.prefill_tokens_per_s, c.signature, c.prefill_source)
         self.kv = KVManager(pages, slots, prefix_reuse=settings.prefix_reuse, host_budget=host_budget,
+                            costs=self.context_costs,
                             snapshot_bytes=lambda n, state: transfers.snapshot_bytes(model_cache, n, state, companions),
                             private_boundary=getattr(self.proposer, "rewrites_boundary", False))
         self.cache = self.kv.cache  # the retained checkpoints (an index; the KV manager owns their pages)
@@ -276,6 +285,7 @@ class Engine:
                             "prefill": {"chunk_tokens": s.prefill_chunk, "page_size": s.page_size,
                                         "cuda_graphs": self.device.type == "cuda" and not s.no_cuda_graph}},
                 "environment": environment(self.device),
+                "context_cost": self.context_costs.as_dict(),
             }
         return self._startup_report
 

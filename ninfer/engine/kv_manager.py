@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ninfer.engine.context_cache import Checkpoint, ContextCache, Match
+from ninfer.engine.context_cost import ContextCosts
 from ninfer.engine.kv_pool import PagePool, PoolExhausted, SlotPool
 from ninfer.engine.plan import ContextOp
 from ninfer.engine.sequence import Sequence
@@ -19,8 +20,10 @@ from ninfer.engine.sequence import Sequence
 
 class KVManager:
     def __init__(self, pages: PagePool, slots: SlotPool | None, *, prefix_reuse: bool = False,
-                 host_budget: int = 0, snapshot_bytes=None, private_boundary: bool = False):
+                 host_budget: int = 0, snapshot_bytes=None, private_boundary: bool = False,
+                 costs: ContextCosts | None = None):
         """snapshot_bytes(num_pages, has_state): host bytes of a pause snapshot (None: no snapshots).
+        costs: what each pause route costs (None: a snapshot whenever the host has room).
         private_boundary: a request reusing an input checkpoint gets its own copy of the page holding the
         checkpoint's last position, also when that page is full (the MTP head's KV there pairs the position
         with the next token, which is the request's own: MTPProposer rewrites it)."""
@@ -32,6 +35,8 @@ class KVManager:
         self.host_budget = host_budget
         self.host_used = 0
         self._snapshot_bytes = snapshot_bytes
+        self.costs = costs
+        self.replay_by_cost = 0  # pauses with host room that replay because recomputing costs less
 
     @property
     def page_size(self) -> int:
@@ -164,13 +169,16 @@ class KVManager:
     # ---- host snapshots -----------------------------------------------------------------------
     def plan_snapshot(self, seq: Sequence) -> ContextOp | None:
         """Reserve host bytes for a pausing request's pages and state; the op copies them. None when the
-        budget is short (the request will be rebuilt by replay)."""
+        budget is short or recomputing the request costs less than the copies (it will be rebuilt by replay)."""
         n = seq.num_computed
         if self._snapshot_bytes is None or n == 0 or not seq.pages:
             return None
         pages = seq.pages[: self.pages_for(n)]
         need = self._snapshot_bytes(len(pages), self.hybrid)
         if self.host_used + need > self.host_budget:
+            return None
+        if self.costs is not None and self.costs.replay_seconds(n) < self.costs.snapshot_seconds(need):
+            self.replay_by_cost += 1
             return None
         self.host_used += need
         seq.snapshot = PendingSnapshot(need)

@@ -36,7 +36,9 @@ FLAG_HELP: dict[str, tuple[str | None, str]] = {
     "log_stats_interval_ms": ("N", "throughput report interval in ms; 0 disables it"),
     "log_level": (None, "stderr verbosity"),
     "device": ("N", "CUDA device index"),
-    "context_cost_presets": ("FILE", "runtime context-cost preset registry (not implemented yet)"),
+    "context_cost_presets": ("FILE", "measured pause-route costs (JSON: transfer GiB/s by hardware, prefill tok/s "
+                                     "by hardware and signature; the engine's startup record names both); a "
+                                     "malformed file aborts startup"),
     "max_request_mib": ("N", "request body limit in MiB, enforced before JSON parsing"),
     "media_cache_mib": ("N", "LRU-retained prepared media payloads in MiB (vision only)"),
     "media_live_mib": ("N", "all live prepared media payloads in MiB (vision only)"),

@@ -11,6 +11,7 @@ import os
 import time
 
 from ninfer.config import ServerConfig
+from ninfer.engine.context_cost import read_presets
 from ninfer.engine.engine import EngineSettings
 from ninfer.forward import KV_DTYPES
 from ninfer.server.gc_freeze import freeze_startup_objects
@@ -32,8 +33,6 @@ def unimplemented_options(cfg: ServerConfig) -> list[str]:
     if cfg.kv_dtype not in KV_DTYPES:
         problems.append(f"--kv-dtype {cfg.kv_dtype}: {cfg.kv_dtype} KV storage is unsupported in this build "
                         f"(supported: {', '.join(KV_DTYPES)})")
-    if cfg.context_cost_presets is not None:
-        problems.append("--context-cost-presets: context-cost presets are not implemented yet")
     return problems
 
 
@@ -44,6 +43,8 @@ def check_implemented(cfg: ServerConfig) -> None:
     if problems:
         raise UnsupportedOptionError("cannot start: " + "; ".join(problems))
     check_components(cfg)
+    if cfg.context_cost_presets is not None:
+        read_presets(cfg.context_cost_presets)  # a malformed registry aborts startup (ContextCostError)
     if cfg.request_log_jsonl is not None:
         check_log_path(cfg.request_log_jsonl, cfg.artifact)
 
@@ -75,6 +76,7 @@ def engine_settings(cfg: ServerConfig) -> EngineSettings:
         sampling_overrides=cfg.process_sampling_overrides(), greedy=cfg.greedy, seed=cfg.seed,
         prefix_reuse=not cfg.no_prefix_reuse, no_cuda_graph=cfg.no_cuda_graph,
         host_context_bytes=None if cfg.host_context_mib is None else cfg.host_context_mib * 1024 * 1024,
+        context_cost_presets=cfg.context_cost_presets,
         scheduling_events=cfg.request_log_jsonl is not None,  # request_scheduling records need them
         vision=cfg.vision, spec=cfg.spec, draft_tokens=cfg.draft_tokens or DEFAULT_DRAFTS.get(cfg.spec, 0),
         lm_head_draft=cfg.lm_head_draft, adaptive_drafts=True,
