@@ -96,8 +96,16 @@ class ContextCosts:
 
 
 def hardware_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name (Linux), else its architecture."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
     return platform.processor() or platform.machine() or "cpu"
 
 
@@ -120,6 +128,8 @@ def resolve(device: torch.device, signature: str, presets_path: str | None) -> C
 
 
 def prefill_signature(model: torch.nn.Module, kv_dtype: str, prefill_chunk: int, vision: bool) -> str:
-    """What a prefill rate was measured for: the model class, its weights' storage dtype, the KV format, the chunk."""
-    dtypes = "+".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})) or "none"
+    """What a prefill rate was measured for: the model class, its tensors' storage dtypes (quantized weights are
+    buffers), the KV format, the chunk, vision."""
+    tensors = [*model.parameters(), *model.buffers()]
+    dtypes = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors})) or "none"
     return f"{type(model).__name__}/{dtypes}/kv-{kv_dtype}/chunk{prefill_chunk}" + ("/vision" if vision else "")
