@@ -19,59 +19,16 @@ startup. The file is JSON:
 
 from __future__ import annotations
 
-import json
 import platform
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 GIB = float(1 << 30)
 # Generic coefficients: pinned PCIe copies on a GPU host and a mid-size model's prefill rate there; a memcpy and a
 # small model's prefill on the CPU. A measured file entry replaces them.
 GENERIC = {"cuda": {"d2h_gib_per_s": 20.0, "h2d_gib_per_s": 20.0, "tokens_per_s": 4000.0},
            "cpu": {"d2h_gib_per_s": 5.0, "h2d_gib_per_s": 5.0, "tokens_per_s": 200.0}}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TransferEntry(_Strict):
-    hardware: str = Field(min_length=1)
-    d2h_gib_per_s: float = Field(gt=0)
-    h2d_gib_per_s: float = Field(gt=0)
-
-
-class PrefillEntry(_Strict):
-    hardware: str = Field(min_length=1)
-    signature: str = Field(min_length=1)
-    tokens_per_s: float = Field(gt=0)
-
-
-class PresetFile(_Strict):
-    transfer: list[TransferEntry] = []
-    prefill: list[PrefillEntry] = []
-
-
-class ContextCostError(ValueError):
-    """--context-cost-presets names a file that cannot be read or does not hold a valid registry."""
-
-
-def read_presets(path: str) -> PresetFile:
-    try:
-        text = Path(path).expanduser().read_text()
-    except OSError as exc:
-        raise ContextCostError(f"--context-cost-presets {path}: cannot read it ({exc.strerror})") from None
-    try:
-        return PresetFile.model_validate(json.loads(text))
-    except json.JSONDecodeError as exc:
-        raise ContextCostError(f"--context-cost-presets {path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ContextCostError(f"--context-cost-presets {path}: {where}: {first['msg']}") from None
 
 
 @dataclass(frozen=True)
@@ -116,6 +73,8 @@ def resolve(device: torch.device, signature: str, presets_path: str | None) -> C
     d2h, h2d, rate = generic["d2h_gib_per_s"], generic["h2d_gib_per_s"], generic["tokens_per_s"]
     transfer_source = prefill_source = "generic"
     if presets_path is not None:
+        from ninfer.engine.context_cost_registry import read_presets  # pydantic: only where a file is given
+
         presets = read_presets(presets_path)
         source = f"presets:{presets_path}"
         transfer = next((e for e in presets.transfer if e.hardware == hardware), None)

@@ -273,15 +273,20 @@ class Engine:
         """server_start's memory (arenas, workspace, vision layout), formats and environment, taken once, after
         start-up's warm-up (the first call)."""
         if self._startup_report is None:
-            from ninfer.media.types import MediaLimits
-
             s = self.settings
-            weights = sorted({str(p.dtype).removeprefix("torch.") for p in self.runner.model.parameters()})
+            vision_bound = None
+            if s.vision:  # ninfer.media (pillow, PyAV) only where vision is on
+                from ninfer.media.types import MediaLimits
+
+                vision_bound = MediaLimits().max_request_tokens
+            model = self.runner.model  # quantized weights are buffers
+            weights = sorted({str(t.dtype).removeprefix("torch.") for t in (*model.parameters(), *model.buffers())})
             self._startup_report = {
                 "memory": memory_report(self.runner, self.proposer, self.context.companions,
-                                        vision_token_bound=MediaLimits().max_request_tokens if s.vision else None,
+                                        vision_token_bound=vision_bound,
                                         prompt_token_bound=min(s.max_context, self.kv_capacity)),
                 "formats": {"weight_storage_dtypes": weights, "kv_cache": s.kv_dtype,
+                            "prefill_signature": self.context_costs.signature,
                             "prefill": {"chunk_tokens": s.prefill_chunk, "page_size": s.page_size,
                                         "cuda_graphs": self.device.type == "cuda" and not s.no_cuda_graph}},
                 "environment": environment(self.device),

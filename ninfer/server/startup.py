@@ -11,7 +11,7 @@ import os
 import time
 
 from ninfer.config import ServerConfig
-from ninfer.engine.context_cost import read_presets
+from ninfer.engine.context_cost_registry import read_presets
 from ninfer.engine.engine import EngineSettings
 from ninfer.forward import KV_DTYPES
 from ninfer.server.gc_freeze import freeze_startup_objects
