@@ -5,7 +5,8 @@
                                      -> MediaPreprocessor (CPU pool)
 
 The args are ServerConfig fields; they are validated here, with the artifact's header, so a bad or
-not-yet-implemented option or a missing artifact fails before any replica starts. HTTP host and port belong to Serve's http_options in a YAML config.
+not-yet-implemented option or a missing artifact fails before any replica starts. HTTP host and port
+belong to Serve's http_options in a YAML config.
 """
 
 from __future__ import annotations

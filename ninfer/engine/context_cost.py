@@ -86,9 +86,12 @@ def resolve(device: torch.device, signature: str, presets_path: str | None) -> C
     return ContextCosts(d2h * GIB, h2d * GIB, rate, hardware, signature, transfer_source, prefill_source)
 
 
+def storage_dtypes(model: torch.nn.Module) -> list[str]:
+    """The dtypes its tensors are stored in (quantized weights are buffers), sorted."""
+    return sorted({str(t.dtype).removeprefix("torch.") for t in (*model.parameters(), *model.buffers())})
+
+
 def prefill_signature(model: torch.nn.Module, kv_dtype: str, prefill_chunk: int, vision: bool) -> str:
-    """What a prefill rate was measured for: the model class, its tensors' storage dtypes (quantized weights are
-    buffers), the KV format, the chunk, vision."""
-    tensors = [*model.parameters(), *model.buffers()]
-    dtypes = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors})) or "none"
+    """What a prefill rate was measured for: the model class, its storage dtypes, the KV format, the chunk, vision."""
+    dtypes = "+".join(storage_dtypes(model)) or "none"
     return f"{type(model).__name__}/{dtypes}/kv-{kv_dtype}/chunk{prefill_chunk}" + ("/vision" if vision else "")

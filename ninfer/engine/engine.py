@@ -279,13 +279,12 @@ class Engine:
                 from ninfer.media.types import MediaLimits
 
                 vision_bound = MediaLimits().max_request_tokens
-            model = self.runner.model  # quantized weights are buffers
-            weights = sorted({str(t.dtype).removeprefix("torch.") for t in (*model.parameters(), *model.buffers())})
             self._startup_report = {
                 "memory": memory_report(self.runner, self.proposer, self.context.companions,
                                         vision_token_bound=vision_bound,
                                         prompt_token_bound=min(s.max_context, self.kv_capacity)),
-                "formats": {"weight_storage_dtypes": weights, "kv_cache": s.kv_dtype,
+                "formats": {"weight_storage_dtypes": context_cost.storage_dtypes(self.runner.model),
+                            "kv_cache": s.kv_dtype,
                             "prefill_signature": self.context_costs.signature,
                             "prefill": {"chunk_tokens": s.prefill_chunk, "page_size": s.page_size,
                                         "cuda_graphs": self.device.type == "cuda" and not s.no_cuda_graph}},

@@ -143,6 +143,12 @@ class RequestExposure:
             "replay": {"units": self.control_units, "tokens": self.replayed_tokens},
         }
 
+    def finish_fields(self, queue_wait: float, preemptions: int) -> dict[str, Any]:
+        """The FinishEvent's request-log fields."""
+        return {"engine_timing": self.engine_timing(queue_wait), "first_output_timing": self.first_output,
+                "scheduling": self.scheduling(preemptions), "work": self.work(),
+                "context_transfers": self.context_transfers()}
+
     def scheduling(self, preemptions: int) -> dict[str, Any]:
         return {"preemptions": preemptions, "snapshot_restores": self.snapshot_restores,
                 "replay_restores": self.replay_restores, "replayed_tokens": self.replayed_tokens,

@@ -95,13 +95,8 @@ class OutputProcessor:
                     "fallback_steps": seq.spec_fallback_steps, "accepted_per_position": list(seq.accepted_per_position)}
         usage = Usage(prompt_tokens=seq.prompt_len, cached_tokens=seq.cached_tokens,
                       completion_tokens=len(seq.output_ids), reasoning_tokens=seq.controller.reasoning_tokens)
-        exposure = seq.exposure
+        logged = seq.exposure.finish_fields((seq.t_admit or now) - seq.t_submit, seq.preemptions) if seq.exposure else {}
         return FinishEvent(reason, usage, timings, stop_string=seq.controller.stop_string,
                            thinking_budget_applied=seq.controller.budget_applied,
                            preemptions=seq.preemptions, prefix_reuse_path=seq.prefix_path, error=error,
-                           speculative=spec, vision_seconds=media_inputs.vision_seconds(seq),
-                           engine_timing=exposure.engine_timing((seq.t_admit or now) - seq.t_submit) if exposure else None,
-                           first_output_timing=exposure.first_output if exposure else None,
-                           scheduling=exposure.scheduling(seq.preemptions) if exposure else None,
-                           work=exposure.work() if exposure else None,
-                           context_transfers=exposure.context_transfers() if exposure else None)
+                           speculative=spec, vision_seconds=media_inputs.vision_seconds(seq), **logged)
