@@ -86,7 +86,7 @@ def test_every_response_has_a_unique_request_id(server):
 
 
 def test_accepted_connections_use_keepalive_and_a_user_timeout(server):
-    """Contract, "HTTP behavior": on Linux an accepted connection uses TCP keepalive and a 15 s TCP_USER_TIMEOUT.
+    """Contract, "Endpoints": on Linux an accepted connection uses TCP keepalive and a 15 s TCP_USER_TIMEOUT.
     The server's end of a live keep-alive connection is found among this process's sockets and read back."""
     if not hasattr(socket, "TCP_USER_TIMEOUT"):
         pytest.skip("TCP_USER_TIMEOUT is Linux's")

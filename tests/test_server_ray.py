@@ -144,7 +144,7 @@ def test_serve_run_from_yaml_end_to_end(artifacts_dir, qwen_tokenizer):
 
 
 def _assert_proxy_connections_keepalive(port: int) -> None:
-    """The proxy's end of an open keep-alive connection runs a keepalive timer (contract, "HTTP behavior"); the
+    """The proxy's end of an open keep-alive connection runs a keepalive timer (contract, "Endpoints"); the
     exact option values are read back in process by test_server_http."""
     if shutil.which("ss") is None:
         return  # iproute2's ss is the only window into another process's socket timers here

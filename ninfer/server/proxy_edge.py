@@ -1,6 +1,6 @@
 """What the HTTP edge owes each connection and response that Ray Serve's proxy would otherwise not give.
 
-The contract ("HTTP behavior"): accepted connections use TCP keepalive and a 15-second TCP_USER_TIMEOUT, so a dead
+The contract ("Endpoints"): accepted connections use TCP keepalive and a 15-second TCP_USER_TIMEOUT, so a dead
 or unacknowledging peer is cancelled within about 20 seconds (the SSE heartbeat covers the rest), even while its
 request waits for admission; and every OpenAI-compatible response carries a unique x-request-id. Behind Serve the
 accepted sockets and the x-request-id header belong to the proxy actor, so this middleware runs there, loaded by
