@@ -73,6 +73,23 @@ def test_stream_framing_order_and_headers(server):
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
+def test_per_token_timings_are_the_terminal_timings_clock(server):
+    """Contract, "llama.cpp-compatible request observations": each visible chunk carries the latest cumulative
+    snapshot, prompt time ending at the first committed token. So once output shows, every snapshot's prompt_ms is
+    the terminal one, and generation time only grows up to the terminal figure (both the engine's clock, not the
+    router's arrival times, which put ~0 ms of prompt on a first token that arrived with the progress events)."""
+    r = httpx.post(server.url + "/v1/chat/completions", json=body("ALPHA", stream=True, timings_per_token=True),
+                   timeout=30)
+    chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    final = chunks[-1]["timings"]
+    snapshots = [c["timings"] for c in chunks[1:-1] if "timings" in c]
+    assert len(snapshots) >= 2 and final["prompt_ms"] > 0
+    assert {t["prompt_ms"] for t in snapshots} == {final["prompt_ms"]}
+    predicted = [t["predicted_ms"] for t in snapshots]
+    assert predicted == sorted(predicted) and predicted[-1] <= final["predicted_ms"]
+    assert all(t["prompt_n"] == final["prompt_n"] and t["cache_n"] == final["cache_n"] for t in snapshots)
+
+
 def test_every_response_has_a_unique_request_id(server):
     ids = set()
     for method, url, kwargs in [("GET", "/v1/models", {}), ("GET", "/health", {}),

@@ -52,7 +52,10 @@ class OutputProcessor:
         if seq.sampling.penalized:  # only penalties read a lane's counts: the others never count
             self.counted.append((seq.lane, token))
         events, reason = seq.controller.commit(token, forced=forced)
+        elapsed_ms = (now - seq.t_admit) * 1000.0 if seq.t_admit else 0.0
         for ev in events:
+            if ev.token_ids:
+                ev.elapsed_ms = elapsed_ms
             seq.emit(ev)
         if reason is None:
             if len(seq.output_ids) >= seq.max_tokens:

@@ -106,6 +106,9 @@ class TokenEvent:
     channel: Channel
     text: str
     forced: bool = False  # committed without sampling (thinking-budget control suffix)
+    # when its tokens were committed, in ms since admission on the engine's clock: the terminal timings' clock,
+    # so a live snapshot (timings_per_token) reads what the finish will (None: no tokens committed with it)
+    elapsed_ms: float | None = None
 
 
 @dataclass
