@@ -11,6 +11,9 @@ import httpx
 import pytest
 from server_fixtures import MODEL, WEATHER_TOOL, scripted_artifact, start_server
 
+from ninfer.chat import ir
+from ninfer.protocol.openai_chat import ChatDefaults, parse_chat_request
+
 USER = {"role": "user", "content": "ALPHA"}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
 
@@ -64,6 +67,24 @@ CASES = [
      "invalid_type", "messages[1].name"),
     ("tool result without call id", msgs({"role": "tool", "content": "x"}), 400, "missing_required_parameter",
      "messages[0].tool_call_id"),
+    # tool results are matched to the calls of the assistant message they follow, as Responses' Items are
+    ("logit_bias key not a token id", {"logit_bias": {"abc": 0}}, 400, "invalid_value", "logit_bias"),
+    ("logit_bias key negative", {"logit_bias": {"-1": 0}}, 400, "invalid_value", "logit_bias"),
+    ("logit_bias value out of range", {"logit_bias": {"5": 101}}, 400, "invalid_value", "logit_bias"),
+    ("tool result after no call", {"messages": [USER, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]},
+     400, "invalid_tool_history", "messages[1].tool_call_id"),
+    ("tool result answering no call", msgs({"role": "assistant", "tool_calls": [CALL]},
+                                           {"role": "tool", "tool_call_id": "zzz", "content": "x"}), 400,
+     "invalid_tool_history", "messages[1].tool_call_id"),
+    ("two results for one call", msgs({"role": "assistant", "tool_calls": [CALL]},
+                                      {"role": "tool", "tool_call_id": "call_1", "content": "a"},
+                                      {"role": "tool", "tool_call_id": "call_1", "content": "b"}), 400,
+     "invalid_tool_history", "messages[2].tool_call_id"),
+    ("a later call answered, an earlier not", msgs({"role": "assistant", "tool_calls": [CALL, {**CALL, "id": "c2"}]},
+                                                   {"role": "tool", "tool_call_id": "c2", "content": "b"}), 400,
+     "invalid_tool_history", "messages[0]"),
+    ("one call id twice in a message", msgs({"role": "assistant", "tool_calls": [CALL, CALL]}), 400,
+     "invalid_tool_history", "messages[0].tool_calls"),
     ("tool_calls on a user message", {"messages": [{**USER, "tool_calls": [CALL]}]}, 400, "invalid_value",
      "messages[0]"),
     ("assistant audio history", msgs({"role": "assistant", "audio": {"id": "a1"}}), 400,
@@ -207,3 +228,26 @@ def test_malformed_json_is_a_400(server):
     for raw in (b"{", b'{"model": NaN}', b"\xff\xfe"):
         r = httpx.post(server.url + "/v1/chat/completions", content=raw, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def tool_results_as_lowered(messages: list[dict]) -> list[str]:
+    conversation = parse_chat_request({"model": MODEL, "messages": messages}, ChatDefaults()).conversation
+    return [p.call_id for m in conversation.messages for p in m.parts if isinstance(p, ir.ToolResultPart)]
+
+
+def test_tool_results_are_put_in_call_order():
+    """The Qwen prompt shows results without ids, paired with calls by position: results sent out of order are
+    matched by tool_call_id and rendered in the order of the calls (as Responses' Items are, Input Item contract)."""
+    calls = [CALL, {**CALL, "id": "c2"}, {**CALL, "id": "c3"}]
+    messages = [USER, {"role": "assistant", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c2", "content": "b"},
+                {"role": "tool", "tool_call_id": "call_1", "content": "a"}, USER]
+    assert tool_results_as_lowered(messages) == ["call_1", "c2"]  # c3 unanswered, after the answered ones
+
+
+def test_a_history_may_begin_with_tool_results():
+    """A truncated or imported history (the contract keeps one for Anthropic Messages) starts with results whose
+    calls were cut away: they stand as sent, after the system prompt."""
+    messages = [{"role": "system", "content": "s"}, {"role": "tool", "tool_call_id": "gone2", "content": "b"},
+                {"role": "tool", "tool_call_id": "gone1", "content": "a"}, USER]
+    assert tool_results_as_lowered(messages) == ["gone2", "gone1"]

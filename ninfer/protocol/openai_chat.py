@@ -332,6 +332,12 @@ def _check_output_controls(req: ChatCompletionRequest) -> None:
     if isinstance(req.function_call, dict):
         raise unsupported("function_call", "legacy_tools_not_supported",
                           "a named legacy function_call forces a call, which cannot be guaranteed")
+    for key, bias in (req.logit_bias or {}).items():  # malformed before unsupported: a bad map is the client's
+        if not (key.isascii() and key.isdigit()):
+            raise invalid(f"logit_bias keys are token ids; got {key!r}", "logit_bias", "invalid_value")
+        if not -100 <= bias <= 100:
+            raise invalid(f"logit_bias values lie in [-100, 100]; got {bias} for token {key}", "logit_bias",
+                          "invalid_value")
     if req.logit_bias and any(v != 0 for v in req.logit_bias.values()):
         raise unsupported("logit_bias", "logit_bias_not_supported", "nonzero biases need per-token logit edits")
     if req.logprobs:
@@ -436,23 +442,76 @@ def _tool_choice(req: ChatCompletionRequest, tools: list[ir.ToolDef]):
 def _messages(req: ChatCompletionRequest, defaults: ChatDefaults) -> list[ir.Message]:
     out: list[ir.Message] = []
     legacy_calls: list[tuple[str, str]] = []  # (synthesized id, name) of unanswered legacy function calls
+    results = _ToolResults()
     for i, msg in enumerate(req.messages):
         param = f"messages[{i}]"
         if msg.role not in ("tool", "function") and msg.name:
             raise unsupported(f"{param}.name", "message_name_not_supported",
                               "a participant name cannot be represented by the chat template")
+        if isinstance(msg, ToolMessage):
+            parts = _parts(msg.content, "tool", f"{param}.content", defaults)
+            results.add(ir.ToolResultPart(call_id=msg.tool_call_id, content=parts), f"{param}.tool_call_id")
+            continue
+        if isinstance(msg, FunctionMessage):
+            call_id = _answer_legacy_call(legacy_calls, msg.name, f"{param}.name")
+            results.add(ir.ToolResultPart(call_id=call_id, content=[ir.TextPart(msg.content or "")]), f"{param}.name")
+            continue
+        out += results.flush()
+        results.leading = results.leading and msg.role in ("system", "developer")
         if isinstance(msg, AssistantMessage):
             out.append(_assistant(msg, param, defaults, legacy_calls, i))
-        elif isinstance(msg, ToolMessage):
-            parts = _parts(msg.content, "tool", f"{param}.content", defaults)
-            out.append(ir.Message("tool", [ir.ToolResultPart(call_id=msg.tool_call_id, content=parts)]))
-        elif isinstance(msg, FunctionMessage):
-            call_id = _answer_legacy_call(legacy_calls, msg.name, f"{param}.name")
-            text = [ir.TextPart(msg.content or "")]
-            out.append(ir.Message("tool", [ir.ToolResultPart(call_id=call_id, content=text)]))
+            results.expect(out[-1], param)
         else:
             out.append(ir.Message(msg.role, _parts(msg.content, msg.role, f"{param}.content", defaults)))
-    return out
+    return out + results.flush()
+
+
+class _ToolResults:
+    """The tool messages after an assistant message, matched to its calls by id and put in call order: the Qwen
+    prompt shows results without ids, and the model pairs them with calls by position. As for Responses' Items
+    (contract: the Input Item contract), unknown and duplicate results fail, and so does a partial set that
+    leaves a call unanswered before an answered one (no order of the results could show it). Results before any
+    user or assistant message stand as they are: a truncated or imported history (as the contract keeps one for
+    Anthropic Messages)."""
+
+    def __init__(self):
+        self.calls: dict[str, int] | None = None  # call id -> position, of the assistant message results follow
+        self.where = ""
+        self.results: list[tuple[int, ir.ToolResultPart]] = []
+        self.leading = True  # only system / developer messages so far
+
+    def expect(self, assistant: ir.Message, param: str) -> None:
+        ids = [p.call_id for p in assistant.parts if isinstance(p, ir.ToolCallPart)]
+        for k, call_id in enumerate(ids):
+            if call_id in ids[:k]:
+                raise invalid(f"tool call id {call_id!r} is used twice in one assistant message",
+                              f"{param}.tool_calls", "invalid_tool_history")
+        self.calls, self.where = {call_id: k for k, call_id in enumerate(ids)}, param
+
+    def add(self, result: ir.ToolResultPart, param: str) -> None:
+        if self.leading:
+            self.results.append((len(self.results), result))
+            return
+        if not self.calls:
+            raise invalid("a tool result must follow the assistant message whose tool call it answers", param,
+                          "invalid_tool_history")
+        k = self.calls.get(result.call_id)
+        if k is None:
+            raise invalid(f"tool_call_id {result.call_id!r} is not one of the tool calls of the assistant message "
+                          f"it follows ({self.where})", param, "invalid_tool_history")
+        if any(k == seen for seen, _ in self.results):
+            raise invalid(f"tool_call_id {result.call_id!r} already has a result", param, "invalid_tool_history")
+        self.results.append((k, result))
+
+    def flush(self) -> list[ir.Message]:
+        """The results gathered since the last assistant message, one tool message each, in call order."""
+        ordered = sorted(self.results)
+        if ordered and self.calls is not None and ordered[-1][0] >= len(ordered):
+            missing = next(call_id for call_id, k in self.calls.items() if k not in dict(ordered))
+            raise invalid(f"tool call {missing!r} has no result while a later call of that message does; answer "
+                          "the calls in order", self.where, "invalid_tool_history")
+        self.calls, self.results = None, []
+        return [ir.Message("tool", [result]) for _, result in ordered]
 
 
 def _assistant(msg: AssistantMessage, param: str, defaults: ChatDefaults,
