@@ -152,6 +152,12 @@ def test_pressure_storm_keeps_greedy_output(fixture, host_budget, request):
     assert outputs == expected
     counters = engine.counters
     assert engine.scheduler.preemptions > 0
+    # Contract, "Live metrics": prefill counts initial prefill, recomputation after a pause is recovery (replay),
+    # also for a request paused before its first output; and every pause cycle ends in a restore by one route
+    # (none restored only to be paused again in the same step: "Execution behavior", a restoration reserves room
+    # for one new unit)
+    assert counters.prefill_tokens == sum(len(p) for p in prompts)
+    assert engine.scheduler.preemptions == counters.snapshot_restores + counters.replay_restores
     if host_budget == 0:
         assert counters.replay_restores > 0 and counters.snapshot_restores == 0 and counters.replayed_tokens > 0
     else:

@@ -729,20 +729,20 @@ class Engine:
         prefill = plan.prefill
         if prefill is not None:
             seq = prefill.seq
-            computed = len(prefill.tokens)
+            replayed = seq.recomputed(prefill.start, prefill.end)  # rebuilt after a replay-route pause
+            initial = len(prefill.tokens) - replayed
             self.counters.prefill_chunks += 1
-            if seq.output_ids:
-                self.counters.replayed_tokens += computed
-                if seq.exposure is not None:
-                    seq.exposure.replayed_tokens += computed
-            else:
-                self.counters.prefill_tokens += computed
-                if seq.exposure is not None:
-                    seq.exposure.prefill_tokens += computed
+            self.counters.replayed_tokens += replayed
+            self.counters.prefill_tokens += initial
+            if seq.exposure is not None:
+                seq.exposure.replayed_tokens += replayed
+                seq.exposure.prefill_tokens += initial
             last = prefill.end >= seq.prefill_target
             if not last or seq.samples_after_prefill:
                 self._progress(seq, prefill.end)
             if last and not seq.samples_after_prefill:  # replay done: resume decoding without resampling
+                self._scheduling_event(seq, "replay_complete", "replay")
+            elif replayed and prefill.end >= seq.computed_high:  # paused mid-prompt: its old frontier is rebuilt
                 self._scheduling_event(seq, "replay_complete", "replay")
             elif last and seq.max_tokens == 0:
                 finished.append((seq, FinishReason.LENGTH))
@@ -813,7 +813,7 @@ class Engine:
                     seq.cached_tokens = admission.reused
                     seq.prefix_path = "checkpoint" if admission.reused else "root"
                     self.counters.cached_prompt_tokens += admission.reused
-                elif seq.output_ids:
+                elif route == "replay":
                     self.counters.replay_restores += 1
                     if seq.exposure is not None:
                         seq.exposure.replay_restores += 1
@@ -943,4 +943,6 @@ class Engine:
 
 def _unit(work: SeqWork) -> str:
     """What a step's work is, for a request's exposure: a decode round, a prompt chunk, or a replay chunk."""
-    return "decode" if work.decode else ("control" if work.seq.output_ids else "prefill")
+    if work.decode:
+        return "decode"
+    return "control" if work.seq.recomputed(work.start, work.end) == len(work.tokens) else "prefill"

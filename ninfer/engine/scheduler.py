@@ -82,6 +82,7 @@ class Scheduler:
         if prefill is not None and prefill.seq.status is Status.PREFILL:
             seq = prefill.seq
             seq.num_computed = prefill.end
+            seq.computed_high = max(seq.computed_high, seq.num_computed)
             if prefill.end >= seq.prefill_target:
                 seq.status = Status.DECODE
         for work in plan.decode:
@@ -89,6 +90,7 @@ class Scheduler:
             if seq.status is Status.DECODE:
                 # rejected drafts' positions lie past the frontier: later steps rewrite them
                 seq.num_computed = work.start + committed.get(id(seq), 1)
+                seq.computed_high = max(seq.computed_high, seq.num_computed)
 
     def finish(self, seq: Sequence, retain: bool) -> None:
         """Release a request that ended (retain: hand its context to the cache as an endpoint)."""
@@ -108,12 +110,28 @@ class Scheduler:
 
     # ---- admission ----------------------------------------------------------------------------
     def _need(self, seq: Sequence, reused: int) -> int:
-        """Pages a binding needs: the saved frontier (a snapshot restore) or the first unit after the
-        reusable prefix, plus one more token."""
-        if seq.snapshot is not None:
-            return self._with_next_token(seq.num_computed)
-        end = min(seq.prefill_target, reused + self.prefill_chunk)
-        return self._with_next_token(end) - reused // self.kv.page_size
+        """Pages a binding needs (contract, "Execution behavior": room to rebuild the saved frontier and complete
+        one new execution unit): the saved frontier (a snapshot restore) or the reusable prefix, then its next
+        unit (a prefill chunk, for a request paused before its prompt was computed too), plus one more token."""
+        start = seq.num_computed if seq.snapshot is not None else reused
+        end = min(seq.prefill_target, start + self.prefill_chunk) if start < seq.prefill_target else start
+        shared = 0 if seq.snapshot is not None else reused // self.kv.page_size
+        return self._with_next_token(end) - shared
+
+    def _residents_need(self) -> int:
+        """Pages the residents' own units of this step still need: each decode row's next token and the
+        prefilling request's next chunk. A binding leaves them free, or the older residents' reservations would
+        pause it again in the very step that bound it (a restore's copy in, then straight back out)."""
+        need, prefilling = 0, False
+        for s in self.resident:
+            if s.status is Status.DECODE:
+                upto = s.num_computed + 1
+            elif not prefilling:
+                prefilling, upto = True, min(s.prefill_target, s.num_computed + self.prefill_chunk)
+            else:
+                continue  # one request prefills a step
+            need += max(0, self.kv.pages_for(upto) - len(s.pages))
+        return need
 
     def _fits(self, seq: Sequence) -> tuple[bool, object]:
         """Whether seq can bind now, counting what evicting retained checkpoints would free (a query:
@@ -125,7 +143,8 @@ class Scheduler:
         match = (None if seq.snapshot is not None
                  else self.kv.cache.lookup(seq.cache_key(0, seq.total_len), record=False))
         keep = match.checkpoint if match else None
-        if self.kv.can_fit(self._need(seq, match.length if match else 0), True, keep):
+        residents = self._residents_need()
+        if self.kv.can_fit(self._need(seq, match.length if match else 0) + residents, True, keep):
             return True, match
         if match is not None and not self.resident and self.kv.can_fit(self._need(seq, 0), True, None):
             return True, None

@@ -54,6 +54,9 @@ class Sequence:
     spec_fallback_steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds whose draft j stood
     paused_frontier: int = 0  # tokens computed when it last paused (the request log's paused event)
+    # the furthest frontier ever computed: tokens below it computed again (after a replay-route pause, even one
+    # before the first output) are recovery work (replayed tokens), not prefill
+    computed_high: int = 0
     # [3, prompt_len] MRoPE (t, h, w) positions of a prompt with media, and the offset text positions past
     # them take (next position = index + mrope_delta); None: text positions (the three axes agree)
     mrope: object | None = None
@@ -123,6 +126,10 @@ class Sequence:
         prompt = np.asarray(self.mrope)[:, start:min(end, self.prompt_len)]
         later = np.arange(max(start, self.prompt_len), end, dtype=np.int64) + self.mrope_delta
         return np.concatenate([prompt, np.broadcast_to(later, (3, len(later)))], axis=1)
+
+    def recomputed(self, start: int, end: int) -> int:
+        """Of the tokens [start, end), how many were computed before (recovery after a pause)."""
+        return max(0, min(end, self.computed_high) - start)
 
     @property
     def prefill_target(self) -> int:
