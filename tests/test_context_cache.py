@@ -291,3 +291,22 @@ def test_context_costs_choose_the_cheaper_pause_route(tiny_qwen_path, tmp_path):
     assert snapshotted.context_costs.prefill_source == f"presets:{slow_prefill}"
     assert snapshotted.counters.snapshot_restores > 0 and snapshotted.kv.replay_by_cost == 0
     assert generic_out == replay_out == snapshot_out
+
+
+def test_a_pool_smaller_than_max_context_is_each_sequences_ceiling(tiny_qwen_path):
+    """Contract, "Execution behavior": --max-context is each sequence's logical ceiling, and a smaller KV pool
+    lowers it (/v1/models reports min(max_context, pool) as max_model_len). A request alone in a 64-token pool
+    ends at the context ceiling with 64 tokens in all, as it would with --max-context 64 (a starved finish took
+    one token past it)."""
+    from ninfer.engine.types import FinishReason
+
+    finishes = []
+    for kw in ({"kv_capacity": 64}, {"max_context": 64}):
+        engine = _engine(tiny_qwen_path, max_concurrency=1, **kw)
+        engine.settings.eos_ids = set()  # random weights: run to the ceiling
+        try:
+            ids, finish = _run(engine, _prompt(40), "c", max_tokens=100)
+        finally:
+            engine.shutdown()
+        finishes.append((finish.reason, 40 + len(ids)))
+    assert finishes == [(FinishReason.CONTEXT, 64)] * 2

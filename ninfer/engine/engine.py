@@ -164,6 +164,8 @@ class Engine:
         else:
             capacity = settings.kv_capacity or settings.max_context
         self.kv_capacity = capacity
+        # each sequence's effective ceiling (/v1/models' max_model_len): a pool smaller than --max-context lowers it
+        self.max_context = min(settings.max_context, capacity)
         pages = PagePool((capacity + settings.page_size - 1) // settings.page_size, settings.page_size)
         slots = SlotPool(num_slots) if spec.num_state_layers > 0 else None
         self.runner = ModelRunner(model, num_pages=pages.num_pages, page_size=settings.page_size,
@@ -212,12 +214,12 @@ class Engine:
         self.cache = self.kv.cache  # the retained checkpoints (an index; the KV manager owns their pages)
         self.scheduler = Scheduler(max_concurrency=settings.max_concurrency, prefill_chunk=settings.prefill_chunk,
                                    kv=self.kv, draft_tokens=settings.draft_tokens if proposer else 0,
-                                   max_context=settings.max_context,
+                                   max_context=self.max_context,
                                    draft_reach=drafts - 1 if hasattr(self.proposer, "draft_ahead") else 0)
         self.thinking = thinking or ThinkingControl(think_end_id=None)
         self.counters = Counters()
         self.context = ContextExecutor(self.kv, model_cache, self.counters, companions)
-        self.output = OutputProcessor(self.thinking, self.counters, max_context=settings.max_context)
+        self.output = OutputProcessor(self.thinking, self.counters, max_context=self.max_context)
         self.work = HostWork()
         self._startup_report: dict[str, Any] | None = None
         self._recovering: set[str] = set()  # restored requests whose next commit completes recovery
@@ -282,7 +284,7 @@ class Engine:
             self._startup_report = {
                 "memory": memory_report(self.runner, self.proposer, self.context.companions,
                                         vision_token_bound=vision_bound,
-                                        prompt_token_bound=min(s.max_context, self.kv_capacity)),
+                                        prompt_token_bound=self.max_context),
                 "formats": {"weight_storage_dtypes": context_cost.storage_dtypes(self.runner.model),
                             "kv_cache": s.kv_dtype,
                             "prefill_signature": self.context_costs.signature,
@@ -411,7 +413,7 @@ class Engine:
     def _prepare(self, request: EngineRequest, emit) -> Sequence:
         s = self.settings
         n = len(request.prompt_ids)
-        ceiling = min(s.max_context, self.kv_capacity)
+        ceiling = self.max_context
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
         if n > ceiling:
@@ -642,8 +644,7 @@ class Engine:
                 or not speculates(seq)):
             return False
         room = seq.max_tokens - len(seq.output_ids)
-        if self.settings.max_context is not None:
-            room = min(room, self.settings.max_context - seq.total_len)
+        room = min(room, self.max_context - seq.total_len)
         control = seq.controller
         budget_near = (control.budget is not None and control.thinking_open and not control.budget_applied
                        and control.model_reasoning_tokens + tokens >= control.budget)
