@@ -139,6 +139,26 @@ def campaign(artifacts_dir, qwen_tokenizer, tmp_path_factory, stderr_records):
         assert [r.status_code for r in results] == [200, 200]
         assert tight.engine.counters.replay_restores >= 1, tight.engine.snapshot()
 
+        # the younger of two long streams pauses; its client goes away while it waits (steps slowed to 10 ms, so
+        # the older one is still running when the younger arrives, however loaded the test machine)
+        forward = tight.engine.runner.forward
+
+        def slow(*args, **kwargs):
+            time.sleep(0.01)
+            return forward(*args, **kwargs)
+
+        tight.engine.runner.forward = slow
+        older = threading.Thread(target=run)
+        older.start()
+        assert wait_until(lambda: tight.engine.snapshot()["running"] == 1)
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", url, json=body("LONG", stream=True, max_tokens=150)) as s:
+                ids["paused_cancelled"] = s.headers["x-request-id"]
+                assert wait_until(lambda: tight.engine.snapshot()["paused"] == 1, timeout=30), tight.engine.snapshot()
+        older.join()
+        assert wait_until(lambda: tight.engine.snapshot()["running"] == 0)
+        tight.engine.runner.forward = forward
+
         def broken(*args, **kwargs):
             raise RuntimeError("device lost")
 
@@ -241,7 +261,9 @@ def test_scheduling_events_trace_pause_and_replay(campaign):
     for request_id in {e["request"]["request_id"] for e in events}:  # each cycle's boundaries in order
         mine = [e["scheduling"] for e in events if e["request"]["request_id"] == request_id]
         cycle = [e["kind"] for e in mine if e["preemption_index"] == 1]
-        assert cycle[:4] == ["pause_started", "paused", "restore_started", "restored"], cycle
+        cancelled_while_paused = ["pause_started", "paused", "terminal"]  # campaign["ids"]["paused_cancelled"]
+        assert cycle[:4] == ["pause_started", "paused", "restore_started", "restored"] or \
+            cycle == cancelled_while_paused, cycle
         assert [e["steady_ns"] for e in mine] == sorted(e["steady_ns"] for e in mine)
     for e in events:  # the request's share of each global counter ("global minus request": the others' work)
         own, total = e["progress"]["request"], e["progress"]["global"]
@@ -258,6 +280,19 @@ def test_scheduling_events_trace_pause_and_replay(campaign):
     scheduling = preempted["scheduling"]
     assert scheduling["replay_restores"] >= 1 and scheduling["replayed_tokens"] > 0 and scheduling["paused_seconds"] > 0
     assert preempted["engine_timing"]["units"]["control"] >= 1  # the replay chunks
+
+
+def test_a_preempted_request_cancelled_while_paused_ends_with_a_terminal_boundary(campaign):
+    """Contract, "Structured request log": request_scheduling records a terminal boundary for preempted
+    requests; cancellation excuses only recovery_complete. The engine's own terminal goes to a stream the client
+    closed, so the router writes it, before request_error, dated after the last boundary on the engine's clock."""
+    mine = by_http_id(campaign["records"], campaign["ids"]["paused_cancelled"])
+    kinds = [r["scheduling"]["kind"] if r["event"] == "request_scheduling" else r["event"] for r in mine]
+    assert "pause_started" in kinds and kinds[-2:] == ["terminal", "request_error"], kinds
+    assert mine[-1]["error"]["code"] == "cancelled"
+    boundaries = [r["scheduling"] for r in mine if r["event"] == "request_scheduling"]
+    assert boundaries[-1]["steady_ns"] >= boundaries[-2]["steady_ns"] and boundaries[-1]["route"] is None
+    assert boundaries[-1]["preemption_index"] == max(b["preemption_index"] for b in boundaries)
 
 
 def test_server_start_and_throughput(campaign):

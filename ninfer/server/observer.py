@@ -144,6 +144,8 @@ class RequestTrace:
         self.engine_error: EngineError | None = None
         self.started = False
         self.settled = False  # a terminal (request_rejected, request_done or request_error) was written
+        # the last pause-cycle boundary seen and when it arrived (router clock, ns); None: never preempted
+        self.last_boundary: tuple[SchedulingEvent, int] | None = None
 
     # ---- preparation -------------------------------------------------------------------------
     @contextmanager
@@ -301,6 +303,7 @@ class RequestTrace:
         elif self.fin is not None:  # an outcome the endpoint did not get to decode
             self.finish(None)
         elif exc is None or isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
+            self._cancelled_terminal_boundary()
             self._error("cancelled", "cancelled", "the client went away before the outcome")
         else:
             self._error("error", "internal_error", f"the response failed before the outcome ({type(exc).__name__})")
@@ -332,10 +335,23 @@ class RequestTrace:
     # ---- scheduling events -------------------------------------------------------------------
     def _scheduling(self, ev: SchedulingEvent) -> None:
         log.debug("%s %s (pause %d, %s)", self.http_id, ev.kind, ev.preemption_index, ev.route or "-")
+        self.last_boundary = (ev, time.monotonic_ns())
         self._write("request_scheduling", request={"request_id": self.id, "x_request_id": self.http_id},
                     scheduling={"kind": ev.kind, "preemption_index": ev.preemption_index, "route": ev.route,
                                 "steady_ns": ev.steady_ns, "elapsed_ns": ev.elapsed_ns},
                     progress={"global": ev.global_tokens, "request": ev.request_tokens})
+
+    def _cancelled_terminal_boundary(self) -> None:
+        """A preempted request the client abandoned still ends its pause cycles with a terminal boundary (contract,
+        "Structured request log"). The engine emits one when it drops the request, into the stream the client's
+        departure closed, so the router writes it: dated on the engine's clock as the last boundary seen plus the
+        time since it arrived, with that boundary's progress counters."""
+        if self.last_boundary is None or self.last_boundary[0].kind == "terminal":
+            return
+        last, arrived_ns = self.last_boundary
+        since = time.monotonic_ns() - arrived_ns
+        self._scheduling(SchedulingEvent("terminal", last.preemption_index, None, last.steady_ns + since,
+                                         last.elapsed_ns + since, last.global_tokens, last.request_tokens))
 
     # ---- record fields -----------------------------------------------------------------------
     def _write(self, event: str, **fields: Any) -> None:
