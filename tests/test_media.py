@@ -89,6 +89,16 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/slow.png":
             time.sleep(1.5)
             self._send(PNG)
+        elif self.path == "/stall.png":  # headers and a little of the body, then nothing for a while
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            try:
+                self.wfile.write(PNG[:50])
+                self.wfile.flush()
+                time.sleep(3.0)
+            except OSError:
+                pass
         elif self.path == "/big.png":  # declares its size up front
             self.send_response(200)
             self.send_header("Content-Length", str(10 * MIB))
@@ -290,6 +300,20 @@ def test_http_fetch_success_error_timeout_and_oversize(server):
     with pytest.raises(MediaFetchError):
         refused.acquire("http://127.0.0.1:9/x.png")  # the discard port: nothing listens
     refused.close()
+
+
+def test_a_stalled_body_is_abandoned_at_the_requests_deadline(server):
+    """Contract, "Execution behavior": --pending-timeout-ms is an absolute deadline that covers media acquisition.
+    A peer that sends headers and then stalls was waited for the client's whole 30 s read timeout, holding one of
+    the preprocessing pool's few threads (a couple of such URLs starved every media request on the server)."""
+    fetcher = Fetcher(1 * MIB)  # the server's 30 s timeouts
+    started = time.monotonic()
+    with pytest.raises(MediaTimeoutError):
+        fetcher.acquire(f"{server}/stall.png", deadline=started + 0.3)
+    assert time.monotonic() - started < 2.0  # the stall lasts 3 s
+    with pytest.raises(MediaTimeoutError):  # a deadline already past: no connection at all
+        fetcher.acquire(f"{server}/img.png", deadline=time.monotonic() - 1)
+    fetcher.close()
 
 
 # ---- the preprocessor ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ class Fetcher:
     def __init__(self, max_bytes: int, timeout_s: float = 30.0, connect_timeout_s: float = 10.0):
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self._client = httpx.Client(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             follow_redirects=True, max_redirects=_MAX_REDIRECTS,
@@ -54,10 +55,16 @@ class Fetcher:
         end = time.monotonic() + self.timeout_s
         if deadline is not None:
             end = min(end, deadline)
+        remaining = end - time.monotonic()
+        if remaining <= 0:
+            raise MediaTimeoutError(f"fetching media from {_origin(url)} timed out")
+        # and no single connect or read may outlast the request's deadline: a peer that stalls mid-body would
+        # otherwise hold this preprocessing thread (and the pool's capacity) for the client's whole read timeout
+        timeout = httpx.Timeout(min(self.timeout_s, remaining), connect=min(self.connect_timeout_s, remaining))
         try:
             if not httpx.URL(url).host:
                 raise InvalidMediaError("the media URL has no host")
-            with self._client.stream("GET", url) as response:
+            with self._client.stream("GET", url, timeout=timeout) as response:
                 if response.status_code >= 400:
                     raise MediaFetchError(f"fetching media failed: HTTP {response.status_code} from {_origin(url)}")
                 declared = response.headers.get("content-length")
