@@ -113,6 +113,30 @@ def test_a_malformed_context_cost_registry_aborts_startup(content, message, tmp_
     assert "--context-cost-presets" in err and message in err, err
 
 
+@pytest.mark.parametrize("template,message", [
+    (None, "cannot read chat template"),
+    ("{% if %}", "does not compile"),
+    ("", "non-empty file"),
+])
+def test_an_unusable_chat_template_stops_startup_before_ray(template, message, tmp_path, capsys):
+    """A missing, empty or non-compiling --chat-template is one line naming the option before Ray starts (it was a
+    Router replica's traceback, three times, after Ray had started)."""
+    path = tmp_path / "template.jinja"
+    if template is not None:
+        path.write_text(template)
+    assert main(["serve", "m.ninfer", "--chat-template", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--chat-template" in err and message in err, err
+
+
+def test_a_request_log_that_cannot_be_opened_stops_startup_before_ray(capsys):
+    """Contract, "Structured request log": failure to open the file aborts startup. /proc refuses a new file even
+    to root, whose permissions would let a read-only folder pass."""
+    assert main(["serve", "m.ninfer", "--request-log-jsonl", "/proc/ninfer-requests.jsonl"]) == 1
+    err = capsys.readouterr().err
+    assert "--request-log-jsonl" in err and "cannot open for append" in err, err
+
+
 def test_missing_artifact_fails_before_ray_starts(capsys, tmp_path):
     assert main(["serve", str(tmp_path / "none.ninfer")]) == 1
     assert "does not exist" in capsys.readouterr().err

@@ -156,9 +156,9 @@ def run(cfg: ServerConfig) -> int:
     if cfg.device and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.device)  # Ray (and so the engine replica) sees GPU N only
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     ray.init(include_dashboard=False, log_to_driver=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, whose core replaces SIGTERM's (an abort)
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
         serve.run(build_application(cfg), name=APP_NAME, route_prefix="/")

@@ -37,7 +37,8 @@ class RequestLogError(ValueError):
 
 
 def check_log_path(path: str, artifact: str) -> Path:
-    """Fail startup for a missing parent folder, a folder, or the model artifact itself."""
+    """Fail startup for a missing parent folder, a folder, the model artifact itself, or a file that cannot be
+    opened for append."""
     target = Path(path).expanduser()
     if not target.parent.is_dir():
         raise RequestLogError(f"--request-log-jsonl {path}: the folder {target.parent} does not exist")
@@ -45,6 +46,10 @@ def check_log_path(path: str, artifact: str) -> Path:
         raise RequestLogError(f"--request-log-jsonl {path}: is a folder")
     if os.path.realpath(target) == os.path.realpath(Path(artifact).expanduser()):
         raise RequestLogError(f"--request-log-jsonl {path}: is the model artifact")
+    try:  # opened as the writer opens it (and created, as it would be): a refusal stops startup here
+        os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+    except OSError as exc:
+        raise RequestLogError(f"--request-log-jsonl {path}: cannot open for append ({exc.strerror})") from None
     return target
 
 

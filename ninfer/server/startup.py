@@ -37,8 +37,9 @@ def unimplemented_options(cfg: ServerConfig) -> list[str]:
 
 
 def check_implemented(cfg: ServerConfig) -> None:
-    """The startup gate both front doors pass: unsupported options, then a request-log path that cannot
-    work (missing folder, or the artifact itself) also stops startup here, before Ray starts."""
+    """The startup gate both front doors pass: unsupported options, missing artifact components, a malformed
+    cost registry, a request-log file that cannot be appended to and a chat template that cannot be read or
+    compiled all stop startup here, before Ray starts."""
     problems = unimplemented_options(cfg)
     if problems:
         raise UnsupportedOptionError("cannot start: " + "; ".join(problems))
@@ -47,6 +48,13 @@ def check_implemented(cfg: ServerConfig) -> None:
         read_presets(cfg.context_cost_presets)  # a malformed registry aborts startup (ContextCostError)
     if cfg.request_log_jsonl is not None:
         check_log_path(cfg.request_log_jsonl, cfg.artifact)
+    if cfg.chat_template is not None:  # unreadable or not compiling: one line here, not a replica's traceback
+        from ninfer.chat import ChatTemplateError, load_chat_template
+
+        try:
+            load_chat_template(cfg.chat_template)
+        except ChatTemplateError as exc:
+            raise ChatTemplateError(f"--chat-template {cfg.chat_template}: {exc}") from None
 
 
 def check_components(cfg: ServerConfig) -> None:
@@ -61,9 +69,14 @@ def check_components(cfg: ServerConfig) -> None:
               ("vision" if cfg.vision else None, "--vision")]
     missing = [f"{flag} needs the artifact's {part!r} component" for part, flag in wanted if part and part not in have]
     if missing:
+        where = []
+        if any(part and part != "vision" and part not in have for part, _ in wanted):
+            where.append("README 'Speculative decoding' says how to add drafter components")
+        if cfg.vision and "vision" not in have:
+            where.append("a vision tower comes with `ninfer convert hf` of a checkpoint that has one (README "
+                         "'Making artifacts')")
         raise UnsupportedOptionError(f"cannot start: {cfg.artifact}: " + "; ".join(missing) +
-                                     f" (it has: {', '.join(sorted(have))}); README 'Speculative decoding' "
-                                     "says how to add drafter components")
+                                     f" (it has: {', '.join(sorted(have))}); " + "; ".join(where))
 
 
 def engine_settings(cfg: ServerConfig) -> EngineSettings:
