@@ -310,3 +310,12 @@ def test_a_pool_smaller_than_max_context_is_each_sequences_ceiling(tiny_qwen_pat
             engine.shutdown()
         finishes.append((finish.reason, 40 + len(ids)))
     assert finishes == [(FinishReason.CONTEXT, 64)] * 2
+
+
+def test_a_pool_larger_than_memory_is_refused_with_its_size(tiny_qwen_path):
+    """A --kv-capacity (or --max-context) far past the machine's memory: a clear error with the bytes needed and
+    the flags to lower, before anything is allocated (it grew until the kernel's OOM killer ended the process)."""
+    from ninfer.engine.kv_sizing import KVCapacityError
+
+    with pytest.raises(KVCapacityError, match="lower --kv-capacity or --max-context"):
+        _engine(tiny_qwen_path, kv_capacity=10**13, max_context=10**13)

@@ -27,7 +27,7 @@ from ninfer.engine.emitter import loop_emitter
 from ninfer.engine.exposure import RequestExposure, StreamInterval, host_marks
 from ninfer.engine.kv_manager import KVManager
 from ninfer.engine.kv_pool import PagePool, SlotPool
-from ninfer.engine.kv_sizing import auto_kv_capacity
+from ninfer.engine.kv_sizing import auto_kv_capacity, check_kv_fits
 from ninfer.engine.memory_report import environment, memory_report
 from ninfer.engine.next_round import host_committed_count
 from ninfer.engine.output_control import OutputController
@@ -164,6 +164,9 @@ class Engine:
         else:
             capacity = settings.kv_capacity or settings.max_context
         self.kv_capacity = capacity
+        num_pages = (capacity + settings.page_size - 1) // settings.page_size
+        check_kv_fits(cache_spec, tokens=num_pages * settings.page_size, device=self.device, dtype=dtype,
+                      kv_dtype=settings.kv_dtype, num_state_slots=num_slots if spec.num_state_layers else 0)
         # each sequence's effective ceiling (/v1/models' max_model_len): a pool smaller than --max-context lowers it
         self.max_context = min(settings.max_context, capacity)
         pages = PagePool((capacity + settings.page_size - 1) // settings.page_size, settings.page_size)

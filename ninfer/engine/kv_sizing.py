@@ -83,3 +83,34 @@ def auto_kv_capacity(model: torch.nn.Module, *, page_size: int, prefill_chunk: i
             f"--kv-capacity auto: no room for a KV cache ({free / 2**30:.2f} GiB free after the weights; "
             f"workspace {workspace / 2**30:.2f} GiB, state slots {state / 2**30:.2f} GiB, headroom 1 GiB)")
     return KVSizing(tokens, free, workspace, state, graphs, HEADROOM_BYTES, per_token)
+
+
+class KVCapacityError(ValueError):
+    """The KV pool (and state slots) asked for cannot fit in the memory there is."""
+
+
+def check_kv_fits(spec: CacheSpec, *, tokens: int, num_state_slots: int, device: torch.device, dtype: torch.dtype,
+                  kv_dtype: str) -> None:
+    """Refuse a pool larger than the memory available for it, with the sizes, before allocating it: a huge
+    --kv-capacity (or --max-context, which it follows) otherwise ends in the kernel's OOM kill, without a word."""
+    need = tokens * spec.kv_bytes_per_token(dtype, kv_dtype) + num_state_slots * spec.state_bytes_per_slot(dtype)
+    available = _available_bytes(device)
+    if available is not None and need > available:
+        raise KVCapacityError(
+            f"a KV pool of {tokens:,} tokens with {num_state_slots} state slots needs {need / 2**30:.2f} GiB, more "
+            f"than the {available / 2**30:.2f} GiB available on {device.type}: lower --kv-capacity or --max-context "
+            "(or use --kv-capacity auto on a GPU)")
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None  # unknown here: nothing to check against
