@@ -137,6 +137,23 @@ def test_a_request_log_that_cannot_be_opened_stops_startup_before_ray(capsys):
     assert "--request-log-jsonl" in err and "cannot open for append" in err, err
 
 
+def test_an_address_in_use_or_not_this_hosts_stops_startup_before_ray(capsys, artifacts_dir, qwen_tokenizer):
+    """A port another process listens on, or a host that is not this machine's, is one line naming the flags (it
+    was the Serve proxy's tracebacks after Ray had started)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        artifact = str(scripted_artifact(artifacts_dir, qwen_tokenizer))
+        assert main(["serve", artifact, "--port", str(port)]) == 1
+        err = capsys.readouterr().err
+        assert f"--port {port}: cannot listen there" in err and err.count("\n") == 1, err
+    assert main(["serve", artifact, "--host", "192.0.2.1"]) == 1  # TEST-NET-1: never this host's
+    assert "--host 192.0.2.1" in capsys.readouterr().err
+
+
 def test_missing_artifact_fails_before_ray_starts(capsys, tmp_path):
     assert main(["serve", str(tmp_path / "none.ninfer")]) == 1
     assert "does not exist" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from types import UnionType
@@ -130,6 +131,19 @@ def flag_errors(errors: list[dict[str, Any]]) -> str:
     return "; ".join(f"{flag}: {' or '.join(msgs)}" for flag, msgs in by_flag.items())
 
 
+def check_listen_address(host: str, port: int) -> None:
+    """An address this host cannot listen on (not its own, or a port in use) is one line before Ray starts, not
+    the Serve proxy's tracebacks after it. Serve binds the port itself later, so this socket is closed at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+            probe.bind(address)
+    except OSError as exc:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
+
+
 def run(cfg: ServerConfig) -> int:
     """Start a local Ray, deploy the graph on cfg.host:cfg.port, serve until SIGINT/SIGTERM."""
     from ninfer.artifact.container import Artifact
@@ -139,6 +153,7 @@ def run(cfg: ServerConfig) -> int:
 
     check_implemented(cfg)
     Artifact(cfg.artifact)  # a missing or corrupt file fails here, before Ray starts
+    check_listen_address(cfg.host, cfg.port)
     configure_logging(cfg.log_level)
     log = logging.getLogger("ninfer.server")
     os.environ[ARGV_ENV] = json.dumps(redact_argv(sys.argv, cfg.api_key))  # for server_start; replicas inherit it
