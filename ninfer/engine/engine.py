@@ -169,7 +169,7 @@ class Engine:
                       kv_dtype=settings.kv_dtype, num_state_slots=num_slots if spec.num_state_layers else 0)
         # each sequence's effective ceiling (/v1/models' max_model_len): a pool smaller than --max-context lowers it
         self.max_context = min(settings.max_context, capacity)
-        pages = PagePool((capacity + settings.page_size - 1) // settings.page_size, settings.page_size)
+        pages = PagePool(num_pages, settings.page_size)
         slots = SlotPool(num_slots) if spec.num_state_layers > 0 else None
         self.runner = ModelRunner(model, num_pages=pages.num_pages, page_size=settings.page_size,
                                   num_state_slots=num_slots if slots else 0, num_lanes=settings.max_concurrency,
