@@ -744,14 +744,15 @@ class Engine:
             last = prefill.end >= seq.prefill_target
             if not last or seq.samples_after_prefill:
                 self._progress(seq, prefill.end)
-            if last and not seq.samples_after_prefill:  # replay done: resume decoding without resampling
+            # the old frontier rebuilt: a request with output resumes decoding without resampling; one paused
+            # mid-prompt goes on prefilling (its rebuilding chunk may also be its last, which samples)
+            if (last and not seq.samples_after_prefill) or (replayed and prefill.end >= seq.computed_high):
                 self._scheduling_event(seq, "replay_complete", "replay")
-            elif replayed and prefill.end >= seq.computed_high:  # paused mid-prompt: its old frontier is rebuilt
-                self._scheduling_event(seq, "replay_complete", "replay")
-            elif last and seq.max_tokens == 0:
-                finished.append((seq, FinishReason.LENGTH))
-            elif last:
-                finished += self._commit_tokens(seq, output.sampled[0])[0]
+            if last and seq.samples_after_prefill:
+                if seq.max_tokens == 0:
+                    finished.append((seq, FinishReason.LENGTH))
+                else:
+                    finished += self._commit_tokens(seq, output.sampled[0])[0]
         if plan.decode:
             self.counters.decode_steps += 1
         for work, sampled in zip(plan.decode, output.sampled[len(plan.works) - len(plan.decode):]):

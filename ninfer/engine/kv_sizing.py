@@ -72,8 +72,7 @@ def auto_kv_capacity(model: torch.nn.Module, *, page_size: int, prefill_chunk: i
         return KVSizing(tokens, 0, 0, 0, 0, 0, per_token)
     workspace = _prefill_workspace_bytes(model, chunk=prefill_chunk, page_size=page_size, vocab_size=vocab_size,
                                          device=device, dtype=dtype, kv_dtype=kv_dtype)
-    free, _total = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by torch, reusable
+    free = _available_bytes(device)
     state = spec.state_bytes_per_slot(dtype) * num_state_slots
     graphs = GRAPH_ALLOWANCE_BYTES + workspace if cuda_graphs else 0
     budget = free - workspace - state - graphs - HEADROOM_BYTES
@@ -103,6 +102,8 @@ def check_kv_fits(spec: CacheSpec, *, tokens: int, num_state_slots: int, device:
 
 
 def _available_bytes(device: torch.device) -> int | None:
+    """Free device memory (with what torch's allocator holds cached, reusable), or the host's available memory;
+    None where it cannot be read."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

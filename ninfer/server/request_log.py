@@ -38,7 +38,13 @@ class RequestLogError(ValueError):
 
 def check_log_path(path: str, artifact: str) -> Path:
     """Fail startup for a missing parent folder, a folder, the model artifact itself, or a file that cannot be
-    opened for append."""
+    opened for append (opened, created as the writer would, and closed)."""
+    target = _checked_target(path, artifact)
+    os.close(_open_for_append(target, path))
+    return target
+
+
+def _checked_target(path: str, artifact: str) -> Path:
     target = Path(path).expanduser()
     if not target.parent.is_dir():
         raise RequestLogError(f"--request-log-jsonl {path}: the folder {target.parent} does not exist")
@@ -46,22 +52,22 @@ def check_log_path(path: str, artifact: str) -> Path:
         raise RequestLogError(f"--request-log-jsonl {path}: is a folder")
     if os.path.realpath(target) == os.path.realpath(Path(artifact).expanduser()):
         raise RequestLogError(f"--request-log-jsonl {path}: is the model artifact")
-    try:  # opened as the writer opens it (and created, as it would be): a refusal stops startup here
-        os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+    return target
+
+
+def _open_for_append(target: Path, path: str) -> int:
+    try:
+        return os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as exc:
         raise RequestLogError(f"--request-log-jsonl {path}: cannot open for append ({exc.strerror})") from None
-    return target
 
 
 class RequestLog:
     """One process's writer: a process-unique instance id and monotonic request ids within it."""
 
     def __init__(self, path: str, artifact: str):
-        target = check_log_path(path, artifact)
-        try:
-            self._fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise RequestLogError(f"--request-log-jsonl {path}: cannot open for append ({exc.strerror})") from None
+        target = _checked_target(path, artifact)
+        self._fd = _open_for_append(target, path)
         self.path = str(target)
         self.instance_id = f"serve-{os.getpid()}-{time.time_ns() // 1000}"
         self._request_ids = itertools.count(1)
