@@ -319,3 +319,33 @@ def test_a_pool_larger_than_memory_is_refused_with_its_size(tiny_qwen_path):
 
     with pytest.raises(KVCapacityError, match="lower --kv-capacity or --max-context"):
         _engine(tiny_qwen_path, kv_capacity=10**13, max_context=10**13)
+
+
+def test_a_chunk_that_rebuilds_an_old_frontier_and_ends_the_prompt_samples(tiny_qwen_path, monkeypatch):
+    """A request paused mid-prompt (replay route) whose rebuilding chunk also reaches the prompt's end (chunk
+    boundaries shift when the prefix it reused first is gone): that chunk counts its old tokens as replay and
+    still samples the first token. Here every request arrives as if its first 24 prompt tokens had been computed
+    before a pause; the 40-token prompt is one chunk. The replay_complete branch once skipped the sample."""
+    from ninfer.engine.engine import Engine
+
+    prompt = _prompt(40)
+    plain = _engine(tiny_qwen_path, prefill_chunk=64)
+    try:
+        expected, _ = _run(plain, prompt, "plain", max_tokens=6)
+    finally:
+        plain.shutdown()
+    prepare = Engine._prepare
+
+    def paused_before(self, request, emit):
+        seq = prepare(self, request, emit)
+        seq.computed_high = 24
+        return seq
+
+    monkeypatch.setattr(Engine, "_prepare", paused_before)
+    engine = _engine(tiny_qwen_path, prefill_chunk=64)
+    try:
+        ids, finish = _run(engine, prompt, "rebuilt", max_tokens=6)
+    finally:
+        engine.shutdown()
+    assert ids == expected and len(ids) == 6
+    assert (engine.counters.replayed_tokens, engine.counters.prefill_tokens) == (24, 16)
